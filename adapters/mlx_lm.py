@@ -1,0 +1,583 @@
+"""mlx-lm adapter, conversion half: mlx-lm prompt caches <-> ``kvstore`` layers.
+
+The store speaks :mod:`kvstore.layers` (one ``KVLayer`` / ``StateLayer`` per
+cache slot); mlx-lm speaks its cache classes from ``mlx_lm.models.cache``. This
+module is the only place that knows both.
+
+How each mlx-lm cache class maps (one entry per leaf cache, in order):
+
+* ``KVCache``            -> ``KVLayer(keys, values, start=0, window=None)``,
+  rows trimmed to ``offset`` (the engine over-allocates in steps of 256).
+* ``QuantizedKVCache``   -> the same, but keys/values are ``Quantized`` triples
+  (packed data, scales, biases) carrying the cache's bits and group size.
+* ``RotatingKVCache``    -> its ring buffer put in temporal order.
+  ``keep == 0`` (every model-made sliding-window cache): ``start = offset -
+  rows held``, ``window = max_size``; restoring at ``L`` needs exactly rows
+  ``[L - max_size, L)``, which is what the store serves for that window.
+  ``keep > 0`` (only ``make_prompt_cache(model, max_kv_size=...)``, which keeps
+  4 "sink" tokens): a restore needs tokens ``[0, keep)`` *and* the recent tail,
+  which a single ``window`` cannot express, so the layer is stored as a full
+  attention layer (``window=None``): all rows ``[0, offset)`` when the buffer
+  still holds them; once rows were evicted, only the contiguous tail after the
+  sink (``start > keep``), which the store can combine only with earlier puts
+  of the same prefix. A restore then rebuilds the buffer that a one-shot
+  prefill of ``L`` tokens leaves (all ``L`` rows, ``_idx = L``), which mlx-lm
+  trims on its next update.
+* ``ChunkedKVCache``     -> rows ``[start_position, offset)``,
+  ``window = chunk_size`` (a query only sees its own chunk, which lies within
+  the last ``chunk_size`` tokens).
+* ``ArraysCache``        -> ``StateLayer(list(cache))`` (conv / SSM state,
+  valid only at ``offset``).
+* ``CacheList``          -> its sub-caches flattened into consecutive entries;
+  :func:`cache_layout` records the nesting and :func:`layers_to_cache` rebuilds
+  it from the model's own template.
+
+Every array handed out is a fresh, evaluated ``mx.array`` object: mlx-lm
+updates its buffers with in-place slice assignment, which rewrites the Python
+array object it is applied to (any alias sees the new contents), and the store
+works on a background thread where a lazy graph built on this thread cannot be
+evaluated (mlx streams are thread-local). The same holds in the other
+direction: rebuilt caches never alias the arrays the store handed over.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any, Iterable, Iterator, Optional, Sequence, Union
+
+import mlx.core as mx
+import mlx.nn as nn
+import xxhash
+from mlx_lm.models import cache as C
+
+from kvstore.layers import KVLayer, Layer, Quantized, StateLayer, Tensor, take_rows
+
+__all__ = [
+    "cache_to_layers",
+    "layers_to_cache",
+    "cache_layout",
+    "layout_signature",
+    "cache_offset",
+    "model_fingerprint",
+]
+
+# mlx-lm's allocation step for KVCache / QuantizedKVCache buffers.
+_STEP = 256
+
+# Batched caches hold several sequences with left padding; the store keys one
+# token sequence, so the engine must ``extract(i)`` a row first.
+_BATCHED = tuple(
+    getattr(C, name)
+    for name in ("BatchKVCache", "BatchRotatingKVCache")
+    if hasattr(C, name)
+)
+
+
+# ---------------------------------------------------------------------------
+# small array helpers
+# ---------------------------------------------------------------------------
+
+
+def _rows(x: mx.array, n: int) -> mx.array:
+    """First ``n`` rows of the token axis as a new, compact array object.
+
+    A plain slice would share (and keep alive) the engine's over-allocated
+    buffer; ``mx.contiguous`` copies whenever the slice is a strict sub-range
+    and only shares the buffer when it already is the whole thing.
+    """
+    return mx.contiguous(x[..., :n, :])
+
+
+def _fresh(x: mx.array) -> mx.array:
+    """A new array object with ``x``'s contents (no Python-level alias)."""
+    return mx.contiguous(x)
+
+
+def _batch(t: Tensor) -> int:
+    return (t.data if isinstance(t, Quantized) else t).shape[0]
+
+
+def _check_batch(t: Tensor, what: str) -> None:
+    if _batch(t) != 1:
+        raise ValueError(
+            f"{what}: batch size {_batch(t)}; the store keys a single token "
+            "sequence, so caches must have batch size 1"
+        )
+
+
+def _arrays_of(layers: Iterable[Layer]) -> list[mx.array]:
+    out: list[mx.array] = []
+    for l in layers:
+        if isinstance(l, KVLayer):
+            for t in (l.keys, l.values):
+                out.extend(t.arrays() if isinstance(t, Quantized) else [t])
+        else:
+            out.extend(a for a in l.arrays if a is not None)
+    return out
+
+
+# ---------------------------------------------------------------------------
+# layout
+# ---------------------------------------------------------------------------
+
+
+def _describe(c: Any) -> str:
+    """One cache object as a short, stable string (class family + parameters).
+
+    ``KVCache``, ``QuantizedKVCache`` and ``ConcatenateKVCache`` all mean "full
+    attention, every row needed", so they share ``KV``: whether the engine
+    quantizes its KV cache is a serving option, not part of what the model is,
+    and the ``Quantized`` tensors carry their own settings.
+    """
+    if isinstance(c, _BATCHED):
+        raise ValueError(
+            f"{type(c).__name__} holds a batch; extract(i) one sequence first"
+        )
+    if isinstance(c, C.CacheList):
+        return "CacheList(" + ",".join(_describe(s) for s in c.caches) + ")"
+    if isinstance(c, (C.KVCache, C.QuantizedKVCache, C.ConcatenateKVCache)):
+        return "KV"
+    if isinstance(c, C.RotatingKVCache):
+        return f"Rotating(max_size={c.max_size},keep={c.keep})"
+    if isinstance(c, C.ChunkedKVCache):
+        return f"Chunked(chunk_size={c.chunk_size})"
+    if isinstance(c, C.ArraysCache):
+        return f"Arrays({len(c.cache)})"
+    raise TypeError(f"unsupported mlx-lm cache class {type(c).__name__}")
+
+
+def cache_layout(prompt_cache_or_model: Union[Sequence[Any], nn.Module]) -> list[str]:
+    """One descriptor per top-level cache slot, nesting spelled out.
+
+    Accepts a prompt cache (the list ``make_prompt_cache`` returns) or a model
+    (whose fresh ``make_prompt_cache(model)`` is described). Goes into the model
+    fingerprint so one store never mixes entries of different layouts, e.g.
+    ``['Rotating(max_size=512,keep=0)', 'KV', 'CacheList(Arrays(2),KV)']``.
+    """
+    if isinstance(prompt_cache_or_model, nn.Module):
+        prompt_cache_or_model = C.make_prompt_cache(prompt_cache_or_model)
+    return [_describe(c) for c in prompt_cache_or_model]
+
+
+def layout_signature(prompt_cache_or_model: Union[Sequence[Any], nn.Module]) -> str:
+    """:func:`cache_layout` as one string (``;``-joined)."""
+    return ";".join(cache_layout(prompt_cache_or_model))
+
+
+# ---------------------------------------------------------------------------
+# engine cache -> layers
+# ---------------------------------------------------------------------------
+
+
+def _kv_offset(c: Any) -> Optional[int]:
+    """Tokens a leaf KV-type cache has processed (``None`` for state caches)."""
+    if isinstance(
+        c, (C.KVCache, C.QuantizedKVCache, C.RotatingKVCache, C.ChunkedKVCache,
+            C.ConcatenateKVCache)
+    ):
+        return int(c.offset)
+    return None
+
+
+def _leaves(prompt_cache: Iterable[Any]) -> Iterator[Any]:
+    for c in prompt_cache:
+        if isinstance(c, C.CacheList):
+            yield from _leaves(c.caches)
+        else:
+            yield c
+
+
+def cache_offset(prompt_cache: Sequence[Any]) -> int:
+    """Number of tokens the prompt cache covers (the KV caches' common offset).
+
+    Raises ``ValueError`` if the attention caches disagree (a half-updated
+    cache must never be stored) or if there is no attention cache at all (a
+    pure recurrent model has no position counter: the caller must know).
+    """
+    offsets = {o for o in map(_kv_offset, _leaves(prompt_cache)) if o is not None}
+    if len(offsets) > 1:
+        raise ValueError(f"cache layers disagree on the token count: {sorted(offsets)}")
+    if not offsets:
+        raise ValueError("no attention cache to read the token count from")
+    return offsets.pop()
+
+
+def _kv_entry(c: Any, where: str) -> KVLayer:
+    if c.keys is None:
+        raise ValueError(f"{where}: {type(c).__name__} holds no tokens")
+
+    if isinstance(c, C.QuantizedKVCache):
+        _check_batch(c.keys[0], where)
+        n = c.offset
+        k = Quantized(*(_rows(a, n) for a in c.keys), c.bits, c.group_size)
+        v = Quantized(*(_rows(a, n) for a in c.values), c.bits, c.group_size)
+        return KVLayer(k, v, start=0, window=None)
+
+    _check_batch(c.keys, where)
+
+    if isinstance(c, (C.KVCache, C.ConcatenateKVCache)):
+        n = c.offset
+        return KVLayer(_rows(c.keys, n), _rows(c.values, n), start=0, window=None)
+
+    if isinstance(c, C.RotatingKVCache):
+        # mlx-lm's own reordering: sink rows [0, keep), then the ring from the
+        # write position on, then the ring before it; slices off unused rows.
+        k = c._temporal_order(c.keys)
+        v = c._temporal_order(c.values)
+        held = k.shape[2]
+        if c.keep == 0:
+            return KVLayer(_fresh(k), _fresh(v), start=c.offset - held, window=c.max_size)
+        if held >= c.offset:
+            # Nothing evicted yet: rows are exactly tokens [0, offset).
+            n = c.offset
+            return KVLayer(_rows(k, n), _rows(v, n), start=0, window=None)
+        # Rows [keep, held) are the contiguous tail ending at offset; the sink
+        # rows [0, keep) can't share an entry with them (gap in between).
+        tail = held - c.keep
+        return KVLayer(
+            _fresh(k[..., c.keep :, :]),
+            _fresh(v[..., c.keep :, :]),
+            start=c.offset - tail,
+            window=None,
+        )
+
+    if isinstance(c, C.ChunkedKVCache):
+        n = c.offset - c.start_position
+        return KVLayer(
+            _rows(c.keys, n), _rows(c.values, n), start=c.start_position,
+            window=c.chunk_size,
+        )
+
+    raise TypeError(f"{where}: unsupported mlx-lm cache class {type(c).__name__}")
+
+
+def _flatten(c: Any, where: str, out: list[Layer]) -> None:
+    if isinstance(c, _BATCHED):
+        raise ValueError(
+            f"{where}: {type(c).__name__} holds a batch; extract(i) one sequence first"
+        )
+    if isinstance(c, C.CacheList):
+        for j, s in enumerate(c.caches):
+            _flatten(s, f"{where}.{j}", out)
+    elif isinstance(c, C.ArraysCache):
+        if c.left_padding is not None or c.lengths is not None:
+            raise ValueError(
+                f"{where}: ArraysCache has left_padding/lengths set (a batched or "
+                "mid-prefill state); only a finalized single sequence can be stored"
+            )
+        for a in c.cache:
+            if a is not None:
+                _check_batch(a, where)
+        out.append(StateLayer([None if a is None else _fresh(a) for a in c.cache]))
+    else:
+        out.append(_kv_entry(c, where))
+
+
+def cache_to_layers(prompt_cache: Sequence[Any]) -> list[Layer]:
+    """Flatten an mlx-lm prompt cache (batch size 1) into store layers.
+
+    One entry per leaf cache, ``CacheList`` children inline. Buffers are trimmed
+    to what the cache really holds and evaluated here, on the engine's thread,
+    because the store consumes them on its own thread. The attention caches
+    must agree on the token count (see :func:`cache_offset`).
+    """
+    out: list[Layer] = []
+    for i, c in enumerate(prompt_cache):
+        _flatten(c, f"layer {i}", out)
+    offsets = {l.stop for l in out if isinstance(l, KVLayer)}
+    if len(offsets) > 1:
+        raise ValueError(f"cache layers disagree on the token count: {sorted(offsets)}")
+    mx.eval(_arrays_of(out))
+    return out
+
+
+# ---------------------------------------------------------------------------
+# layers -> engine cache
+# ---------------------------------------------------------------------------
+
+
+def _dense(t: Tensor) -> mx.array:
+    return t.dequantize() if isinstance(t, Quantized) else t
+
+
+def _quantize(t: Tensor, bits: int, group_size: int) -> Quantized:
+    """``t`` as a ``Quantized`` with the given settings, requantizing if needed.
+
+    Same settings: used as is (no fp16 intermediate). Other settings: goes
+    through the dequantized values, the best that can be done. Dense: the same
+    ``mx.quantize`` call mlx-lm's ``to_quantized`` makes, so the result is
+    bit-identical to the engine quantizing its own cache.
+    """
+    if isinstance(t, Quantized):
+        if t.bits == bits and t.group_size == group_size:
+            return t
+        t = t.dequantize()
+    return Quantized(*mx.quantize(t, group_size=group_size, bits=bits), bits, group_size)
+
+
+def _engine_alloc(x: mx.array, length: int) -> mx.array:
+    """Rows ``[0, length)`` in a buffer sized the way ``KVCache`` sizes it after
+    one prefill of ``length`` tokens (a multiple of 256, spare rows zero), so
+    the rebuilt cache's ``state``/``nbytes`` match the engine's own and the
+    first decode steps write in place instead of reallocating."""
+    cap = -(-length // _STEP) * _STEP
+    if cap == length:
+        return _fresh(x)
+    buf = mx.zeros((*x.shape[:-2], cap, x.shape[-1]), dtype=x.dtype)
+    buf[..., :length, :] = x
+    return buf
+
+
+class _Cursor:
+    """Walks the flat layer list while the template tree is rebuilt."""
+
+    def __init__(self, layers: Sequence[Layer]):
+        self.layers = list(layers)
+        self.i = 0
+
+    def next(self, kind: type, what: str) -> Any:
+        if self.i >= len(self.layers):
+            raise ValueError(
+                f"got {len(self.layers)} layers but the model's cache layout needs more"
+            )
+        l = self.layers[self.i]
+        if not isinstance(l, kind):
+            raise ValueError(
+                f"entry {self.i} is a {type(l).__name__} but {what} needs a {kind.__name__}"
+            )
+        self.i += 1
+        return l
+
+
+def _span(l: KVLayer, lo: int, hi: int, where: str) -> tuple[Tensor, Tensor]:
+    """Rows for tokens ``[lo, hi)`` of a fetched layer (validated)."""
+    if l.start > lo or l.stop < hi:
+        raise ValueError(
+            f"{where}: need tokens [{lo}, {hi}) but the entry covers "
+            f"[{l.start}, {l.stop})"
+        )
+    _check_batch(l.keys, where)
+    a, b = lo - l.start, hi - l.start
+    return take_rows(l.keys, a, b), take_rows(l.values, a, b)
+
+
+def _rebuild(
+    t: Any,
+    cur: _Cursor,
+    length: int,
+    quant: Optional[tuple[int, int]],
+    where: str,
+) -> Any:
+    name = type(t).__name__
+    if isinstance(t, _BATCHED):
+        raise ValueError(f"{where}: the model's template is a batched {name}")
+
+    if isinstance(t, C.CacheList):
+        # mlx-lm only quantizes top-level caches (CacheList has no to_quantized).
+        return C.CacheList(
+            *(_rebuild(s, cur, length, None, f"{where}.{j}") for j, s in enumerate(t.caches))
+        )
+
+    if isinstance(t, C.ArraysCache):
+        l = cur.next(StateLayer, f"{where} ({name})")
+        if len(l.arrays) != len(t.cache):
+            raise ValueError(
+                f"{where}: ArraysCache has {len(t.cache)} slots, entry has {len(l.arrays)}"
+            )
+        c = C.ArraysCache(len(t.cache))
+        for a in l.arrays:
+            if a is not None:
+                _check_batch(a, where)
+        c.cache = [None if a is None else _fresh(a) for a in l.arrays]
+        return c
+
+    l = cur.next(KVLayer, f"{where} ({name})")
+
+    if isinstance(t, C.QuantizedKVCache):  # a model whose own template is quantized
+        quant = (t.bits, t.group_size)
+    if isinstance(t, (C.KVCache, C.QuantizedKVCache)):
+        k, v = _span(l, 0, length, where)
+        if quant is not None:
+            bits, group = quant
+            c = C.QuantizedKVCache(group_size=group, bits=bits)
+            qk, qv = _quantize(k, bits, group), _quantize(v, bits, group)
+            c.keys = tuple(_engine_alloc(a, length) for a in qk.arrays())
+            c.values = tuple(_engine_alloc(a, length) for a in qv.arrays())
+        else:
+            c = C.KVCache()
+            c.keys = _engine_alloc(_dense(k), length)
+            c.values = _engine_alloc(_dense(v), length)
+        c.offset = length
+        return c
+
+    if isinstance(t, C.RotatingKVCache):
+        # mlx-lm has no quantized rotating cache (its to_quantized raises), so
+        # quantized entries are dequantized.
+        if t.keep == 0:
+            # The next token sees the last max_size - 1 tokens; holding
+            # max_size rows (a full ring, _idx = max_size) is the state both the
+            # in-place and the concat update path continue from exactly as
+            # after a one-shot prefill.
+            lo = max(0, length - t.max_size)
+        else:
+            lo = 0  # sink rows + tail are needed; see the module docstring
+        k, v = _span(l, lo, length, where)
+        c = C.RotatingKVCache(max_size=t.max_size, keep=t.keep)
+        c.keys, c.values = _fresh(_dense(k)), _fresh(_dense(v))
+        c.offset = length
+        c._idx = length - lo
+        return c
+
+    if isinstance(t, C.ChunkedKVCache):
+        # All chunked layers get the same start_position (llama4 builds the
+        # chunk mask from cache[0].start_position), and maybe_trim_front() is a
+        # no-op on it, as after the engine's own trim.
+        lo = max(0, length - t.chunk_size)
+        k, v = _span(l, lo, length, where)
+        c = C.ChunkedKVCache(t.chunk_size)
+        c.keys, c.values = _fresh(_dense(k)), _fresh(_dense(v))
+        c.offset = length
+        c.start_position = lo
+        return c
+
+    if isinstance(t, C.ConcatenateKVCache):
+        k, v = _span(l, 0, length, where)
+        c = C.ConcatenateKVCache()
+        c.keys, c.values = _fresh(_dense(k)), _fresh(_dense(v))
+        c.offset = length
+        return c
+
+    raise TypeError(f"{where}: unsupported mlx-lm cache class {name}")
+
+
+def _cache_arrays(c: Any) -> list[mx.array]:
+    if isinstance(c, C.CacheList):
+        return [a for s in c.caches for a in _cache_arrays(s)]
+    if isinstance(c, C.ArraysCache):
+        return [a for a in c.cache if a is not None]
+    out: list[mx.array] = []
+    for t in (c.keys, c.values):
+        out.extend(t if isinstance(t, tuple) else [t])
+    return out
+
+
+def layers_to_cache(
+    layers: Sequence[Layer],
+    model: nn.Module,
+    *,
+    length: int,
+    kv_bits: Optional[int] = None,
+    kv_group_size: int = 64,
+    quantized_kv_start: int = 0,
+    max_kv_size: Optional[int] = None,
+) -> list[Any]:
+    """Build a fresh mlx-lm prompt cache from entries fetched at ``length``.
+
+    ``make_prompt_cache(model, max_kv_size)`` is the template, so classes and
+    parameters (windows, keep, nesting) are the model's own; the result behaves
+    like the cache the engine would hold after prefilling those ``length``
+    tokens itself (offset, size, masks, trim, updates, batching merge).
+
+    ``kv_bits`` mirrors mlx-lm's ``maybe_quantize_kv_cache``: when set and
+    ``length >= quantized_kv_start``, every top-level ``KVCache`` slot becomes
+    a ``QuantizedKVCache(kv_group_size, kv_bits)``, built straight from the
+    fetched ``Quantized`` tensors when their settings match (requantized
+    otherwise, quantized when dense). Without ``kv_bits`` quantized entries are
+    dequantized. Rotating / chunked / nested caches are never quantized, as in
+    mlx-lm.
+    """
+    if length < 1:
+        raise ValueError(f"length must be >= 1, got {length}")
+    template = C.make_prompt_cache(model, max_kv_size=max_kv_size)
+    quant = (kv_bits, kv_group_size) if kv_bits and length >= quantized_kv_start else None
+    cur = _Cursor(layers)
+    out = [_rebuild(t, cur, length, quant, f"layer {i}") for i, t in enumerate(template)]
+    if cur.i != len(cur.layers):
+        raise ValueError(
+            f"got {len(cur.layers)} layers but the model's cache layout has {cur.i}"
+        )
+    mx.eval([a for c in out for a in _cache_arrays(c)])
+    return out
+
+
+# ---------------------------------------------------------------------------
+# model fingerprint
+# ---------------------------------------------------------------------------
+
+_FP_TAG = b"kvstore-mlx-lm-fingerprint-v1"
+_MIB = 1 << 20
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
+
+
+def _field(h: "xxhash.xxh3_128", name: str, data: bytes) -> None:
+    """Length-prefixed, named field: no two field sequences hash the same."""
+    tag = name.encode()
+    h.update(len(tag).to_bytes(4, "little") + tag + len(data).to_bytes(8, "little"))
+    h.update(data)
+
+
+def _weight_digest(path: Path) -> bytes:
+    """Size, safetensors header and the first and last MiB of one weight file.
+
+    Reading whole multi-GB shards would make startup slow; the header pins
+    every tensor's name, dtype, shape and byte range, and the edge MiBs catch a
+    re-quantization or re-export that keeps the shapes.
+    """
+    size = path.stat().st_size
+    h = xxhash.xxh3_128()
+    h.update(size.to_bytes(8, "little"))
+    with open(path, "rb") as f:
+        raw = f.read(8)
+        if len(raw) != 8:
+            raise ValueError(f"{path}: not a safetensors file (too short)")
+        n = int.from_bytes(raw, "little")
+        if n > size - 8:
+            raise ValueError(f"{path}: not a safetensors file (bad header length)")
+        _field(h, "header", f.read(n))
+        f.seek(0)
+        _field(h, "head", f.read(_MIB))
+        f.seek(max(0, size - _MIB))
+        _field(h, "tail", f.read(_MIB))
+    return h.digest()
+
+
+def model_fingerprint(
+    model_path: Union[str, os.PathLike],
+    prompt_cache_or_model: Union[Sequence[Any], nn.Module, None] = None,
+    extra: str = "",
+) -> str:
+    """What the model *is* (not what it is called), as an xxh3-128 hex digest.
+
+    Hashes the canonical JSON of ``config.json``, the tokenizer files present
+    (``tokenizer.json``, ``tokenizer_config.json``, ``tokenizer.model``), every
+    ``*.safetensors`` file's name, size, header and first/last MiB, the cache
+    layout of ``prompt_cache_or_model`` when given (pass it: the same weights
+    under another cache layout, e.g. ``max_kv_size``, must not share entries),
+    and ``extra`` (e.g. an adapter or dtype override the caller applies).
+    Only explicit bytes are hashed, so the value is the same in every process.
+    """
+    root = Path(model_path)
+    h = xxhash.xxh3_128()
+    h.update(_FP_TAG)
+
+    config = json.loads((root / "config.json").read_text(encoding="utf-8"))
+    canon = json.dumps(config, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
+    _field(h, "config.json", canon.encode("utf-8"))
+
+    for name in _TOKENIZER_FILES:
+        p = root / name
+        if p.is_file():
+            _field(h, name, p.read_bytes())
+
+    weights = sorted(root.glob("*.safetensors"))
+    if not weights:
+        raise FileNotFoundError(f"no *.safetensors weight files in {root}")
+    for p in weights:
+        _field(h, "weights:" + p.name, _weight_digest(p))
+
+    if prompt_cache_or_model is not None:
+        _field(h, "layout", layout_signature(prompt_cache_or_model).encode())
+    _field(h, "extra", extra.encode("utf-8"))
+    return h.hexdigest()

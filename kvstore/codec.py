@@ -1,0 +1,352 @@
+"""One block of KV: compress its tensors, and (de)serialize it to one buffer.
+
+Wire format of a block (little-endian)::
+
+    0   4  magic b"KVSB"
+    4   2  format version
+    6   2  reserved (0)
+    8   4  header length H
+    12  8  xxh3_64 of the header bytes
+    20  H  msgpack header: token count, payload size and xxh3_64, array table
+    ..     zero padding to a multiple of 64
+    P      payload: token ids (int32) then every array, each 64-byte aligned
+
+The header is validated (checksum, dtypes, shapes against byte counts, every
+array inside the buffer) before anything is allocated, so a hostile or torn
+value costs at most its own size and is reported as ``BlockDecodeError``.
+Arrays are read straight out of the buffer (an LMDB mmap view) into mlx memory
+with a single copy. Nothing is ever unpickled.
+"""
+
+from __future__ import annotations
+
+import struct
+from dataclasses import dataclass
+from math import prod
+from typing import Any, Optional, Union
+
+import mlx.core as mx
+import msgpack
+import numpy as np
+import xxhash
+
+from .errors import BlockDecodeError
+from .layers import KVLayer, Layer, Quantized, StateLayer, Tensor
+
+MAGIC = b"KVSB"
+FORMAT_VERSION = 1
+ALIGN = 64
+_PREFIX = struct.Struct("<4sHHIQ")  # magic, version, reserved, header len, header hash
+MAX_HEADER = 1 << 20
+
+BITS = (2, 3, 4, 5, 6, 8)
+GROUP_SIZES = (32, 64, 128)
+
+_DTYPES: dict[str, tuple[mx.Dtype, np.dtype]] = {
+    "float16": (mx.float16, np.dtype("<f2")),
+    "bfloat16": (mx.bfloat16, np.dtype("<u2")),  # numpy has no bf16: carried as raw uint16
+    "float32": (mx.float32, np.dtype("<f4")),
+    "uint32": (mx.uint32, np.dtype("<u4")),
+    "int32": (mx.int32, np.dtype("<i4")),
+    "uint8": (mx.uint8, np.dtype("u1")),
+    "int8": (mx.int8, np.dtype("i1")),
+}
+_NAME_OF = {mx_t: name for name, (mx_t, _) in _DTYPES.items()}
+
+
+@dataclass
+class Block:
+    """A run of tokens and, per model layer, its rows of KV (or a state
+    snapshot taken at the block's end, or ``None`` where it is absent)."""
+
+    tokens: np.ndarray  # int32
+    layers: list[Optional[Layer]]
+
+    @property
+    def nbytes(self) -> int:
+        return self.tokens.nbytes + sum(l.nbytes for l in self.layers if l is not None)
+
+    @property
+    def has_state(self) -> bool:
+        return any(isinstance(l, StateLayer) for l in self.layers)
+
+
+# ----------------------------------------------------------------- compression
+
+
+def _fit_group(dim: int, group_size: int) -> Optional[int]:
+    """Largest supported group size <= ``group_size`` dividing ``dim``."""
+    for g in sorted((g for g in GROUP_SIZES if g <= group_size), reverse=True):
+        if dim % g == 0:
+            return g
+    return None
+
+
+@dataclass(frozen=True)
+class Codec:
+    """How a store keeps KV: ``None`` bits keep the engine's dtype as given,
+    otherwise ``mx.quantize`` with that many bits (keys and values separately)."""
+
+    key_bits: Optional[int] = None
+    value_bits: Optional[int] = None
+    group_size: int = 64
+
+    def __post_init__(self):
+        for b in (self.key_bits, self.value_bits):
+            if b is not None and b not in BITS:
+                raise ValueError(f"kv_bits must be one of {BITS} or None, got {b}")
+        if self.group_size not in GROUP_SIZES:
+            raise ValueError(f"kv_group_size must be one of {GROUP_SIZES}, got {self.group_size}")
+
+    @classmethod
+    def from_bits(cls, kv_bits: Union[None, int, tuple], group_size: int = 64) -> "Codec":
+        if kv_bits is None or isinstance(kv_bits, int):
+            return cls(kv_bits, kv_bits, group_size)
+        k, v = kv_bits
+        return cls(k, v, group_size)
+
+    def compress_keys(self, t: Tensor) -> Tensor:
+        return convert(t, self.key_bits, self.group_size)
+
+    def compress_values(self, t: Tensor) -> Tensor:
+        return convert(t, self.value_bits, self.group_size)
+
+    def describe(self) -> str:
+        if self.key_bits is None and self.value_bits is None:
+            return "as given"
+        return f"K{self.key_bits or 16}/V{self.value_bits or 16} g{self.group_size}"
+
+
+def convert(t: Tensor, bits: Optional[int], group_size: int) -> Tensor:
+    """``t`` kept as given (``bits=None``) or quantized with ``bits``.
+
+    A tensor already quantized with the wanted settings passes through without
+    touching its data; other settings go through the dense values once. A head
+    dim no supported group divides stays dense rather than fail.
+    """
+    if bits is None:
+        return t
+    if isinstance(t, Quantized):
+        if t.bits == bits and t.group_size == group_size:
+            return t
+        t = t.dequantize()
+    g = _fit_group(t.shape[-1], group_size)
+    if g is None:
+        return t
+    data, scales, biases = mx.quantize(t, group_size=g, bits=bits)
+    return Quantized(data, scales, biases, bits, g)
+
+
+def densify(t: Tensor) -> mx.array:
+    return t.dequantize() if isinstance(t, Quantized) else t
+
+
+# --------------------------------------------------------------- serialization
+
+
+def _np_view(a: mx.array) -> np.ndarray:
+    if a.dtype not in _NAME_OF:
+        raise BlockDecodeError(f"dtype {a.dtype} cannot be stored")
+    if a.dtype == mx.bfloat16:
+        a = a.view(mx.uint16)
+    return np.ascontiguousarray(np.asarray(a))
+
+
+class _Writer:
+    def __init__(self):
+        self.parts: list[tuple[int, np.ndarray]] = []
+        self.size = 0
+
+    def add(self, a: mx.array) -> list:
+        arr = _np_view(a)
+        off = self.size
+        self.parts.append((off, arr))
+        self.size = _align(off + arr.nbytes)
+        return [_NAME_OF[a.dtype], list(a.shape), off, arr.nbytes]
+
+    def tensor(self, t: Tensor) -> dict:
+        if isinstance(t, Quantized):
+            return {"q": [t.bits, t.group_size], "a": [self.add(x) for x in t.arrays()]}
+        return {"a": self.add(t)}
+
+
+def _align(n: int) -> int:
+    return (n + ALIGN - 1) // ALIGN * ALIGN
+
+
+def serialize(block: Block) -> bytes:
+    """One buffer holding the whole block (see the module docstring)."""
+    w = _Writer()
+    tok = w.add(mx.array(block.tokens))
+    table: list[Any] = []
+    for layer in block.layers:
+        if layer is None:
+            table.append(None)
+        elif isinstance(layer, KVLayer):
+            table.append({"k": w.tensor(layer.keys), "v": w.tensor(layer.values), "w": layer.window})
+        else:
+            table.append({"s": [None if a is None else w.add(a) for a in layer.arrays]})
+    payload = bytearray(w.size)
+    for off, arr in w.parts:
+        payload[off : off + arr.nbytes] = memoryview(arr).cast("B")
+    header = msgpack.packb(
+        {"n": int(len(block.tokens)), "size": len(payload), "sum": xxhash.xxh3_64_intdigest(payload), "tok": tok, "L": table},
+        use_bin_type=True,
+    )
+    prefix = _PREFIX.pack(MAGIC, FORMAT_VERSION, 0, len(header), xxhash.xxh3_64_intdigest(header))
+    head = prefix + header
+    return bytes(head) + bytes(_align(len(head)) - len(head)) + bytes(payload)
+
+
+@dataclass
+class Header:
+    """A validated block header, with where its payload starts."""
+
+    ntokens: int
+    payload_start: int
+    fields: dict
+
+    @property
+    def layers(self) -> list:
+        return self.fields["L"]
+
+
+def read_header(buf: Union[bytes, memoryview]) -> Header:
+    """Validate everything but the payload checksum; raise ``BlockDecodeError``."""
+    buf = memoryview(buf)
+    if len(buf) < _PREFIX.size:
+        raise BlockDecodeError(f"block of {len(buf)} bytes is shorter than its prefix")
+    magic, version, _, hlen, hsum = _PREFIX.unpack_from(buf, 0)
+    if magic != MAGIC:
+        raise BlockDecodeError("not a kvstore block (bad magic)")
+    if version != FORMAT_VERSION:
+        raise BlockDecodeError(f"block format version {version}, this kvstore reads {FORMAT_VERSION}")
+    if hlen > MAX_HEADER or _PREFIX.size + hlen > len(buf):
+        raise BlockDecodeError(f"header length {hlen} does not fit a {len(buf)}-byte block")
+    raw = buf[_PREFIX.size : _PREFIX.size + hlen]
+    if xxhash.xxh3_64_intdigest(raw) != hsum:
+        raise BlockDecodeError("header checksum mismatch")
+    try:
+        fields = msgpack.unpackb(raw, raw=False, strict_map_key=True)
+    except Exception as e:  # msgpack raises several types for garbage
+        raise BlockDecodeError(f"header is not valid msgpack: {e}") from None
+    start = _align(_PREFIX.size + hlen)
+    _validate(fields, len(buf) - start)
+    return Header(fields["n"], start, fields)
+
+
+def _check(cond: bool, what: str):
+    if not cond:
+        raise BlockDecodeError(f"invalid block header: {what}")
+
+
+def _is_int(x) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def _validate_array(d, size: int) -> tuple:
+    _check(isinstance(d, list) and len(d) == 4, "array descriptor")
+    name, shape, off, n = d
+    _check(name in _DTYPES, f"dtype {name!r}")
+    _check(isinstance(shape, list) and len(shape) <= 8 and all(_is_int(s) and 0 <= s < 1 << 40 for s in shape), "shape")
+    _check(_is_int(off) and _is_int(n) and off >= 0 and n >= 0 and off % ALIGN == 0, "offset")
+    _check(off + n <= size, "array runs past the payload")
+    _check(prod(shape) * _DTYPES[name][1].itemsize == n, "byte count does not match shape")
+    return name, shape
+
+
+def _validate_tensor(t, size: int, rows: int) -> None:
+    _check(isinstance(t, dict) and "a" in t, "tensor")
+    if "q" not in t:
+        _, shape = _validate_array(t["a"], size)
+        _check(len(shape) >= 2 and shape[-2] == rows, "rows of a dense tensor")
+        return
+    q = t["q"]
+    _check(isinstance(q, list) and len(q) == 2 and q[0] in BITS and q[1] in GROUP_SIZES, "bits/group size")
+    bits, gs = q
+    _check(isinstance(t["a"], list) and len(t["a"]) == 3, "quantized parts")
+    (dn, ds), (sn, ss), (bn, bs) = (_validate_array(d, size) for d in t["a"])
+    _check(dn == "uint32" and sn == bn and sn in ("float16", "bfloat16", "float32"), "quantized dtypes")
+    _check(len(ds) >= 2 and ds[:-1] == ss[:-1] == bs[:-1] and ss == bs, "quantized shapes")
+    _check(ds[-2] == rows, "rows of a quantized tensor")
+    dim = ds[-1] * 32 // bits
+    _check(ds[-1] * 32 % bits == 0 and dim % gs == 0 and ss[-1] == dim // gs, "quantized dims")
+
+
+def _validate(f, size: int) -> None:
+    _check(isinstance(f, dict), "not a map")
+    _check(_is_int(f.get("n")) and f["n"] >= 0, "token count")
+    _check(f.get("size") == size, "payload size does not match the value size (truncated?)")
+    _check(_is_int(f.get("sum")), "payload checksum")
+    name, shape = _validate_array(f.get("tok"), size)
+    _check(name == "int32" and shape == [f["n"]], "token array")
+    _check(isinstance(f.get("L"), list) and len(f["L"]) <= 4096, "layer table")
+    for entry in f["L"]:
+        if entry is None:
+            continue
+        _check(isinstance(entry, dict), "layer entry")
+        if "s" in entry:
+            _check(isinstance(entry["s"], list), "state arrays")
+            for d in entry["s"]:
+                if d is not None:
+                    _validate_array(d, size)
+        else:
+            _check("k" in entry and "v" in entry, "layer keys/values")
+            _check(entry.get("w") is None or (_is_int(entry["w"]) and entry["w"] > 0), "window")
+            _validate_tensor(entry["k"], size, f["n"])
+            _validate_tensor(entry["v"], size, f["n"])
+
+
+def _array(payload: memoryview, d) -> mx.array:
+    name, shape, off, n = d
+    mx_t, np_t = _DTYPES[name]
+    a = mx.array(np.frombuffer(payload, dtype=np_t, count=n // np_t.itemsize, offset=off).reshape(shape))
+    return a.view(mx_t) if name == "bfloat16" else a
+
+
+def _tensor(payload: memoryview, t) -> Tensor:
+    if "q" in t:
+        bits, gs = t["q"]
+        return Quantized(*(_array(payload, d) for d in t["a"]), bits, gs)
+    return _array(payload, t["a"])
+
+
+def deserialize(buf: Union[bytes, memoryview], start: int = 0, verify: bool = True) -> Block:
+    """Decode a block whose first token sits at position ``start`` of its prompt.
+
+    Raises ``BlockDecodeError`` for anything malformed; with ``verify`` the
+    payload checksum is checked too (a fast xxh3 pass over the bytes).
+    """
+    buf = memoryview(buf)
+    h = read_header(buf)
+    payload = buf[h.payload_start :]
+    if verify and xxhash.xxh3_64_intdigest(payload) != h.fields["sum"]:
+        raise BlockDecodeError("payload checksum mismatch")
+    name, shape, off, n = h.fields["tok"]
+    tokens = np.frombuffer(payload, dtype="<i4", count=h.ntokens, offset=off).copy()
+    layers: list[Optional[Layer]] = []
+    for entry in h.layers:
+        if entry is None:
+            layers.append(None)
+        elif "s" in entry:
+            layers.append(StateLayer([None if d is None else _array(payload, d) for d in entry["s"]]))
+        else:
+            layers.append(KVLayer(_tensor(payload, entry["k"]), _tensor(payload, entry["v"]), start, entry.get("w")))
+    arrays = [a for l in layers if l is not None for a in _layer_arrays(l)]
+    if arrays:
+        mx.eval(arrays)  # copy out of the buffer now: it may be an mmap view that ends with its transaction
+    return Block(tokens, layers)
+
+
+def _layer_arrays(layer: Layer) -> list[mx.array]:
+    if isinstance(layer, StateLayer):
+        return [a for a in layer.arrays if a is not None]
+    out = []
+    for t in (layer.keys, layer.values):
+        out.extend(t.arrays() if isinstance(t, Quantized) else [t])
+    return out
+
+
+def block_arrays(block: Block) -> list[mx.array]:
+    """Every mlx array a block holds (to evaluate them in one call)."""
+    return [a for l in block.layers if l is not None for a in _layer_arrays(l)]

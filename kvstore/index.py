@@ -1,0 +1,172 @@
+"""Radix index over block keys.
+
+Block keys are chained (each hashes its parent's key), so a key names a whole
+prefix: the tree needs no token labels on its edges, and a flat ``dict`` from
+key to node gives O(1) descent per block. Nodes keep their parent and children
+for leaf-first eviction and subtree removal, and a pin count so a reader in
+flight never loses a block under it.
+
+The index holds no payloads and no token ids; stored tokens live with each
+block's payload and are compared on every hit, so a hash collision is a miss.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Iterator, Optional
+
+# `gap` values: which layers a block lacks rows for.
+NO_GAP = 0  # every KV layer has its rows
+FULL_GAP = -1  # a full-attention layer lacks rows: no prefix through here is servable
+
+
+class Node:
+    """One block: ``length`` tokens starting at token ``start`` of its prompt.
+
+    ``snap`` is ``None`` when the model has no recurrent-state layers, else
+    whether this block carries the state snapshot taken at its end. ``gap`` is
+    ``NO_GAP``, ``FULL_GAP``, or the largest sliding window of a layer whose
+    rows this block lacks (those rows are only needed within that window).
+    """
+
+    __slots__ = ("key", "parent", "children", "start", "length", "first", "snap", "gap",
+                 "in_ram", "on_disk", "pins", "job")
+
+    def __init__(self, key: bytes, parent: Optional["Node"], start: int, length: int,
+                 first: int = -1, snap: Optional[bool] = None, gap: int = NO_GAP):
+        self.key = key
+        self.parent = parent
+        self.children: Optional[dict[bytes, Node]] = None
+        self.start = start
+        self.length = length
+        self.first = first
+        self.snap = snap
+        self.gap = gap
+        self.in_ram = False
+        self.on_disk = False
+        self.pins = 0
+        self.job = None  # the background job still encoding this block, if any
+
+    @property
+    def end(self) -> int:
+        return self.start + self.length
+
+    @property
+    def is_root(self) -> bool:
+        return self.parent is None
+
+    def path(self) -> list["Node"]:
+        """Blocks from the first to this one (the root sentinel excluded)."""
+        out = []
+        n = self
+        while n.parent is not None:
+            out.append(n)
+            n = n.parent
+        out.reverse()
+        return out
+
+    def __repr__(self) -> str:
+        return f"Node({self.key.hex()[:8]}, {self.start}+{self.length}, ram={self.in_ram}, disk={self.on_disk})"
+
+
+@dataclass
+class MatchResult:
+    """Longest run of full blocks of a prompt found in the index."""
+
+    root: Node
+    nodes: list[Node] = field(default_factory=list)
+
+    @property
+    def last(self) -> Node:
+        return self.nodes[-1] if self.nodes else self.root
+
+    @property
+    def length(self) -> int:
+        return self.last.end if self.nodes else 0
+
+
+class RadixIndex:
+    def __init__(self):
+        self._nodes: dict[bytes, Node] = {}
+        self._roots: dict[bytes, Node] = {}
+
+    def __len__(self) -> int:
+        """Number of blocks (root sentinels excluded)."""
+        return len(self._nodes)
+
+    def __iter__(self) -> Iterator[Node]:
+        return iter(list(self._nodes.values()))
+
+    def __contains__(self, key: bytes) -> bool:
+        return key in self._nodes
+
+    def get(self, key: bytes) -> Optional[Node]:
+        return self._nodes.get(key)
+
+    def root(self, key: bytes) -> Node:
+        """The sentinel every chain of one model and namespace hangs from."""
+        node = self._roots.get(key)
+        if node is None:
+            node = self._roots[key] = Node(key, None, 0, 0)
+        return node
+
+    def roots(self) -> list[Node]:
+        return list(self._roots.values())
+
+    def add(self, parent: Node, key: bytes, start: int, length: int, first: int = -1,
+            snap: Optional[bool] = None, gap: int = NO_GAP) -> Node:
+        """Insert a block under ``parent`` (which must be indexed), or return the
+        block already there."""
+        node = self._nodes.get(key)
+        if node is not None:
+            return node
+        if not parent.is_root and parent.key not in self._nodes:
+            raise KeyError("parent block is not indexed")
+        if start != parent.end:
+            raise ValueError(f"block starts at {start} but its parent ends at {parent.end}")
+        node = Node(key, parent, start, length, first, snap, gap)
+        if parent.children is None:
+            parent.children = {}
+        parent.children[key] = node
+        self._nodes[key] = node
+        return node
+
+    def match(self, root: Node, keys) -> MatchResult:
+        """Walk ``keys`` (an iterable of block keys, in order) from ``root``."""
+        result = MatchResult(root)
+        node = root
+        for key in keys:
+            child = node.children.get(key) if node.children else None
+            if child is None:
+                break
+            result.nodes.append(child)
+            node = child
+        return result
+
+    def remove(self, node: Node) -> list[Node]:
+        """Drop ``node`` and everything below it; returns what was dropped."""
+        dropped = []
+        stack = [node]
+        while stack:
+            n = stack.pop()
+            if n.children:
+                stack.extend(n.children.values())
+            self._nodes.pop(n.key, None)
+            dropped.append(n)
+        if node.parent is not None and node.parent.children:
+            node.parent.children.pop(node.key, None)
+        return dropped
+
+    @staticmethod
+    def pin(nodes) -> None:
+        for n in nodes:
+            n.pins += 1
+
+    @staticmethod
+    def unpin(nodes) -> None:
+        for n in nodes:
+            n.pins -= 1
+
+    @staticmethod
+    def is_leaf(node: Node) -> bool:
+        return not node.children

@@ -1,0 +1,116 @@
+"""The per-layer arrays the store speaks: what adapters hand in and get back.
+
+The store never sees engine cache classes. An adapter flattens an engine's
+prompt cache into one entry per layer:
+
+- ``KVLayer``: attention keys and values whose token axis is -2
+  (``[batch, heads, tokens, head_dim]``). Rows cover tokens
+  ``[start, start + T)``. The store cuts them into blocks, so any prefix can be
+  served. ``window`` marks a sliding-window layer: restoring at length ``L``
+  needs only rows ``[max(0, L - window), L)``.
+- ``StateLayer``: a recurrent state (SSM, linear attention) that is valid only
+  at the exact token position where it was taken. The store keeps it with the
+  block that ends there and never serves a length where it is missing.
+
+A tensor is either a dense ``mx.array`` or a ``Quantized`` triple as
+``mx.quantize`` returns it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional, Union
+
+import mlx.core as mx
+
+
+@dataclass(frozen=True)
+class Quantized:
+    """``mx.quantize`` output plus the settings needed to undo it."""
+
+    data: mx.array
+    scales: mx.array
+    biases: mx.array
+    bits: int
+    group_size: int
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        """Logical (dequantized) shape."""
+        *lead, packed = self.data.shape
+        return (*lead, packed * 32 // self.bits)
+
+    @property
+    def dtype(self) -> mx.Dtype:
+        return self.scales.dtype
+
+    @property
+    def nbytes(self) -> int:
+        return self.data.nbytes + self.scales.nbytes + self.biases.nbytes
+
+    def arrays(self) -> tuple[mx.array, mx.array, mx.array]:
+        return self.data, self.scales, self.biases
+
+    def dequantize(self) -> mx.array:
+        return mx.dequantize(
+            self.data, self.scales, self.biases, group_size=self.group_size, bits=self.bits
+        )
+
+    def take(self, start: int, stop: int) -> "Quantized":
+        """Rows ``[start, stop)`` of the token axis (-2)."""
+        return Quantized(
+            *(a[..., start:stop, :] for a in self.arrays()), self.bits, self.group_size
+        )
+
+
+Tensor = Union[mx.array, Quantized]
+
+
+def tensor_rows(t: Tensor) -> int:
+    """Number of tokens (axis -2) a tensor holds."""
+    return t.shape[-2]
+
+
+def tensor_nbytes(t: Tensor) -> int:
+    return t.nbytes
+
+
+def take_rows(t: Tensor, start: int, stop: int) -> Tensor:
+    if isinstance(t, Quantized):
+        return t.take(start, stop)
+    return t[..., start:stop, :]
+
+
+@dataclass
+class KVLayer:
+    """Keys and values of one attention layer for tokens ``[start, start + T)``."""
+
+    keys: Tensor
+    values: Tensor
+    start: int = 0
+    window: Optional[int] = None
+
+    @property
+    def stop(self) -> int:
+        return self.start + tensor_rows(self.keys)
+
+    @property
+    def nbytes(self) -> int:
+        return self.keys.nbytes + self.values.nbytes
+
+
+@dataclass
+class StateLayer:
+    """A recurrent state snapshot, valid only at one token position.
+
+    ``arrays`` may hold ``None`` entries (an engine slot not yet filled).
+    """
+
+    arrays: list[Optional[mx.array]]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(a.nbytes for a in self.arrays if a is not None)
+
+
+Layer = Union[KVLayer, StateLayer]

@@ -1,0 +1,385 @@
+"""LMDB tier: blocks and the index metadata that makes them findable, on SSD.
+
+One environment (a directory) with sub-databases:
+
+- ``blocks``:   block key -> serialized block (see ``codec``)
+- ``nodes``:    block key -> msgpack meta (parent key, start, length, tokens,
+                first/last use, hits, payload bytes)
+- ``children``: parent key -> child keys (dupsort), to find blocks other
+                processes wrote and to evict leaves only
+- ``models``:   root key -> what the model is (for ``kvstore inspect``)
+- ``meta``:     format name and version, lifetime counters
+
+A block and its meta commit in one transaction, so a reader never sees one
+without the other, and a crash leaves either both or neither. Map size grows on
+``MapFullError``; another process growing it is adopted on ``MapResizedError``.
+"""
+
+from __future__ import annotations
+
+import errno
+import logging
+import os
+import shutil
+import threading
+import time
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Iterator, Optional
+
+import lmdb
+import msgpack
+
+from ..errors import StoreOpenError
+
+log = logging.getLogger("kvstore")
+
+FORMAT_NAME = "kvstore"
+FORMAT_VERSION = 1
+_DBS = (b"blocks", b"nodes", b"children", b"models", b"meta")
+_MIN_MAP = 64 << 20
+
+
+def pack(obj) -> bytes:
+    return msgpack.packb(obj, use_bin_type=True)
+
+
+def unpack(buf) -> dict:
+    return msgpack.unpackb(buf, raw=False)
+
+
+class _Gate:
+    """Shared for transactions, exclusive for ``set_mapsize`` (which LMDB
+    allows only while this process has no transaction open)."""
+
+    def __init__(self):
+        self._cond = threading.Condition()
+        self._shared = 0
+        self._excl = False
+
+    def acquire_shared(self) -> None:
+        with self._cond:
+            while self._excl:
+                self._cond.wait()
+            self._shared += 1
+
+    def release_shared(self) -> None:
+        with self._cond:
+            self._shared -= 1
+            self._cond.notify_all()
+
+    @contextmanager
+    def shared(self):
+        self.acquire_shared()
+        try:
+            yield
+        finally:
+            self.release_shared()
+
+    @contextmanager
+    def exclusive(self):
+        with self._cond:
+            while self._excl:
+                self._cond.wait()
+            self._excl = True
+            while self._shared:
+                self._cond.wait()
+        try:
+            yield
+        finally:
+            with self._cond:
+                self._excl = False
+                self._cond.notify_all()
+
+
+@dataclass
+class Record:
+    """One block to write: its key, meta (see module doc) and payload."""
+
+    key: bytes
+    parent: bytes
+    meta: dict
+    payload: bytes
+
+
+def is_disk_full(e: BaseException) -> bool:
+    return isinstance(e, lmdb.Error) and ("No space left" in str(e) or getattr(e, "errno", None) == errno.ENOSPC) \
+        or isinstance(e, OSError) and e.errno == errno.ENOSPC
+
+
+class LmdbTier:
+    def __init__(self, path, budget_bytes: Optional[int] = None, readonly: bool = False):
+        self.path = Path(path).expanduser()
+        self.readonly = readonly
+        self._gate = _Gate()
+        self._check_path()
+        self.budget = int(budget_bytes) if budget_bytes is not None else self._default_budget()
+        self.env = self._open()
+        self.dbs = {}
+        self._init_dbs()
+
+    # ------------------------------------------------------------------ open
+
+    def _default_budget(self) -> int:
+        """Half the free space where the store lives, at most 64 GiB."""
+        free = shutil.disk_usage(self.path if self.path.exists() else self.path.parent).free
+        return int(min(64 << 30, free // 2))
+
+    def _check_path(self) -> None:
+        p = self.path
+        if p.exists() and not p.is_dir():
+            raise StoreOpenError(
+                f"{p} is a file, not a kvstore store directory. Point ssd_path at a directory "
+                f"kvstore may own (a new path is created); nothing was written.")
+        if p.is_dir():
+            entries = {e.name for e in p.iterdir()}
+            if entries and "data.mdb" not in entries:
+                raise StoreOpenError(
+                    f"{p} holds files that are not a kvstore store ({', '.join(sorted(entries)[:3])}...). "
+                    f"Choose an empty or new directory for ssd_path; nothing was written.")
+            if "data.mdb" in entries:
+                return
+        if self.readonly:
+            raise StoreOpenError(f"{p}: no kvstore store here (no data.mdb). Check the path.")
+        try:
+            p.mkdir(mode=0o700, parents=True, exist_ok=True)
+        except OSError as e:
+            raise StoreOpenError(f"{p}: cannot create the store directory: {e.strerror}") from None
+
+    def _open(self) -> lmdb.Environment:
+        data = self.path / "data.mdb"
+        size = data.stat().st_size if data.exists() else 0
+        map_size = max(_MIN_MAP, size, min(self.budget + self.budget // 4, 1 << 40))
+        try:
+            env = lmdb.open(str(self.path), map_size=map_size, subdir=True, max_dbs=len(_DBS) + 1,
+                            readonly=self.readonly, metasync=False, readahead=False, mode=0o600,
+                            max_readers=512, lock=True)
+        except lmdb.ReadonlyError:
+            raise StoreOpenError(f"{self.path}: the store is not writable by this user. Open it read-only "
+                                 f"or fix its permissions.") from None
+        except lmdb.Error as e:
+            raise StoreOpenError(f"{self.path}: not a readable LMDB store ({e}). It is corrupt or foreign: "
+                                 f"move it away or delete it (`kvstore clear --all` cannot repair it).") from None
+        info = env.info()
+        if size and (info["last_pgno"] + 1) * env.stat()["psize"] > size:
+            env.close()
+            raise StoreOpenError(f"{self.path}: data.mdb is truncated ({size} bytes, needs "
+                                 f"{(info['last_pgno'] + 1) * 4096}). Delete the store directory to start over.")
+        if not self.readonly:
+            try:
+                env.reader_check()  # readers left by killed processes
+            except lmdb.Error:
+                pass
+        return env
+
+    def _init_dbs(self) -> None:
+        env = self.env
+        with env.begin() as txn:
+            names = [k for k, _ in txn.cursor()]
+        if names and b"meta" not in names:
+            env.close()
+            raise StoreOpenError(f"{self.path} is an LMDB environment of another program (no kvstore meta). "
+                                 f"Choose another ssd_path; nothing was written.")
+        if not names:
+            if self.readonly:
+                env.close()
+                raise StoreOpenError(f"{self.path}: empty store.")
+            for name in _DBS:
+                self.dbs[name] = env.open_db(name, dupsort=(name == b"children"))
+            with env.begin(write=True) as txn:
+                txn.put(b"format", pack({"name": FORMAT_NAME, "version": FORMAT_VERSION, "created": time.time()}),
+                        db=self.dbs[b"meta"])
+            return
+        try:
+            for name in _DBS:
+                self.dbs[name] = env.open_db(name, dupsort=(name == b"children"), create=False)
+            with env.begin() as txn:
+                raw = txn.get(b"format", db=self.dbs[b"meta"])
+            fmt = unpack(raw) if raw is not None else {}
+        except Exception as e:
+            env.close()
+            raise StoreOpenError(f"{self.path}: kvstore metadata is unreadable ({e}). Delete the store "
+                                 f"directory to start over.") from None
+        if fmt.get("name") != FORMAT_NAME or fmt.get("version") != FORMAT_VERSION:
+            env.close()
+            raise StoreOpenError(
+                f"{self.path} was written by kvstore format {fmt.get('name')}/{fmt.get('version')}, this "
+                f"kvstore reads {FORMAT_NAME}/{FORMAT_VERSION}. Use a new ssd_path, or clear the old "
+                f"store with `kvstore clear {self.path} --all --yes`.")
+
+    def close(self) -> None:
+        with self._gate.exclusive():
+            self.env.close()
+
+    # ------------------------------------------------------------ transactions
+
+    @contextmanager
+    def reader(self) -> Iterator[lmdb.Transaction]:
+        """A short read transaction whose ``get`` returns mmap views."""
+        for _ in range(8):
+            self._gate.acquire_shared()
+            try:
+                txn = self.env.begin(buffers=True)
+                break
+            except lmdb.MapResizedError:
+                self._gate.release_shared()
+                self._adopt_map_size()
+            except BaseException:
+                self._gate.release_shared()
+                raise
+        else:
+            raise lmdb.MapResizedError("map resized repeatedly by another process")
+        try:
+            yield txn
+        finally:
+            txn.abort()
+            self._gate.release_shared()
+
+    def _adopt_map_size(self) -> None:
+        with self._gate.exclusive():
+            self.env.set_mapsize(0)
+
+    def write(self, fn: Callable[[lmdb.Transaction], None]) -> None:
+        """Run ``fn`` in one write transaction; grow the map when full."""
+        for _ in range(32):
+            try:
+                with self._gate.shared():
+                    with self.env.begin(write=True) as txn:
+                        fn(txn)
+                return
+            except lmdb.MapFullError:
+                with self._gate.exclusive():
+                    new = self.env.info()["map_size"] * 2
+                    log.info("kvstore: growing LMDB map of %s to %d MiB", self.path, new >> 20)
+                    self.env.set_mapsize(new)
+            except lmdb.MapResizedError:
+                self._adopt_map_size()
+        raise lmdb.MapFullError("map could not grow enough")
+
+    # ------------------------------------------------------------------ reads
+
+    def get_block(self, txn: lmdb.Transaction, key: bytes):
+        return txn.get(key, db=self.dbs[b"blocks"])
+
+    def get_meta(self, txn: lmdb.Transaction, key: bytes) -> Optional[dict]:
+        raw = txn.get(key, db=self.dbs[b"nodes"])
+        return None if raw is None else unpack(raw)
+
+    def children(self, txn: lmdb.Transaction, key: bytes) -> list[bytes]:
+        cur = txn.cursor(db=self.dbs[b"children"])
+        if not cur.set_key(key):
+            return []
+        return [bytes(k) for k in cur.iternext_dup()]
+
+    def iter_meta(self, txn: lmdb.Transaction) -> Iterator[tuple[bytes, dict]]:
+        for k, v in txn.cursor(db=self.dbs[b"nodes"]):
+            yield bytes(k), unpack(v)
+
+    def models(self) -> dict[bytes, dict]:
+        with self.reader() as txn:
+            return {bytes(k): unpack(v) for k, v in txn.cursor(db=self.dbs[b"models"])}
+
+    def get_counters(self) -> dict:
+        with self.reader() as txn:
+            raw = txn.get(b"counters", db=self.dbs[b"meta"])
+            return unpack(raw) if raw is not None else {}
+
+    def usage(self) -> int:
+        """Bytes in use by every database, from LMDB's own page counts."""
+        with self.reader() as txn:
+            total = _pages(self.env.stat())
+            for db in self.dbs.values():
+                total += _pages(txn.stat(db))
+        return total
+
+    # ----------------------------------------------------------------- writes
+
+    def put_records(self, records: list[Record]) -> None:
+        dbs = self.dbs
+
+        def fn(txn):
+            for r in records:
+                txn.put(r.key, r.payload, db=dbs[b"blocks"])
+                txn.put(r.key, pack(r.meta), db=dbs[b"nodes"])
+                txn.put(r.parent, r.key, db=dbs[b"children"], dupdata=True)
+        self.write(fn)
+
+    def register_model(self, root: bytes, info: dict) -> None:
+        def fn(txn):
+            if txn.get(root, db=self.dbs[b"models"]) is None:
+                txn.put(root, pack(info), db=self.dbs[b"models"])
+        self.write(fn)
+
+    def touch(self, uses: dict[bytes, tuple[float, int]], counters: dict[str, int]) -> None:
+        """Record last-use times and hit counts; add to lifetime counters."""
+        nodes = self.dbs[b"nodes"]
+
+        def fn(txn):
+            for key, (when, hits) in uses.items():
+                raw = txn.get(key, db=nodes)
+                if raw is None:
+                    continue
+                meta = unpack(raw)
+                meta["u"] = max(meta.get("u", 0), when)
+                meta["h"] = meta.get("h", 0) + hits
+                txn.put(key, pack(meta), db=nodes)
+            if counters:
+                raw = txn.get(b"counters", db=self.dbs[b"meta"])
+                total = unpack(raw) if raw is not None else {}
+                for k, v in counters.items():
+                    total[k] = total.get(k, 0) + v
+                txn.put(b"counters", pack(total), db=self.dbs[b"meta"])
+        self.write(fn)
+
+    def delete(self, keys) -> list[bytes]:
+        """Remove blocks and their meta; returns the keys that were there."""
+        done = []
+
+        def fn(txn):
+            done.clear()
+            for key in keys:
+                raw = txn.get(key, db=self.dbs[b"nodes"])
+                if raw is None:
+                    continue
+                parent = unpack(raw).get("p")
+                txn.delete(key, db=self.dbs[b"blocks"])
+                txn.delete(key, db=self.dbs[b"nodes"])
+                txn.delete(key, db=self.dbs[b"children"])
+                if parent is not None:
+                    txn.delete(parent, key, db=self.dbs[b"children"])
+                done.append(key)
+        self.write(fn)
+        return done
+
+    def evict_to(self, target: int, protect: set[bytes]) -> list[bytes]:
+        """Delete least recently used leaf blocks until usage <= ``target``."""
+        evicted: list[bytes] = []
+        for _ in range(64):
+            over = self.usage() - target
+            if over <= 0:
+                break
+            with self.reader() as txn:
+                metas = dict(self.iter_meta(txn))
+            parents = {m.get("p") for m in metas.values()}
+            leaves = sorted((m.get("u", 0), k) for k, m in metas.items() if k not in parents and k not in protect)
+            if not leaves:
+                break
+            batch, freed = [], 0
+            for _, k in leaves:
+                batch.append(k)
+                freed += metas[k].get("b", 0)
+                if freed >= over:
+                    break
+            evicted += self.delete(batch)
+        return evicted
+
+    def remove_all(self, root: Optional[bytes] = None) -> int:
+        """Delete every block (of one root key, if given). Returns how many."""
+        with self.reader() as txn:
+            keys = [k for k, m in self.iter_meta(txn) if root is None or m.get("r") == root]
+        return len(self.delete(keys))
+
+
+def _pages(stat: dict) -> int:
+    return stat["psize"] * (stat["branch_pages"] + stat["leaf_pages"] + stat["overflow_pages"])
