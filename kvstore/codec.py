@@ -66,9 +66,19 @@ class Block:
     def nbytes(self) -> int:
         return self.tokens.nbytes + sum(l.nbytes for l in self.layers if l is not None)
 
-    @property
-    def has_state(self) -> bool:
-        return any(isinstance(l, StateLayer) for l in self.layers)
+    def describe(self) -> tuple[str, str]:
+        """(how KV is kept, e.g. "K8/V4 g64" or "dense", and its dtype)."""
+        kv = next((l for l in self.layers if isinstance(l, KVLayer)), None)
+        if kv is None:
+            return "state only", "-"
+        k, v = kv.keys, kv.values
+        dtype = str(k.dtype).split(".")[-1]
+        if not isinstance(k, Quantized) and not isinstance(v, Quantized):
+            return "dense", dtype
+        kb = f"K{k.bits}" if isinstance(k, Quantized) else "K16"
+        vb = f"V{v.bits}" if isinstance(v, Quantized) else "V16"
+        g = k.group_size if isinstance(k, Quantized) else v.group_size
+        return f"{kb}/{vb} g{g}", dtype
 
 
 # ----------------------------------------------------------------- compression

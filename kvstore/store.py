@@ -628,6 +628,7 @@ class PrefixStore:
             if node.on_disk:
                 continue
             payload = serialize(block)
+            kv, dtype = block.describe()
             parent = node.parent.key
             root = node
             while root.parent is not None:
@@ -635,7 +636,7 @@ class PrefixStore:
             records.append(Record(node.key, parent, {
                 "p": parent, "r": root.key, "s": node.start, "n": node.length, "f": node.first,
                 "sn": node.snap, "g": node.gap, "b": len(payload), "t": block.tokens.tobytes(),
-                "c": now, "u": now, "h": 0, "kv": self.codec.describe()}, payload))
+                "c": now, "u": now, "h": 0, "kv": kv, "dt": dtype}, payload))
         if not records:
             return False
         try:

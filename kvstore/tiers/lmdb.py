@@ -118,6 +118,8 @@ class LmdbTier:
         self.env = self._open()
         self.dbs = {}
         self._init_dbs()
+        if not readonly:
+            self.set_info("budget", self.budget)
 
     # ------------------------------------------------------------------ open
 
@@ -281,9 +283,15 @@ class LmdbTier:
             return {bytes(k): unpack(v) for k, v in txn.cursor(db=self.dbs[b"models"])}
 
     def get_counters(self) -> dict:
+        return self.get_info("counters") or {}
+
+    def get_info(self, name: str):
         with self.reader() as txn:
-            raw = txn.get(b"counters", db=self.dbs[b"meta"])
-            return unpack(raw) if raw is not None else {}
+            raw = txn.get(name.encode(), db=self.dbs[b"meta"])
+            return unpack(raw) if raw is not None else None
+
+    def set_info(self, name: str, value) -> None:
+        self.write(lambda txn: txn.put(name.encode(), pack(value), db=self.dbs[b"meta"]))
 
     def usage(self) -> int:
         """Bytes in use by every database, from LMDB's own page counts."""

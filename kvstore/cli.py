@@ -1,0 +1,245 @@
+"""The ``kvstore`` command: look into, check and clean an SSD store; run the
+demo, the benchmarks and an mlx-lm server on the store."""
+
+from __future__ import annotations
+
+import datetime as dt
+import json
+import sys
+import time
+from enum import Enum
+from pathlib import Path
+from typing import List, Optional
+
+import typer
+from rich.console import Console
+from rich.table import Table
+
+from .catalog import Catalog, check_block, parse_age, select
+from .errors import StoreOpenError
+from .tiers.lmdb import LmdbTier
+
+app = typer.Typer(add_completion=False, no_args_is_help=True, rich_markup_mode="rich",
+                  help="kvstore: a tiered, persistent prefix KV cache for mlx-lm engines.")
+out = Console(width=None if sys.stdout.isatty() else 160)
+err = Console(stderr=True)
+
+PathArg = typer.Argument(..., help="The store directory (the ssd_path the engine used).", show_default=False)
+
+
+class SortKey(str, Enum):
+    last_used = "last-used"
+    tokens = "tokens"
+    bytes = "bytes"
+    hits = "hits"
+    created = "created"
+
+
+def _open(path: Path, readonly: bool = True) -> LmdbTier:
+    try:
+        return LmdbTier(path, readonly=readonly)
+    except StoreOpenError as e:
+        err.print(f"[red]error:[/red] {e}")
+        raise typer.Exit(2)
+
+
+def _when(t: float) -> str:
+    return dt.datetime.fromtimestamp(t).strftime("%Y-%m-%d %H:%M:%S") if t else "-"
+
+
+def _size(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return str(n)
+
+
+def _decoder(catalog: Catalog):
+    """Per model root, a function turning token ids into text, when the model
+    folder named at registration is still there."""
+    cache = {}
+
+    def decode(root_hex: str, ids: list[int]) -> Optional[str]:
+        if root_hex not in cache:
+            cache[root_hex] = None
+            info = catalog.models.get(bytes.fromhex(root_hex), {})
+            path = info.get("path")
+            if path and Path(path, "tokenizer.json").exists():
+                try:
+                    from transformers import PreTrainedTokenizerFast
+                    cache[root_hex] = PreTrainedTokenizerFast(tokenizer_file=str(Path(path, "tokenizer.json")))
+                except Exception:
+                    pass
+        tok = cache[root_hex]
+        return None if tok is None else tok.decode(ids)
+    return decode
+
+
+@app.command()
+def inspect(
+    path: Path = PathArg,
+    as_json: bool = typer.Option(False, "--json", help="One JSON object per line, for scripts."),
+    model: Optional[str] = typer.Option(None, help="Only models whose name or root key starts with this."),
+    min_tokens: int = typer.Option(0, help="Only entries of at least this many tokens."),
+    sort: SortKey = typer.Option(SortKey.last_used, help="Order of the rows (largest / newest first)."),
+    limit: int = typer.Option(50, help="At most this many rows (0: all)."),
+    decode: bool = typer.Option(True, help="Show the first tokens as text when the model's tokenizer is found."),
+):
+    """List the stored prompts of a store: model, length, blocks, bytes, KV bits, use.
+
+    Opens the store read-only: safe while an engine writes to it.
+
+    Example: [bold]kvstore inspect ~/.cache/kvstore/store --sort tokens --min-tokens 1000[/bold]
+    """
+    disk = _open(path)
+    try:
+        cat = Catalog.read(disk)
+    finally:
+        disk.close()
+    rows = [e for e in cat.entries() if e.tokens >= min_tokens
+            and (model is None or e.model.startswith(model) or e.root.startswith(model))]
+    attr = {"last-used": "last_used"}.get(sort.value, sort.value)
+    rows.sort(key=lambda e: getattr(e, attr), reverse=True)
+    if limit:
+        rows = rows[:limit]
+    decoder = _decoder(cat) if decode else None
+    for e in rows:
+        if decoder is not None:
+            e.text = decoder(e.root, e.first_tokens)
+    if as_json:
+        for e in rows:
+            out.print_json(json.dumps(e.as_dict()), indent=None) if sys.stdout.isatty() else print(json.dumps(e.as_dict()))
+        return
+    table = Table(title=f"{path}: {len(cat.metas)} blocks, {len(list(cat.entries()))} entries")
+    for col in ("model", "prefix", "tokens", "blocks", "bytes", "kv", "dtype", "created", "last used", "hits"):
+        table.add_column(col, justify="right" if col in ("tokens", "blocks", "bytes", "hits") else "left",
+                         overflow="fold", max_width=36 if col == "prefix" else None)
+    for e in rows:
+        prefix = repr(e.text[:60]) if e.text is not None else " ".join(map(str, e.first_tokens[:8])) + " …"
+        table.add_row(e.model[:16], prefix, str(e.tokens), str(e.blocks), _size(e.bytes), e.kv, e.dtype,
+                      _when(e.created), _when(e.last_used), str(e.hits))
+    out.print(table)
+
+
+@app.command()
+def stats(path: Path = PathArg, as_json: bool = typer.Option(False, "--json", help="JSON output.")):
+    """Totals of a store: per model, disk budget use, hit rate and tokens saved over its life.
+
+    Example: [bold]kvstore stats ~/.cache/kvstore/store[/bold]
+    """
+    disk = _open(path)
+    try:
+        cat = Catalog.read(disk)
+        counters = disk.get_counters()
+        usage, budget = disk.usage(), disk.get_info("budget")
+    finally:
+        disk.close()
+    requested = counters.get("tokens_requested", 0)
+    served = counters.get("tokens_ram", 0) + counters.get("tokens_ssd", 0)
+    result = {
+        "path": str(path), "blocks": len(cat.metas), "entries": sum(1 for _ in cat.entries()),
+        "bytes_used": usage, "disk_budget": budget, "orphans": len(cat.orphans()),
+        "models": cat.per_model(), "lifetime": counters,
+        "token_hit_rate": served / requested if requested else 0.0, "tokens_saved": served,
+    }
+    if as_json:
+        print(json.dumps(result))
+        return
+    t = Table(title=f"{path}")
+    t.add_column("model")
+    for c in ("blocks", "tokens", "bytes", "hits"):
+        t.add_column(c, justify="right")
+    for name, d in result["models"].items():
+        t.add_row(name[:24], str(d["blocks"]), str(d["tokens"]), _size(d["bytes"]), str(d["hits"]))
+    out.print(t)
+    used = f"{_size(usage)} of {_size(budget)} ({100 * usage / budget:.1f}%)" if budget else _size(usage)
+    out.print(f"disk: {used}    blocks: {len(cat.metas)}    entries: {result['entries']}")
+    out.print(f"lifetime: {counters.get('hits', 0)} hits, {counters.get('misses', 0)} misses, "
+              f"token hit rate {100 * result['token_hit_rate']:.1f}%, tokens served from cache {served} "
+              f"(RAM {counters.get('tokens_ram', 0)}, SSD {counters.get('tokens_ssd', 0)})")
+
+
+@app.command()
+def verify(path: Path = PathArg,
+           repair: bool = typer.Option(False, help="Remove bad blocks (and the blocks under them) and orphans.")):
+    """Check every block's header, checksum and tokens. Exit code 0 when all is well, 1 when not.
+
+    Example: [bold]kvstore verify ~/.cache/kvstore/store --repair[/bold]
+    """
+    from rich.progress import track
+
+    disk = _open(path, readonly=not repair)
+    try:
+        cat = Catalog.read(disk)
+        bad: dict[bytes, str] = {}
+        with disk.reader() as txn:
+            for key in track(list(cat.metas), description="verifying", console=err, transient=True):
+                why = check_block(disk, txn, key, cat.metas[key])
+                if why:
+                    bad[key] = why
+        for key in cat.orphans():
+            bad.setdefault(key, "parent block missing (orphan)")
+        for key, why in bad.items():
+            m = cat.metas[key]
+            out.print(f"[red]bad[/red] {key.hex()[:16]} tokens {m['s']}-{m['s'] + m['n']}: {why}")
+        if bad and repair:
+            doomed = set(bad)
+            kids = cat.children()
+            stack = list(doomed)
+            while stack:
+                for c in kids.get(stack.pop(), []):
+                    if c not in doomed:
+                        doomed.add(c)
+                        stack.append(c)
+            n = len(disk.delete(sorted(doomed)))
+            out.print(f"removed {n} blocks")
+    finally:
+        disk.close()
+    out.print(f"{len(cat.metas)} blocks checked, {len(bad)} bad")
+    raise typer.Exit(1 if bad else 0)
+
+
+@app.command()
+def clear(
+    path: Path = PathArg,
+    model: Optional[str] = typer.Option(None, help="Only blocks of models whose name or root key starts with this."),
+    older_than: Optional[str] = typer.Option(None, help="Only blocks unused for this long: 90s, 30m, 12h, 7d, 2w."),
+    all_: bool = typer.Option(False, "--all", help="Everything (needed when no filter is given)."),
+    yes: bool = typer.Option(False, "--yes", "-y", help="Do not ask before deleting."),
+):
+    """Remove entries from a store. Asks first unless --yes.
+
+    Example: [bold]kvstore clear ~/.cache/kvstore/store --older-than 7d --yes[/bold]
+    """
+    if model is None and older_than is None and not all_:
+        err.print("[red]error:[/red] say what to remove: --model, --older-than, or --all")
+        raise typer.Exit(2)
+    try:
+        age = parse_age(older_than) if older_than is not None else None
+    except ValueError as e:
+        err.print(f"[red]error:[/red] {e}")
+        raise typer.Exit(2)
+    disk = _open(path, readonly=False)
+    try:
+        cat = Catalog.read(disk)
+        keys = select(cat, model=model, older_than=age)
+        nbytes = sum(cat.metas[k]["b"] for k in keys)
+        if not keys:
+            out.print("nothing matches")
+            return
+        if not yes and not typer.confirm(f"Delete {len(keys)} blocks ({_size(nbytes)}) from {path}?", default=False):
+            out.print("nothing deleted")
+            raise typer.Exit(1)
+        n = len(disk.delete(keys))
+        out.print(f"deleted {n} blocks ({_size(nbytes)})")
+    finally:
+        disk.close()
+
+
+def main() -> None:
+    app()
+
+
+if __name__ == "__main__":
+    main()
