@@ -226,11 +226,13 @@ def read_header(buf: Union[bytes, memoryview]) -> Header:
     buf = memoryview(buf)
     if len(buf) < _PREFIX.size:
         raise BlockDecodeError(f"block of {len(buf)} bytes is shorter than its prefix")
-    magic, version, _, hlen, hsum = _PREFIX.unpack_from(buf, 0)
+    magic, version, reserved, hlen, hsum = _PREFIX.unpack_from(buf, 0)
     if magic != MAGIC:
         raise BlockDecodeError("not a kvstore block (bad magic)")
     if version != FORMAT_VERSION:
         raise BlockDecodeError(f"block format version {version}, this kvstore reads {FORMAT_VERSION}")
+    if reserved != 0:
+        raise BlockDecodeError("reserved prefix field is not zero")
     if hlen > MAX_HEADER or _PREFIX.size + hlen > len(buf):
         raise BlockDecodeError(f"header length {hlen} does not fit a {len(buf)}-byte block")
     raw = buf[_PREFIX.size : _PREFIX.size + hlen]
@@ -241,6 +243,8 @@ def read_header(buf: Union[bytes, memoryview]) -> Header:
     except Exception as e:  # msgpack raises several types for garbage
         raise BlockDecodeError(f"header is not valid msgpack: {e}") from None
     start = _align(_PREFIX.size + hlen)
+    if any(buf[_PREFIX.size + hlen : start]):  # no checksum covers the padding: it must be zero
+        raise BlockDecodeError("padding after the header is not zero")
     _validate(fields, len(buf) - start)
     return Header(fields["n"], start, fields)
 
@@ -257,8 +261,9 @@ def _is_int(x) -> bool:
 def _validate_array(d, size: int) -> tuple:
     _check(isinstance(d, list) and len(d) == 4, "array descriptor")
     name, shape, off, n = d
-    _check(name in _DTYPES, f"dtype {name!r}")
-    _check(isinstance(shape, list) and len(shape) <= 8 and all(_is_int(s) and 0 <= s < 1 << 40 for s in shape), "shape")
+    _check(isinstance(name, str) and name in _DTYPES, f"dtype {name!r}")
+    # mlx shape dimensions are int32
+    _check(isinstance(shape, list) and len(shape) <= 8 and all(_is_int(s) and 0 <= s < 1 << 31 for s in shape), "shape")
     _check(_is_int(off) and _is_int(n) and off >= 0 and n >= 0 and off % ALIGN == 0, "offset")
     _check(off + n <= size, "array runs past the payload")
     _check(prod(shape) * _DTYPES[name][1].itemsize == n, "byte count does not match shape")
@@ -272,7 +277,8 @@ def _validate_tensor(t, size: int, rows: int) -> None:
         _check(len(shape) >= 2 and shape[-2] == rows, "rows of a dense tensor")
         return
     q = t["q"]
-    _check(isinstance(q, list) and len(q) == 2 and q[0] in BITS and q[1] in GROUP_SIZES, "bits/group size")
+    _check(isinstance(q, list) and len(q) == 2 and _is_int(q[0]) and _is_int(q[1])
+           and q[0] in BITS and q[1] in GROUP_SIZES, "bits/group size")
     bits, gs = q
     _check(isinstance(t["a"], list) and len(t["a"]) == 3, "quantized parts")
     (dn, ds), (sn, ss), (bn, bs) = (_validate_array(d, size) for d in t["a"])

@@ -7,12 +7,17 @@ the same next tokens to the engine's cache and the rebuilt one.
 
 Tolerances: where the rebuilt cache holds the same rows in the same buffer
 order as the engine's, the model runs the same kernels on the same bytes, so
-logits must be *bit-identical* (``array_equal``). Two comparisons are only
-close, and say so: a rebuilt ring buffer vs. an engine ring that has rotated
-during decoding (same rows, other order inside the attention reduction), and a
-prefix served from a longer prefill vs. an engine that prefilled only the
-prefix (the prefill matmuls ran with another number of rows). There the bound
-is a few float16 ulps of the logits' magnitude (atol 2e-2 on |logits| ~ 5).
+logits must be *bit-identical* (``array_equal``). Three comparisons are not
+bit-identical by construction and use a tolerance:
+
+* a prefix served from a longer prefill vs. an engine that prefilled only the
+  prefix (the prefill matmuls ran over another number of rows), and the
+  chunked cache (the rebuilt buffer is shorter than the engine's, whose extra
+  rows are masked out): a few float16 ulps of |logits| ~ 5, atol 2e-2. These
+  are observed bit-exact on mlx CPU, but no kernel promises it.
+* a ring that rotated during decoding vs. its rebuilt temporal-order copy:
+  same rows, another reduction order (float32 model, atol 1e-4; observed
+  ~1e-5, a wrong or missing row shows up as ~1e-1).
 """
 
 from __future__ import annotations
@@ -28,7 +33,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 from mlx.utils import tree_flatten
-from mlx_lm.models import baichuan_m1, gemma3_text, llama, llama4, qwen3_next
+from mlx_lm.models import baichuan_m1, gemma3_text, llama, llama4, qwen3, qwen3_next
 from mlx_lm.models import cache as C
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -66,6 +71,13 @@ CONFIGS = {
              num_attention_heads=4, num_key_value_heads=2),
         mx.float16,
     ),
+    # No make_cache(): the one kind whose make_prompt_cache honours max_kv_size.
+    "qwen3": (
+        qwen3,
+        dict(_COMMON, model_type="qwen3", num_hidden_layers=2, rope_theta=1e6,
+             max_position_embeddings=4096),
+        mx.float16,
+    ),
     "gemma3_text": (
         gemma3_text,
         dict(_COMMON, model_type="gemma3_text", num_hidden_layers=4, sliding_window=32,
@@ -82,6 +94,12 @@ CONFIGS = {
              decoder_sparse_step=1, moe_intermediate_size=64,
              shared_expert_intermediate_size=64, mlp_only_layers=[], norm_topk_prob=True),
         mx.float16,
+    ),
+    "gemma3_text_f32": (
+        gemma3_text,
+        dict(_COMMON, model_type="gemma3_text", num_hidden_layers=4, sliding_window=32,
+             sliding_window_pattern=2, query_pre_attn_scalar=64),
+        mx.float32,
     ),
     # CacheList(ArraysCache, RotatingKVCache | KVCache) per layer.
     "baichuan_m1": (
@@ -445,7 +463,7 @@ def test_rotating_shorter_than_window_grows_in_place():
     assert_same_logits(feed(m, orig, chunks), feed(m, new, chunks))
 
 
-def test_rotating_prefix_and_rotated_ring():
+def test_rotating_prefix_of_longer_prefill():
     m = model("gemma3_text")
     t = toks(100)
     layers = cache_to_layers(prefill(m, t))
@@ -455,14 +473,23 @@ def test_rotating_prefix_and_rotated_ring():
     new = layers_to_cache(serve(layers, 70), m, length=70)
     assert_close_logits(feed(m, ref, NEXT), feed(m, new, NEXT))
 
-    # a ring that rotated while decoding: stored in temporal order
-    orig = prefill(m, t[:40])
+
+
+def test_rotating_ring_rotated_while_decoding():
+    """A ring that rotated while decoding is stored in temporal order. The
+    rebuilt ring holds the same rows in another order, so the single-token
+    path reduces over them in another order: float32 model, tolerance 1e-4
+    (observed ~1e-5; a wrong or missing row shows up as ~1e-1)."""
+    m = model("gemma3_text_f32")
+    orig = prefill(m, toks(40))
     feed(m, orig, [[x] for x in toks(13, seed=4)])
-    assert 0 < orig[0]._idx < orig[0].keys.shape[2]  # mid-ring
+    assert 0 < orig[0]._idx < orig[0].keys.shape[2] == 32  # mid-ring
     layers = cache_to_layers(orig)
     assert (layers[0].start, layers[0].stop) == (53 - 32, 53)
     new = layers_to_cache(serve(layers, 53), m, length=53)
-    assert_close_logits(feed(m, orig, NEXT), feed(m, new, NEXT))
+    chunks = [[x] for x in toks(40, seed=5)] + NEXT
+    for x, y in zip(feed(m, orig, chunks), feed(m, new, chunks)):
+        assert float(mx.abs(x - y).max()) < 1e-4
 
 
 def test_rotating_batch_merge():
@@ -480,8 +507,10 @@ def test_rotating_batch_merge():
 
 
 def test_rotating_keep_sink_tokens():
-    """make_prompt_cache(model, max_kv_size) -> RotatingKVCache(keep=4)."""
-    m = model("llama")
+    """make_prompt_cache(model, max_kv_size) -> RotatingKVCache(keep=4)
+    (only for models without their own make_cache(): llama has one and
+    silently ignores max_kv_size)."""
+    m = model("qwen3")
     orig = prefill(m, toks(100), C.make_prompt_cache(m, max_kv_size=64))
     assert cache_layout(orig) == ["Rotating(max_size=64,keep=4)"] * 2
     layers = cache_to_layers(orig)
@@ -496,7 +525,11 @@ def test_rotating_keep_sink_tokens():
     # start > keep; alone it cannot be restored (the sink rows are missing).
     tail = cache_to_layers(orig)
     off = orig[0].offset
-    assert (tail[0].start, tail[0].stop, tail[0].window) == (off - 60, off, None)
+    # The last chunk (3 tokens) went through the concat path, which leaves
+    # keep + (max_size - 1 - keep) + 3 = 66 rows: a tail of 62 after the sink.
+    assert orig[0].keys.shape[2] == 66
+    assert (tail[0].start, tail[0].stop, tail[0].window) == (off - 62, off, None)
+    assert mx.array_equal(tail[0].keys, orig[0].keys[..., 4:, :]).item()
     with pytest.raises(ValueError, match="need tokens"):
         layers_to_cache(tail, m, length=off, max_kv_size=64)
 
@@ -567,7 +600,9 @@ def test_layout_model_vs_cache():
     assert cache_layout(m) == cache_layout(dense) == ["KV", "KV"]
     # quantizing the KV cache is a serving option, not a different model
     assert layout_signature(_engine_quantize(dense, 8)) == layout_signature(m)
-    assert layout_signature(C.make_prompt_cache(m, max_kv_size=64)) != layout_signature(m)
+    assert layout_signature(C.make_prompt_cache(m, max_kv_size=64)) == layout_signature(m)
+    q = model("qwen3")  # no make_cache(): max_kv_size gives keep=4 rotating caches
+    assert layout_signature(C.make_prompt_cache(q, max_kv_size=64)) != layout_signature(q)
 
 
 def _write_model(path: Path, m, config: dict) -> Path:
@@ -610,11 +645,19 @@ def test_model_fingerprint(tmp_path):
     (q / "config.json").write_text(json.dumps(cfg))
     assert model_fingerprint(q, extra="x") == fp
 
-    # one weight byte changes it (the tiny file is inside the hashed edges)
+    # one weight byte changes it: in the header, the first or the last MiB
     w = q / "model.safetensors"
-    data = bytearray(w.read_bytes())
-    data[len(data) // 2] ^= 0x01
-    w.write_bytes(bytes(data))
+    orig = w.read_bytes()
+    header_end = 8 + int.from_bytes(orig[:8], "little")
+    for pos in (20, header_end + 3, len(orig) - 3):
+        data = bytearray(orig)
+        data[pos] ^= 0x01
+        w.write_bytes(bytes(data))
+        assert model_fingerprint(q, extra="x") != fp, pos
+    w.write_bytes(orig)
+    assert model_fingerprint(q, extra="x") == fp
+    # ... and so does the file size
+    w.write_bytes(orig + b" ")
     assert model_fingerprint(q, extra="x") != fp
 
     # tokenizer, layout and extra are part of it
@@ -626,6 +669,6 @@ def test_model_fingerprint(tmp_path):
         p, C.make_prompt_cache(m), extra="x"
     )
     assert model_fingerprint(p, m, extra="x") != model_fingerprint(
-        p, C.make_prompt_cache(m, max_kv_size=64), extra="x"
+        p, [C.RotatingKVCache(64, keep=4) for _ in range(2)], extra="x"
     )
     assert model_fingerprint(p, extra="y") != fp

@@ -1,0 +1,200 @@
+"""Generation on the store: fetch -> prefill the rest -> generate -> put.
+
+``stream_generate`` / ``generate`` wrap mlx-lm's own functions of the same
+name. The prompt's longest stored prefix comes back as ready mlx-lm cache
+objects; only the rest is prefilled. Models whose cache cannot be trimmed
+(recurrent state, sliding windows) are prefilled in chunks that end on block
+boundaries and the cache is offered to the store at each boundary, so a later
+prompt that shares only part of this one still finds a snapshot to start from.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import weakref
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Iterator, Optional, Sequence, Union
+
+import mlx.core as mx
+import mlx.nn as nn
+import xxhash
+from mlx.utils import tree_flatten
+from mlx_lm.generate import generation_stream, maybe_quantize_kv_cache
+from mlx_lm.generate import stream_generate as _mlx_stream_generate
+from mlx_lm.models import cache as C
+
+from kvstore import PrefixStore
+
+from .mlx_lm import cache_offset, cache_to_layers, layers_to_cache, layout_signature, model_fingerprint
+
+__all__ = ["model_key", "fetch_cache", "prefill", "store_cache", "stream_generate", "generate", "Generation"]
+
+_KEYS: dict[int, str] = {}  # id(model) -> key; modules are dicts, hence unhashable
+
+
+def model_key(model: nn.Module, model_path: Union[str, Path, None] = None, extra: str = "") -> str:
+    """The store key of a loaded model: its folder's fingerprint when the
+    folder is known, else a digest of the loaded weights (config, every
+    parameter's name, shape, dtype and first and last 64 KiB) — never a name."""
+    if extra == "" and id(model) in _KEYS:
+        return _KEYS[id(model)]
+    if model_path is not None and Path(model_path, "config.json").is_file():
+        key = model_fingerprint(model_path, model, extra)
+    else:
+        h = xxhash.xxh3_128(b"kvstore-loaded-model-v1")
+        args = getattr(model, "args", None)
+        h.update(json.dumps(getattr(args, "__dict__", {}) or {}, sort_keys=True, default=str).encode())
+        for name, p in sorted(tree_flatten(model.parameters()), key=lambda kv: kv[0]):
+            raw = memoryview(p.view(mx.uint16) if p.dtype == mx.bfloat16 else p).cast("B")
+            h.update(f"{name}:{p.shape}:{p.dtype}".encode())
+            h.update(raw[: 1 << 16])
+            h.update(raw[-(1 << 16):])
+        h.update(layout_signature(model).encode())
+        h.update(extra.encode())
+        key = h.hexdigest()
+    if extra == "":
+        _KEYS[id(model)] = key
+        weakref.finalize(model, _KEYS.pop, id(model), None)
+    return key
+
+
+def _needs_snapshots(cache: Sequence[Any]) -> bool:
+    """Whether the cache holds state a later, shorter prefix cannot trim back to."""
+    def leaf(c):
+        if isinstance(c, C.CacheList):
+            return any(leaf(s) for s in c.caches)
+        return not isinstance(c, (C.KVCache, C.QuantizedKVCache))
+    return any(leaf(c) for c in cache)
+
+
+@dataclass
+class Restored:
+    cache: list
+    cached_tokens: int
+    ram_tokens: int = 0
+    ssd_tokens: int = 0
+
+
+def fetch_cache(store: PrefixStore, model: nn.Module, key: str, tokens: Sequence[int], *,
+                kv_bits: Optional[int] = None, kv_group_size: int = 64, quantized_kv_start: int = 0,
+                max_kv_size: Optional[int] = None) -> Restored:
+    """A prompt cache for ``tokens``: the longest stored prefix (leaving at
+    least the last token to compute, so the engine gets its logits), or an
+    empty cache on a miss."""
+    quant = (kv_bits, kv_group_size) if kv_bits else None
+    hit = store.fetch(key, tokens, limit=len(tokens) - 1, quantized=quant)
+    if not hit:
+        return Restored(C.make_prompt_cache(model, max_kv_size=max_kv_size), 0)
+    cache = layers_to_cache(hit.layers, model, length=hit.length, kv_bits=kv_bits, kv_group_size=kv_group_size,
+                            quantized_kv_start=quantized_kv_start, max_kv_size=max_kv_size)
+    return Restored(cache, hit.length, hit.ram_tokens, hit.ssd_tokens)
+
+
+def store_cache(store: PrefixStore, key: str, tokens: Sequence[int], cache: Sequence[Any]) -> int:
+    """Offer ``cache`` (which covers a prefix of ``tokens``) to the store."""
+    n = cache_offset(cache)
+    if n == 0:
+        return 0
+    return store.put(key, list(tokens[:n]), cache_to_layers(cache))
+
+
+def prefill(model: nn.Module, cache: list, tokens: Sequence[int], start: int, stop: int, *,
+            store: Optional[PrefixStore] = None, key: Optional[str] = None, step: int = 2048,
+            kv_bits: Optional[int] = None, kv_group_size: int = 64, quantized_kv_start: int = 0) -> None:
+    """Run ``tokens[start:stop]`` through the model into ``cache``.
+
+    With a store and a cache that cannot be trimmed, chunks end on the store's
+    block boundaries and each boundary's cache is offered to the store.
+    """
+    snapshots = store is not None and _needs_snapshots(cache)
+    bs = store.block_size if store is not None else step
+    pos = start
+    with mx.stream(generation_stream):
+        while pos < stop:
+            end = min(stop, pos + step)
+            if snapshots:
+                end = min(stop, (pos // bs + 1) * bs)
+            model(mx.array(tokens[pos:end])[None], cache=cache)
+            maybe_quantize_kv_cache(cache, quantized_kv_start, kv_group_size, kv_bits)
+            mx.eval([c.state for c in cache])
+            pos = end
+            if snapshots and pos % bs == 0:
+                store_cache(store, key, tokens, cache)
+
+
+@dataclass
+class Generation:
+    """What one request did: text, token counts, where the prompt came from."""
+
+    text: str = ""
+    tokens: list[int] = field(default_factory=list)
+    prompt_tokens: int = 0
+    cached_tokens: int = 0  # prompt tokens served by the store (OpenAI's cached_tokens)
+    ram_tokens: int = 0
+    ssd_tokens: int = 0
+    computed_tokens: int = 0
+    ttft_s: float = 0.0  # prompt arrival to first generated token
+    total_s: float = 0.0
+    finish_reason: Optional[str] = None
+
+
+def _tokens(tokenizer, prompt: Union[str, Sequence[int], mx.array]) -> list[int]:
+    if isinstance(prompt, str):
+        return list(tokenizer.encode(prompt))
+    if isinstance(prompt, mx.array):
+        return prompt.tolist()
+    return list(prompt)
+
+
+def stream_generate(model: nn.Module, tokenizer, prompt: Union[str, Sequence[int]], *, store: PrefixStore,
+                    model_path: Union[str, Path, None] = None, max_tokens: int = 256,
+                    kv_bits: Optional[int] = None, kv_group_size: int = 64, quantized_kv_start: int = 0,
+                    max_kv_size: Optional[int] = None, prefill_step_size: int = 2048,
+                    result: Optional[Generation] = None, **kwargs) -> Iterator[Any]:
+    """mlx-lm's ``stream_generate`` with the prompt cache taken from and given
+    back to ``store``. Yields mlx-lm ``GenerationResponse`` objects, each with
+    ``cached_tokens`` set; pass ``result=Generation()`` to get the totals."""
+    t0 = time.perf_counter()
+    res = result if result is not None else Generation()
+    tokens = _tokens(tokenizer, prompt)
+    if not tokens:
+        raise ValueError("empty prompt")
+    key = model_key(model, model_path)
+    if model_path is not None:
+        store.register_model(key, {"path": str(Path(model_path).resolve()), "name": Path(model_path).name})
+    qkw = dict(kv_bits=kv_bits, kv_group_size=kv_group_size, quantized_kv_start=quantized_kv_start)
+    got = fetch_cache(store, model, key, tokens, max_kv_size=max_kv_size, **qkw)
+    cache = got.cache
+    res.prompt_tokens, res.cached_tokens = len(tokens), got.cached_tokens
+    res.ram_tokens, res.ssd_tokens = got.ram_tokens, got.ssd_tokens
+    res.computed_tokens = len(tokens) - got.cached_tokens
+    pos = got.cached_tokens
+    if _needs_snapshots(cache):
+        prefill(model, cache, tokens, pos, len(tokens) - 1, store=store, key=key, step=prefill_step_size, **qkw)
+        pos = len(tokens) - 1
+    generated: list[int] = []
+    try:
+        for resp in _mlx_stream_generate(model, tokenizer, tokens[pos:], max_tokens=max_tokens, prompt_cache=cache,
+                                         prefill_step_size=prefill_step_size, **qkw, **kwargs):
+            if not generated:
+                res.ttft_s = time.perf_counter() - t0
+            generated.append(resp.token)
+            res.text += resp.text
+            res.finish_reason = resp.finish_reason
+            resp.cached_tokens = got.cached_tokens
+            yield resp
+    finally:
+        res.tokens = generated
+        res.total_s = time.perf_counter() - t0
+        store_cache(store, key, tokens + generated, cache)
+
+
+def generate(model: nn.Module, tokenizer, prompt: Union[str, Sequence[int]], *, store: PrefixStore,
+             **kwargs) -> Generation:
+    """``stream_generate`` run to the end; returns the text and the counts."""
+    res = Generation()
+    for _ in stream_generate(model, tokenizer, prompt, store=store, result=res, **kwargs):
+        pass
+    return res
