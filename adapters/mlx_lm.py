@@ -224,8 +224,8 @@ def _kv_entry(c: Any, where: str) -> KVLayer:
     if isinstance(c, C.RotatingKVCache):
         # mlx-lm's own reordering: sink rows [0, keep), then the ring from the
         # write position on, then the ring before it; slices off unused rows.
-        k = c.keys[..., :c._idx if c._idx > c.offset else c.keys.shape[2], :]
-        v = c.values[..., :c._idx if c._idx > c.offset else c.keys.shape[2], :]
+        k = c._temporal_order(c.keys)
+        v = c._temporal_order(c.values)
         held = k.shape[2]
         if c.keep == 0:
             return KVLayer(_fresh(k), _fresh(v), start=c.offset - held, window=c.max_size)

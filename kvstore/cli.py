@@ -237,6 +237,24 @@ def clear(
         disk.close()
 
 
+@app.command(context_settings={"allow_extra_args": True, "ignore_unknown_options": True,
+                                "help_option_names": []})
+def serve(ctx: typer.Context):
+    """Run mlx-lm's OpenAI-compatible server on the store (restarts keep the cache).
+
+    Takes every [bold]mlx_lm.server[/bold] option (--model, --host, --port, --kv-bits, ...) plus:
+    --ssd-path DIR, --budget-gb N (RAM, default 4), --disk-budget-gb N, --store-kv-bits 8 | 4 | 8,4,
+    --store-group-size N, --block-size N, --namespace NAME.
+
+    Example: [bold]kvstore serve --model ./my-model --ssd-path ~/.cache/kvstore/store --store-kv-bits 8 --port 8080[/bold]
+    """
+    if "--help" in ctx.args or "-h" in ctx.args:
+        out.print(serve.__doc__)
+    from adapters.server import serve as run_server  # the only place the CLI reaches into mlx-lm
+
+    run_server(ctx.args)
+
+
 def main() -> None:
     app()
 

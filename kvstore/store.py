@@ -207,6 +207,7 @@ class PrefixStore:
         finally:
             with self._lock:
                 RadixIndex.unpin(path)
+                self._make_room(0)  # blocks promoted while pinned may have left RAM over budget
         self._counters["tokens_requested"] += len(toks)
         self._unsaved["tokens_requested"] += len(toks)
         if length == 0:
@@ -258,6 +259,13 @@ class PrefixStore:
         with self._lock:
             self._ram.budget = int(budget_gb * GB)
             self._make_room(0)
+
+    def trim_ram(self, n_bytes: int) -> None:
+        """Evict RAM blocks until at most ``n_bytes`` are held (the budget
+        stays; blocks with an SSD copy remain servable from there)."""
+        with self._lock:
+            if n_bytes < self._ram.nbytes:
+                self._make_room(self._ram.budget - n_bytes)
 
     def flush(self, timeout: Optional[float] = None) -> None:
         """Wait until every queued block is encoded and written."""
@@ -580,6 +588,7 @@ class PrefixStore:
         """Encode the job's blocks into the RAM tier and write them through."""
         written: list[tuple[Node, Block]] = []
         pending_bytes = 0
+        to_disk = self._disk is not None and not self.readonly
         try:
             for node in job.nodes:
                 with self._lock:
@@ -589,24 +598,25 @@ class PrefixStore:
                 with self._lock:
                     if self._index.get(node.key) is not node:
                         continue
-                    node.job = None
                     if block.nbytes <= self._ram.budget:
                         self._ram.add(node.key, block)
                         node.in_ram = True
+                        node.job = None  # servable now; a block bound only for disk keeps its job until written
+                        self._touch_ancestors(node)
                     self._count("blocks_stored")
-                if self._disk is not None and not self.readonly:
+                if to_disk:
                     written.append((node, block))
                     pending_bytes += block.nbytes
                     if pending_bytes >= _WRITE_BATCH:
-                        self._write(written)
+                        self._write_through(written)
                         written, pending_bytes = [], 0
                 with self._lock:
-                    if not node.in_ram and not node.on_disk:
+                    if not to_disk and not node.in_ram and self._index.get(node.key) is node:
                         self._forget(node)  # fits in neither tier
                     else:
                         self._make_room(0)
             if written:
-                self._write(written)
+                self._write_through(written)
         except Exception:
             log.exception("kvstore: storing %d blocks failed; they are dropped", len(job.nodes))
             with self._lock:
@@ -619,6 +629,22 @@ class PrefixStore:
                     node.job = None
             job.done.set()
             self._save_uses()
+
+    def _write_through(self, items: list[tuple[Node, Block]]) -> None:
+        """Write a job's blocks; drop those that then sit in neither tier."""
+        self._write(items)
+        with self._lock:
+            for node, _ in items:
+                if self._index.get(node.key) is node and not node.in_ram and not node.on_disk:
+                    self._forget(node)  # the write failed and RAM could not hold it
+
+    def _touch_ancestors(self, node: Node) -> None:
+        """Make a new block's ancestors more recent than it, so RAM eviction
+        takes leaves first (in RAM only, evicting a block drops its subtree)."""
+        p = node.parent
+        while p is not None and p.in_ram:
+            self._ram.touch(p.key)
+            p = p.parent
 
     def _write(self, items: list[tuple[Node, Block]]) -> bool:
         """Write blocks and their metas in one transaction; True when written."""

@@ -506,6 +506,30 @@ def test_rotating_batch_merge():
     assert mx.array_equal(m(step, cache=mo), m(step, cache=mn)).item()
 
 
+def test_kv_bits_with_sliding_window_model():
+    """kv_bits quantizes only the full-attention slots; mlx-lm has no quantized
+    rotating cache (its maybe_quantize_kv_cache even raises on one), so
+    quantized entries for a rotating slot are dequantized."""
+    m = model("gemma3_text")
+    n = 100
+    orig = prefill(m, toks(n))
+    layers = cache_to_layers(orig)
+    eng = [c.to_quantized(group_size=64, bits=8) if type(c) is C.KVCache else c for c in orig]
+    new = layers_to_cache(serve(layers, n), m, length=n, kv_bits=8)
+    assert [type(c) for c in new] == [C.RotatingKVCache, C.QuantizedKVCache] * 2
+    assert_same_logits(feed(m, eng, NEXT), feed(m, new, NEXT))
+
+    q = [
+        KVLayer(*(Quantized(*mx.quantize(t, group_size=64, bits=8), 8, 64)
+                  for t in (l.keys, l.values)), l.start, l.window)
+        for l in layers
+    ]
+    new = layers_to_cache(serve(q, n), m, length=n)
+    assert [type(c) for c in new] == [C.RotatingKVCache, C.KVCache] * 2
+    want = serve(q, n)[0].keys.dequantize()
+    assert mx.array_equal(new[0].keys, want).item()
+
+
 def test_rotating_keep_sink_tokens():
     """make_prompt_cache(model, max_kv_size) -> RotatingKVCache(keep=4)
     (only for models without their own make_cache(): llama has one and

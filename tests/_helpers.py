@@ -1,0 +1,95 @@
+"""Deterministic KV for tests: row ``p`` of every array is a function of the
+prompt prefix ``tokens[:p + 1]`` (as a real model's KV is), so the expected KV
+of any prefix is known without a model, and KV served for the wrong prefix
+cannot pass for the right one."""
+
+from __future__ import annotations
+
+from typing import Optional, Sequence
+
+import mlx.core as mx
+import numpy as np
+
+from kvstore.layers import KVLayer, Quantized, StateLayer
+
+_P = (1 << 31) - 1
+
+
+def prefix_seeds(tokens: Sequence[int], salt: int) -> np.ndarray:
+    """One seed per position, chained over the prefix."""
+    out = np.empty(len(tokens), dtype=np.int64)
+    s = (salt * 2654435761 + 12345) % _P
+    for i, t in enumerate(tokens):
+        s = (s * 1000003 + int(t) + 1) % _P
+        out[i] = s
+    return out
+
+
+def rows(tokens: Sequence[int], salt: int, heads: int = 1, dim: int = 32, dtype=mx.float16) -> mx.array:
+    """``[1, heads, len(tokens), dim]`` values in [-2, 2) derived from each prefix."""
+    seeds = prefix_seeds(tokens, salt)
+    mult = np.arange(heads * dim, dtype=np.int64) * 7919 + 104729
+    v = ((seeds[:, None] * mult[None, :]) % 65521).astype(np.float32) / 16384.0 - 2.0
+    v = v.reshape(len(tokens), heads, dim).transpose(1, 0, 2)[None]
+    return mx.array(np.ascontiguousarray(v)).astype(dtype)
+
+
+def kv_layers(tokens: Sequence[int], n_layers: int = 2, heads: int = 1, dim: int = 32,
+              dtype=mx.float16) -> list[KVLayer]:
+    """The KV a model would hold after ``tokens``: rows ``[0, len(tokens))`` per layer."""
+    return [KVLayer(rows(tokens, 2 * li, heads, dim, dtype), rows(tokens, 2 * li + 1, heads, dim, dtype))
+            for li in range(n_layers)]
+
+
+def state_at(tokens: Sequence[int]) -> StateLayer:
+    """A recurrent-state snapshot taken after ``tokens`` (one slot left empty)."""
+    seed = int(prefix_seeds(tokens, 99)[-1]) if len(tokens) else 7
+    a = mx.array(np.full((1, 2, 4), seed % 1000, dtype=np.float32) / 7.0)
+    return StateLayer([a, None])
+
+
+def dq(x: mx.array, bits: int, group_size: int) -> mx.array:
+    """What ``bits``-bit storage of ``x`` gives back."""
+    return mx.dequantize(*mx.quantize(x, group_size=group_size, bits=bits), group_size=group_size, bits=bits)
+
+
+def bits_of(a: mx.array) -> np.ndarray:
+    """Raw bit pattern of an array (exact comparison, NaN included)."""
+    view = {2: mx.uint16, 4: mx.uint32, 1: mx.uint8}[a.dtype.size]
+    return np.asarray(a.view(view))
+
+
+def same(a, b) -> bool:
+    """Bit-exact equality of two tensors (dense or ``Quantized``), dtype and shape included."""
+    if isinstance(a, Quantized) or isinstance(b, Quantized):
+        return (isinstance(a, Quantized) and isinstance(b, Quantized) and (a.bits, a.group_size) == (b.bits, b.group_size)
+                and all(same(x, y) for x, y in zip(a.arrays(), b.arrays())))
+    return a.dtype == b.dtype and a.shape == b.shape and np.array_equal(bits_of(a), bits_of(b))
+
+
+def expected_layers(tokens: Sequence[int], length: int, kv_bits: Optional[int] = None,
+                    group_size: int = 32, **kw) -> list[mx.array]:
+    """Per layer (keys, values) the store must serve for ``tokens[:length]``."""
+    out = []
+    for l in kv_layers(list(tokens[:length]), **kw):
+        k, v = l.keys, l.values
+        if kv_bits is not None:
+            k, v = dq(k, kv_bits, group_size), dq(v, kv_bits, group_size)
+        out.append((k, v))
+    return out
+
+
+def assert_hit_is(hit, tokens: Sequence[int], length: int, kv_bits: Optional[int] = None, **kw) -> None:
+    """``hit`` serves exactly ``tokens[:length]`` with its KV (bit-exact)."""
+    assert hit.length == length, f"hit of {hit.length} tokens, expected {length}"
+    if length == 0:
+        assert hit.layers is None
+        return
+    assert hit.ram_tokens + hit.ssd_tokens == length
+    exp = expected_layers(tokens, length, kv_bits, **kw)
+    assert len(hit.layers) == len(exp)
+    for li, (layer, (k, v)) in enumerate(zip(hit.layers, exp)):
+        assert isinstance(layer, KVLayer)
+        assert layer.start == 0 and layer.stop == length, (li, layer.start, layer.stop)
+        assert same(layer.keys, k), f"layer {li}: keys differ from the KV of tokens[:{length}]"
+        assert same(layer.values, v), f"layer {li}: values differ from the KV of tokens[:{length}]"
