@@ -198,7 +198,8 @@ def serialize(block: Block) -> bytes:
             table.append({"s": [None if a is None else w.add(a) for a in layer.arrays]})
     payload = bytearray(w.size)
     for off, arr in w.parts:
-        payload[off : off + arr.nbytes] = memoryview(arr).cast("B")
+        if arr.nbytes:  # a zero-size array has no bytes (and memoryview cannot cast it)
+            payload[off : off + arr.nbytes] = memoryview(arr).cast("B")
     header = msgpack.packb(
         {"n": int(len(block.tokens)), "size": len(payload), "sum": xxhash.xxh3_64_intdigest(payload), "tok": tok, "L": table},
         use_bin_type=True,

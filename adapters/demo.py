@@ -1,0 +1,96 @@
+"""``kvstore demo``: a short multi-user chat workload on the store, then the
+same requests after a restart, hitting from SSD.
+
+A few users share one long system prompt and each holds a two-turn
+conversation. The first pass starts from an empty store: the first request
+computes the system prompt, the others find it; second turns find their whole
+first turn. Then the store is closed and reopened, as a restarted engine
+would, and the requests are replayed: their prefixes now come from SSD.
+"""
+
+from __future__ import annotations
+
+import shutil
+import time
+from pathlib import Path
+from typing import Optional
+
+from rich.console import Console
+from rich.progress import Progress
+from rich.table import Table
+
+from kvstore import PrefixStore
+
+from .generate import Generation, generate
+
+SYSTEM = (
+    "You are a careful coding assistant for a team that maintains a storage library. "
+    "Answer briefly, cite the file you mean, never invent an API, and say when you are unsure. "
+    "The library keeps key value caches of prompts in memory and on disk, finds them again by "
+    "hashing blocks of tokens, and hands them back to the engine as ready cache objects. "
+) * 6
+QUESTIONS = [
+    ["How do I open a store on disk?", "And how do I close it cleanly?"],
+    ["What does a block key hash?", "Why is the token list compared on a hit?"],
+    ["How are entries quantized?", "Can keys and values use different bits?"],
+]
+
+
+def _requests(users: int, turns: int):
+    for turn in range(turns):
+        for u in range(users):
+            yield u, turn, QUESTIONS[u % len(QUESTIONS)][turn % 2] + (f" (user {u})" if u >= len(QUESTIONS) else "")
+
+
+def run_demo(model_path: Optional[str] = None, ssd_path: Optional[str] = None, users: int = 3, turns: int = 2,
+             max_tokens: int = 12, budget_gb: float = 1.0, kv_bits=8, block_size: int = 64,
+             console: Optional[Console] = None) -> list[dict]:
+    """Run the workload twice (fresh store, then reopened). Returns one row per request."""
+    from mlx_lm import load
+
+    console = console or Console()
+    if model_path is None:
+        from tools.tiny_models import ensure_tiny_model
+        with console.status("building the demo model (once; cached under the user's cache directory)"):
+            model_path = str(ensure_tiny_model("llama", max_position_embeddings=8192))
+    if ssd_path is None:
+        from platformdirs import user_cache_dir
+        ssd_path = str(Path(user_cache_dir("kvstore")) / "demo-store")
+        shutil.rmtree(ssd_path, ignore_errors=True)  # the demo's own store: start empty each run
+    model, tokenizer = load(model_path)
+    console.print(f"model: {model_path}\nstore: {ssd_path}  (RAM budget {budget_gb} GiB, entries kv_bits={kv_bits}, "
+                  f"block {block_size} tokens)")
+    rows = []
+    reqs = list(_requests(users, turns))
+    for phase in ("first run", "after restart"):
+        history = {u: [{"role": "system", "content": SYSTEM}] for u in range(users)}
+        with PrefixStore(budget_gb=budget_gb, ssd_path=ssd_path, kv_bits=kv_bits, block_size=block_size) as store:
+            with Progress(console=console, transient=True) as progress:
+                task = progress.add_task(f"{phase}: {len(reqs)} requests", total=len(reqs))
+                for u, turn, question in reqs:
+                    history[u].append({"role": "user", "content": question})
+                    prompt = tokenizer.apply_chat_template(history[u], add_generation_prompt=True)
+                    res: Generation = generate(model, tokenizer, prompt, store=store, model_path=model_path,
+                                               max_tokens=max_tokens)
+                    history[u].append({"role": "assistant", "content": res.text})
+                    rows.append(dict(phase=phase, user=u, turn=turn + 1, prompt=res.prompt_tokens,
+                                     ram=res.ram_tokens, ssd=res.ssd_tokens, computed=res.computed_tokens,
+                                     ttft_ms=1000 * res.ttft_s))
+                    progress.advance(task)
+            stats = store.stats()
+        console.print(_table(phase, [r for r in rows if r["phase"] == phase]))
+        console.print(f"  RAM {stats['ram_bytes'] / 2**20:.1f} MiB in {stats['ram_blocks']} blocks, "
+                      f"SSD {stats.get('ssd_bytes', 0) / 2**20:.1f} MiB; token hit rate "
+                      f"{100 * stats['token_hit_rate']:.0f}%")
+    console.print(f"\nLook inside: [bold]kvstore inspect {ssd_path}[/bold]")
+    return rows
+
+
+def _table(title: str, rows: list[dict]) -> Table:
+    t = Table(title=title)
+    for col in ("user", "turn", "prompt tokens", "from RAM", "from SSD", "computed", "TTFT ms"):
+        t.add_column(col, justify="right")
+    for r in rows:
+        t.add_row(str(r["user"]), str(r["turn"]), str(r["prompt"]), str(r["ram"]), str(r["ssd"]),
+                  str(r["computed"]), f"{r['ttft_ms']:.0f}")
+    return t
