@@ -22,7 +22,7 @@ from .tiers.lmdb import LmdbTier
 app = typer.Typer(add_completion=False, no_args_is_help=True, rich_markup_mode="rich",
                   help="kvstore: a tiered, persistent prefix KV cache for mlx-lm engines.")
 out = Console(width=None if sys.stdout.isatty() else 160)
-err = Console(stderr=True)
+err = Console(stderr=True, soft_wrap=True)
 
 PathArg = typer.Argument(..., help="The store directory (the ssd_path the engine used).", show_default=False)
 

@@ -453,7 +453,7 @@ class PrefixStore:
                 from_ram.append(b is not None)
                 if b is None:
                     disk_nodes.append(p)
-        if disk_nodes:
+        if disk_nodes and self._disk is not None:  # RAM only: a block dropped while we waited is a miss
             loaded = self._read_disk(disk_nodes)
             blocks = [b if b is not None else loaded.get(p.key) for p, b in zip(path, blocks)]
         good = 0

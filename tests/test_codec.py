@@ -177,7 +177,7 @@ def test_state_snapshots_and_absent_layers_roundtrip():
     assert same(a, s1) and b is None and same(c, s2)
     assert out.layers[4].arrays == [None, None]
     assert same(out.layers[5].arrays[0], s3)
-    assert out.has_state and out.nbytes == block.nbytes
+    assert out.nbytes == block.nbytes
 
 
 def test_empty_block_roundtrips():

@@ -1,0 +1,245 @@
+"""Radix index and block keys.
+
+The index is checked against a naive model (a set of token-tuple prefixes per
+model); keys are checked for stability across processes, isolation between
+models and namespaces, and chaining."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+from hypothesis import assume, given, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import Bundle, RuleBasedStateMachine, initialize, invariant, precondition, rule
+
+from kvstore.hashing import KeyChain, as_tokens, chain_key, root_key
+from kvstore.index import RadixIndex
+
+SETTINGS = settings(max_examples=40, deadline=None)
+ROOT = Path(__file__).resolve().parent.parent
+
+# ------------------------------------------------------------------ index model
+
+MODELS = ("model-a", "model-b")
+paths = st.lists(st.integers(0, 3), min_size=1, max_size=5).map(tuple)
+
+
+class IndexModel(RuleBasedStateMachine):
+    """Each block holds one token, so a node at depth d covers tokens [d-1, d).
+    The model is the set of indexed token prefixes (prefix-closed) per model."""
+
+    def __init__(self):
+        super().__init__()
+        self.index = RadixIndex()
+        self.model: dict[str, set[tuple]] = {m: set() for m in MODELS}
+        self.pins: dict[tuple[str, tuple], int] = {}
+
+    def keys(self, m: str, path: tuple) -> list[bytes]:
+        chain = KeyChain(root_key(m), as_tokens(path), 1)
+        return [chain.key(i) for i in range(len(path))]
+
+    def node(self, m: str, path: tuple):
+        return self.index.get(self.keys(m, path)[-1])
+
+    def root(self, m: str):
+        return self.index.root(root_key(m))
+
+    @rule(m=st.sampled_from(MODELS), path=paths)
+    def insert(self, m, path):
+        """Insert every block of ``path`` in order; existing blocks are returned as they are."""
+        parent = self.root(m)
+        for d, key in enumerate(self.keys(m, path)):
+            before = self.index.get(key)
+            node = self.index.add(parent, key, d, 1, first=path[d])
+            assert before is None or node is before
+            assert node.parent is parent and node.start == d and node.end == d + 1
+            self.model[m].add(path[: d + 1])
+            parent = node
+
+    @rule(m=st.sampled_from(MODELS), path=paths)
+    def match(self, m, path):
+        """``match`` returns the longest indexed prefix, block by block."""
+        want = max((d for d in range(len(path) + 1) if path[:d] in self.model[m] or d == 0))
+        result = self.index.match(self.root(m), self.keys(m, path))
+        assert result.length == want
+        assert [n.key for n in result.nodes] == self.keys(m, path)[:want]
+        if want:
+            assert result.last.path() == result.nodes
+
+    @precondition(lambda self: any(self.model.values()))
+    @rule(data=st.data())
+    def remove_subtree(self, data):
+        """``remove`` drops exactly the node and everything below it."""
+        m = data.draw(st.sampled_from([m for m in MODELS if self.model[m]]))
+        path = data.draw(st.sampled_from(sorted(self.model[m])))
+        gone = {p for p in self.model[m] if p[: len(path)] == path}
+        node = self.node(m, path)
+        dropped = self.index.remove(node)
+        assert {n.key for n in dropped} == {self.keys(m, p)[-1] for p in gone}
+        self.model[m] -= gone
+        for p in gone:
+            self.pins.pop((m, p), None)
+        with pytest.raises(KeyError):  # a removed block cannot take children
+            self.index.add(node, b"x" * 16, node.end, 1)
+
+    @precondition(lambda self: any(self.model.values()))
+    @rule(data=st.data(), pin=st.booleans())
+    def pin_unpin(self, data, pin):
+        """Pins count per block, along a whole path at once."""
+        m = data.draw(st.sampled_from([m for m in MODELS if self.model[m]]))
+        path = data.draw(st.sampled_from(sorted(self.model[m])))
+        nodes = self.node(m, path).path()
+        prefixes = [path[: d + 1] for d in range(len(path))]
+        if pin:
+            RadixIndex.pin(nodes)
+            for p in prefixes:
+                self.pins[(m, p)] = self.pins.get((m, p), 0) + 1
+        elif all(self.pins.get((m, p), 0) > 0 for p in prefixes):
+            RadixIndex.unpin(nodes)
+            for p in prefixes:
+                self.pins[(m, p)] -= 1
+
+    @invariant()
+    def agrees_with_model(self):
+        """len, iteration, membership, leaves and pins agree with the model."""
+        expect = {self.keys(m, p)[-1]: (m, p) for m in MODELS for p in self.model[m]}
+        assert len(self.index) == len(expect)
+        assert {n.key for n in self.index} == set(expect)
+        for key, (m, p) in expect.items():
+            assert key in self.index
+            node = self.index.get(key)
+            assert node.end == len(p)
+            assert RadixIndex.is_leaf(node) == (not any(q[: len(p)] == p and len(q) > len(p) for q in self.model[m]))
+            assert node.pins == self.pins.get((m, p), 0)
+
+
+TestIndexAgreesWithModel = IndexModel.TestCase
+TestIndexAgreesWithModel.settings = settings(max_examples=60, stateful_step_count=30, deadline=None)
+
+
+def test_add_checks_parent_and_position():
+    """A block must start where its parent ends, under an indexed parent."""
+    idx = RadixIndex()
+    root = idx.root(root_key("m"))
+    a = idx.add(root, b"a" * 16, 0, 4)
+    with pytest.raises(ValueError):
+        idx.add(a, b"b" * 16, 5, 4)
+    b = idx.add(a, b"b" * 16, 4, 4)
+    idx.remove(a)
+    with pytest.raises(KeyError):
+        idx.add(b, b"c" * 16, 8, 4)
+    assert len(idx) == 0 and idx.match(root, [b"a" * 16]).length == 0
+
+
+# ------------------------------------------------------------------------ keys
+
+_KEYS_SNIPPET = """
+import json, sys
+from kvstore.hashing import KeyChain, as_tokens, root_key
+out = []
+for model, ns, toks in json.loads(sys.argv[1]):
+    c = KeyChain(root_key(model, ns), as_tokens(toks), 4)
+    out.append([root_key(model, ns).hex()] + [c.key(i).hex() for i in range(c.n_full)] + [c.tail_key(c.n_full, len(toks) % 4).hex()])
+print(json.dumps(out))
+"""
+
+CASES = [["m", None, list(range(10))], ["m", "tenant", [5, 6, 7, 8, 9]], ["other/model", None, [2**31 - 1] * 9]]
+
+
+def keys_in_process(seed: str) -> list:
+    env = dict(os.environ, PYTHONHASHSEED=seed)
+    out = subprocess.run([sys.executable, "-c", _KEYS_SNIPPET, json.dumps(CASES)], env=env, cwd=ROOT,
+                         capture_output=True, text=True, timeout=60, check=True)
+    return json.loads(out.stdout)
+
+
+def test_keys_are_stable_across_processes():
+    """Keys depend only on explicit bytes: processes with different hash seeds agree."""
+    assert keys_in_process("1") == keys_in_process("4242")
+
+
+def test_keys_are_pinned():
+    """Keys are part of the on-disk format: block i's key is
+    xxh3_128(key of block i-1 || its tokens as little-endian int32), from a
+    root fingerprinting the model, and these exact values must never change."""
+    import struct
+
+    import xxhash
+
+    root = xxhash.xxh3_128_digest(b"kvstore-root-v1\x00" + struct.pack("<I", 1) + b"m")
+    block0 = xxhash.xxh3_128_digest(root + struct.pack("<4i", 1, 2, 3, 4))
+    tail = xxhash.xxh3_128_digest(block0 + struct.pack("<i", 5))
+    c = KeyChain(root_key("m"), as_tokens([1, 2, 3, 4, 5]), 4)
+    assert (root_key("m"), c.key(0), c.tail_key(1, 1)) == (root, block0, tail)
+    assert root.hex() == "6828c6d6487563379802331a43e5ccec"
+    assert block0.hex() == "00d952903a1311374743d25029f0527f"
+    assert tail.hex() == "2303607334d6415859b47dcc7c0236d7"
+
+
+@SETTINGS
+@given(a=st.tuples(st.text(max_size=6), st.none() | st.text(max_size=6)),
+       b=st.tuples(st.text(max_size=6), st.none() | st.text(max_size=6)))
+def test_root_keys_separate_models_and_namespaces(a, b):
+    """Different (model, namespace) pairs never share a root key (no namespace
+    differs from the empty namespace; concatenations do not collide)."""
+    assume(a != b)
+    assert root_key(*a) != root_key(*b)
+
+
+def test_root_key_accepts_bytes_and_str_alike():
+    """A model key given as str or as its UTF-8 bytes is the same model."""
+    assert root_key("modèle") == root_key("modèle".encode())
+
+
+@SETTINGS
+@given(toks=st.lists(st.integers(0, 2**31 - 1), min_size=1, max_size=40), bs=st.integers(1, 8), data=st.data())
+def test_keys_are_chained(toks, bs, data):
+    """Changing token j changes the keys of block j // bs and every later block,
+    and no earlier one."""
+    j = data.draw(st.integers(0, len(toks) - 1))
+    other = list(toks)
+    other[j] = (toks[j] + data.draw(st.integers(1, 1000))) % 2**31
+    a = KeyChain(root_key("m"), as_tokens(toks), bs)
+    b = KeyChain(root_key("m"), as_tokens(other), bs)
+    for i in range(a.n_full):
+        assert (a.key(i) == b.key(i)) == (i < j // bs)
+    assert a.n_full == b.n_full
+
+
+@SETTINGS
+@given(toks=st.lists(st.integers(0, 2**31 - 1), min_size=1, max_size=40), bs=st.integers(1, 8))
+def test_tail_keys_extend_the_chain(toks, bs):
+    """A partial block's key hashes its tokens onto its parent's key; a full
+    length tail key is the block key; tails of different lengths differ."""
+    c = KeyChain(root_key("m"), as_tokens(toks), bs)
+    for i in range(c.n_full):
+        assert c.tail_key(i, bs) == c.key(i) == chain_key(c.parent(i), as_tokens(toks[i * bs:(i + 1) * bs]))
+    i = c.n_full
+    tails = {c.tail_key(i, n) for n in range(1, len(toks) - i * bs + 1)}
+    assert len(tails) == len(toks) - i * bs
+
+
+def test_keys_of_other_models_and_namespaces_differ():
+    """The same tokens hash differently under another model or namespace."""
+    t = as_tokens(range(8))
+    keys = {KeyChain(root_key(m, ns), t, 4).key(1) for m in ("a", "b") for ns in (None, "x", "y")}
+    assert len(keys) == 6
+
+
+def test_as_tokens_normalizes_and_validates():
+    """Lists and any integer array give the same int32 tokens; what int32
+    cannot hold, floats and nested sequences are refused."""
+    ref = as_tokens([1, 2, 3])
+    assert ref.dtype == np.dtype("<i4")
+    for same in (np.array([1, 2, 3], np.int64), np.array([1, 2, 3], np.uint16), (1, 2, 3)):
+        assert np.array_equal(as_tokens(same), ref) and as_tokens(same).dtype == np.dtype("<i4")
+    assert len(as_tokens([])) == 0
+    for bad in ([-1], [2**31], [1.5], [[1, 2]]):
+        with pytest.raises(ValueError):
+            as_tokens(bad)

@@ -1,0 +1,75 @@
+"""`kvstore serve` is mlx-lm's server on the store: a real process on loopback."""
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+
+import pytest
+
+from tools.tiny_models import make_tiny_model
+
+SYSTEM = "You are a helpful assistant who answers briefly. " * 30
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start(model, store, port, log):
+    cmd = [sys.executable, "-m", "kvstore.cli", "serve", "--model", str(model), "--ssd-path", str(store),
+           "--budget-gb", "1", "--block-size", "64", "--host", "127.0.0.1", "--port", str(port)]
+    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
+    deadline = time.time() + 120
+    while time.time() < deadline:
+        assert proc.poll() is None, "server exited during start-up"
+        try:
+            socket.create_connection(("127.0.0.1", port), timeout=1).close()
+            return proc
+        except OSError:
+            time.sleep(0.3)
+    proc.kill()
+    pytest.fail("server did not start")
+
+
+def chat(port, question):
+    body = {"messages": [{"role": "system", "content": SYSTEM}, {"role": "user", "content": question}],
+            "max_tokens": 8, "temperature": 0}
+    req = urllib.request.Request(f"http://127.0.0.1:{port}/v1/chat/completions", json.dumps(body).encode(),
+                                 {"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=120) as r:
+        return json.load(r)["usage"]
+
+
+def stop(proc):
+    proc.send_signal(signal.SIGTERM)  # must flush the store, not die mid-write
+    assert proc.wait(timeout=60) == 0
+
+
+def test_serve_reports_cached_tokens_and_keeps_them_across_restart(tmp_path):
+    model = make_tiny_model("llama", tmp_path / "model")
+    store = tmp_path / "store"
+    port = free_port()
+    with open(tmp_path / "server.log", "wb") as log:
+        proc = start(model, store, port, log)
+        try:
+            first = chat(port, "hello there")
+            second = chat(port, "how are you today")
+        finally:
+            stop(proc)
+        assert first["prompt_tokens_details"]["cached_tokens"] == 0
+        # the shared system prompt (a few hundred tokens) came from the store
+        assert second["prompt_tokens_details"]["cached_tokens"] > 0.8 * first["prompt_tokens"]
+
+        proc = start(model, store, port, log)
+        try:
+            third = chat(port, "what is new")
+        finally:
+            stop(proc)
+    assert third["prompt_tokens_details"]["cached_tokens"] > 0.8 * first["prompt_tokens"]
