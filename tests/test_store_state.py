@@ -100,6 +100,18 @@ class StoreMachine(RuleBasedStateMachine):
             assert hit.length == best, f"lost data: hit of {hit.length} tokens, {best} were put"
         assert_hit_is(hit, p, hit.length, self.config.kv_bits)
 
+    @precondition(lambda self: self.puts)
+    @rule(data=st.data(), extra=st.lists(st.integers(0, 3), max_size=5))
+    def fetch_put_prompt(self, data, extra):
+        """A prompt put before (possibly continued) is served in full when nothing was lost."""
+        p = data.draw(st.sampled_from(self.puts)) + tuple(extra)
+        hit = self.store.fetch(MODEL, list(p))
+        best = self.longest_put(p)
+        assert hit.length <= best
+        if self.lossless:
+            assert hit.length == best
+        assert_hit_is(hit, p, hit.length, self.config.kv_bits)
+
     @rule()
     def flush(self):
         self.store.flush()
@@ -116,7 +128,7 @@ class StoreMachine(RuleBasedStateMachine):
             self.lossless = self.budget == LARGE
             assert len(self.store) == 0
 
-    @rule(budget=st.sampled_from(SMALL_BUDGETS + [LARGE]))
+    @rule(budget=st.sampled_from(SMALL_BUDGETS + [LARGE] * 3))
     def set_budget(self, budget):
         self.store.set_budget(budget / GB)
         self.budget = budget
@@ -163,5 +175,5 @@ def test_store_state_machine(name, tmp_path):
     never exceed the RAM budget, and lose nothing that SSD should keep."""
     machine = type(f"StoreMachine_{name}", (StoreMachine,), {"config": CONFIGS[name], "tmp": str(tmp_path)})
     run_state_machine_as_test(machine, settings=settings(
-        max_examples=25, stateful_step_count=25, deadline=None,
+        max_examples=40, stateful_step_count=30, deadline=None,
         suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much]))

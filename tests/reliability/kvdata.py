@@ -121,3 +121,13 @@ def writer_prompt(seed: int, i: int) -> np.ndarray:
     n = int(rng.integers(20, 120))
     plen = int(rng.choice([0, 16, 24, 40]))
     return tokens(seed * 1_000_000 + i, n, shared_prefix(int(rng.integers(4)), plen))
+
+
+def run_verify(path, repair: bool = False, timeout: float = 60):
+    """``kvstore verify PATH [--repair]`` in a subprocess: (exit code, output)."""
+    import subprocess
+
+    cmd = kvstore_cli() + ["verify", str(path)] + (["--repair"] if repair else [])
+    p = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout,
+                       env=dict(os.environ, COLUMNS="200", NO_COLOR="1"))
+    return p.returncode, p.stdout + p.stderr
