@@ -1,0 +1,536 @@
+"""PrefixStore contract, rule by rule."""
+
+from __future__ import annotations
+
+import stat
+import threading
+
+import lmdb
+import mlx.core as mx
+import numpy as np
+import pytest
+
+from kvstore.errors import LayoutError, StoreOpenError
+from kvstore.hashing import KeyChain, as_tokens, root_key
+from kvstore.layers import KVLayer, Quantized, StateLayer
+from kvstore.store import GB, PrefixStore
+
+from ._helpers import assert_hit_is, dq, kv_layers, rows, same, state_at
+
+BS = 8
+M = "test-model"
+BLOCK_BYTES = 4 * (BS * 32 * 2) + BS * 4  # 2 layers x (K, V) of [1, 1, 8, 32] float16, plus tokens
+
+
+def toks(n: int, start: int = 1000) -> list[int]:
+    return list(range(start, start + n))
+
+
+@pytest.fixture
+def store():
+    s = PrefixStore(budget_gb=1, block_size=BS)
+    yield s
+    s.close()
+
+
+@pytest.fixture
+def ssd(tmp_path):
+    opened = []
+
+    def open_(**kw):
+        kw = dict(dict(budget_gb=1, block_size=BS, ssd_path=tmp_path / "store", disk_budget_gb=1), **kw)
+        s = PrefixStore(**kw)
+        opened.append(s)
+        return s
+
+    yield open_
+    for s in opened:
+        s.close()
+
+
+def put(store, p, **kw):
+    return store.put(M, p, kv_layers(p, **kw))
+
+
+# --------------------------------------------------------------- dedup, hits
+
+
+def test_put_stores_only_blocks_not_stored_yet(store):
+    """A prompt sharing a prefix with stored ones adds only its new blocks; put
+    returns how many; putting the same prompt again adds nothing."""
+    a = toks(20)  # blocks [0,8) [8,16) and a tail [16,20)
+    assert put(store, a) == 3
+    store.flush()
+    assert store.stats()["ram_blocks"] == 3
+    b = a[:16] + toks(10, 5000)  # shares two full blocks, then [16,24) and a tail [24,26)
+    assert put(store, b) == 2
+    store.flush()
+    ram = store.stats()["ram_bytes"]
+    assert store.stats()["ram_blocks"] == 5 and len(store) == 5
+    assert put(store, a) == 0 and put(store, b) == 0
+    store.flush()
+    assert store.stats()["ram_bytes"] == ram and store.stats()["puts"] == 4
+    assert_hit_is(store.fetch(M, a), a, 20)
+    assert_hit_is(store.fetch(M, b), b, 26)
+
+
+def test_short_prompt_is_served_from_its_tail_block(store):
+    """A prompt shorter than a block is kept as a tail block and served exactly,
+    also inside a longer prompt and down to token granularity."""
+    p = toks(5)
+    assert put(store, p) == 1
+    assert_hit_is(store.fetch(M, p), p, 5)
+    assert_hit_is(store.fetch(M, p + [1, 2, 3, 4, 5, 6]), p + [1, 2, 3, 4, 5, 6], 5)
+    assert_hit_is(store.fetch(M, p[:3]), p[:3], 3)
+    assert_hit_is(store.fetch(M, p[:2] + [7, 7]), p[:2] + [7, 7], 2)
+    assert not store.fetch(M, [7] + p)
+
+
+def test_prompts_diverging_mid_block_hit_to_the_token(store):
+    """The hit ends exactly where the prompt diverges, even inside a block,
+    and carries the KV of the shared tokens."""
+    a = toks(24)
+    put(store, a)
+    for shared in (1, 3, 8, 13, 16, 23):
+        b = a[:shared] + toks(6, 9000)
+        assert_hit_is(store.fetch(M, b), b, shared)
+        assert store.contains(M, b) == shared
+
+
+def test_limit_caps_the_hit(store):
+    """``limit`` bounds the hit (``len - 1`` leaves one token for the engine to process)."""
+    a = toks(24)
+    put(store, a)
+    assert_hit_is(store.fetch(M, a, limit=len(a) - 1), a, 23)
+    assert_hit_is(store.fetch(M, a, limit=16), a, 16)
+    assert_hit_is(store.fetch(M, a, limit=100), a, 24)
+    assert not store.fetch(M, a, limit=0)
+
+
+def test_empty_prompt_is_a_miss(store):
+    """Nothing is stored for, or served to, an empty prompt."""
+    assert store.put(M, [], kv_layers([1])[:0] or [KVLayer(mx.zeros((1, 1, 0, 32)), mx.zeros((1, 1, 0, 32)))]) == 0
+    assert not store.fetch(M, [])
+    put(store, toks(8))
+    assert not store.fetch(M, [])
+
+
+def test_hits_report_which_tier_served_them(ssd):
+    """``ram_tokens`` and ``ssd_tokens`` split the hit; blocks read from SSD are promoted to RAM."""
+    a = toks(20)
+    s = ssd()
+    put(s, a)
+    s.close()
+    s = ssd()
+    hit = s.fetch(M, a)
+    assert (hit.ram_tokens, hit.ssd_tokens) == (0, 20)
+    hit = s.fetch(M, a)
+    assert (hit.ram_tokens, hit.ssd_tokens) == (20, 0)
+    st = s.stats()
+    assert st["hits"] == 2 and st["tokens_ssd"] == 20 and st["tokens_ram"] == 20
+
+
+# ------------------------------------------------------------ recurrent state
+
+
+def state_layers(p):
+    return [kv_layers(p, n_layers=1)[0], state_at(p)]
+
+
+def assert_state_hit(hit, p, length):
+    assert hit.length == length
+    if not length:
+        return
+    kv, state = hit.layers
+    (k, v), = [(l.keys, l.values) for l in kv_layers(p[:length], n_layers=1)]
+    assert same(kv.keys, k) and same(kv.values, v) and kv.start == 0
+    assert isinstance(state, StateLayer)
+    want = state_at(p[:length])
+    assert same(state.arrays[0], want.arrays[0]) and state.arrays[1] is None
+
+
+def test_state_model_hits_only_where_a_snapshot_was_taken(store):
+    """A recurrent state is valid at one position: a model with state layers
+    is served only at lengths where a snapshot is stored."""
+    p = toks(30)
+    store.put(M, p[:24], state_layers(p[:24]))  # one snapshot, at 24
+    assert_state_hit(store.fetch(M, p), p, 24)
+    assert_state_hit(store.fetch(M, p[:24]), p, 24)
+    for n in (23, 20, 16, 9, 8):
+        assert_state_hit(store.fetch(M, p[:n]), p, 0)
+
+
+def test_state_snapshots_at_every_block_boundary(store):
+    """Puts at block boundaries (as the generation helper does) give a
+    snapshot at each, and every one of them is servable."""
+    p = toks(30)
+    for n in (8, 16, 24):
+        store.put(M, p[:n], state_layers(p[:n]))
+    for n, want in ((30, 24), (24, 24), (23, 16), (16, 16), (15, 8), (8, 8), (7, 0)):
+        assert_state_hit(store.fetch(M, p[:n]), p, want)
+        assert store.contains(M, p[:n]) == want
+
+
+@pytest.mark.parametrize("on_ssd", [False, True])
+def test_adding_a_snapshot_keeps_longer_prefixes(store, ssd, on_ssd):
+    """Putting a shorter prefix later (adding a snapshot to a block stored
+    without one) does not lose what was stored beyond it."""
+    s = ssd() if on_ssd else store
+    p = toks(24)
+    s.put(M, p, state_layers(p))
+    assert s.put(M, p[:16], state_layers(p[:16])) == 1  # re-encodes block [8,16) with its snapshot
+    s.flush()
+    assert_state_hit(s.fetch(M, p), p, 24)
+    assert_state_hit(s.fetch(M, p[:20]), p, 16)
+    if on_ssd:
+        s.close()
+        s = ssd()
+        assert_state_hit(s.fetch(M, p[:20]), p, 16)
+        assert_state_hit(s.fetch(M, p), p, 24)
+
+
+# -------------------------------------------------------------- sliding window
+
+
+def window_layers(p, window, start=0):
+    """A full-attention layer and a sliding-window layer holding rows [start, len(p))."""
+    full, win = kv_layers(p)
+    return [full, KVLayer(win.keys[..., start:, :], win.values[..., start:, :], start, window)]
+
+
+def assert_window_hit(hit, p, length, window):
+    assert hit.length == length
+    full, win = hit.layers
+    (fk, fv), (wk, wv) = [(l.keys, l.values) for l in kv_layers(p[:length])]
+    assert full.start == 0 and same(full.keys, fk) and same(full.values, fv)
+    lo = max(0, length - window)
+    assert win.window == window and win.start == lo and win.stop == length
+    assert same(win.keys, wk[..., lo:, :]) and same(win.values, wv[..., lo:, :])
+
+
+def test_sliding_window_layer_restores_only_its_window(store):
+    """A sliding-window layer comes back as rows [L - window, L) only."""
+    p = toks(32)
+    store.put(M, p, window_layers(p, window=12))
+    assert_window_hit(store.fetch(M, p), p, 32, 12)
+    assert_window_hit(store.fetch(M, p[:27]), p, 27, 12)
+    assert_window_hit(store.fetch(M, p[:5]), p, 5, 12)
+
+
+def test_sliding_window_layer_given_only_its_window(store):
+    """An engine that hands in only the window's rows (start > 0) is served
+    where those rows cover [L - window, L), and never at a length that needs
+    rows it did not give."""
+    p = toks(32)
+    store.put(M, p, window_layers(p, window=16, start=16))
+    assert_window_hit(store.fetch(M, p), p, 32, 16)
+    assert_window_hit(store.fetch(M, p + [1, 2, 3]), p, 32, 16)
+    for n in (31, 24, 16, 8):  # would need rows before 16
+        assert not store.fetch(M, p[:n])
+
+
+def test_full_attention_layer_missing_rows_is_not_stored(store):
+    """Rows a full-attention layer lacks can't be made up: nothing before them is stored."""
+    p = toks(16)
+    full, other = kv_layers(p)
+    short = KVLayer(other.keys[..., 8:, :], other.values[..., 8:, :], 8)
+    assert store.put(M, p, [full, short]) == 0
+    assert not store.fetch(M, p)
+
+
+# ------------------------------------------------------------------ quantized
+
+
+def test_quantized_fetch_returns_quantized_arrays(store):
+    """``quantized=(bits, group_size)`` hands back ``Quantized`` KV equal to
+    quantizing the stored rows with those settings."""
+    p = toks(20)
+    put(store, p)
+    hit = store.fetch(M, p, quantized=(8, 32))
+    assert hit.length == 20
+    for layer, ref in zip(hit.layers, kv_layers(p)):
+        for got, x in ((layer.keys, ref.keys), (layer.values, ref.values)):
+            assert isinstance(got, Quantized) and (got.bits, got.group_size) == (8, 32)
+            assert got.shape == x.shape
+            assert all(same(a, b) for a, b in zip(got.arrays(), mx.quantize(x, group_size=32, bits=8)))
+
+
+def test_kv_bits_store_quantizes_per_key_and_value(store):
+    """``kv_bits=(8, 4)`` keeps keys at 8 and values at 4 bits; fetch dequantizes."""
+    s = PrefixStore(budget_gb=1, block_size=BS, kv_bits=(8, 4), kv_group_size=32)
+    try:
+        p = toks(20)
+        put(s, p)
+        hit = s.fetch(M, p)
+        for layer, ref in zip(hit.layers, kv_layers(p)):
+            assert same(layer.keys, dq(ref.keys, 8, 32)) and same(layer.values, dq(ref.values, 4, 32))
+        q = s.fetch(M, p, quantized=(8, 32)).layers[0]
+        assert q.keys.bits == 8 and q.values.bits == 8
+    finally:
+        s.close()
+
+
+def test_reopening_with_other_kv_bits_reads_old_entries(ssd):
+    """Entries remember their own settings: a store reopened with other
+    ``kv_bits`` serves old entries as stored and new ones in its settings."""
+    a = toks(16)
+    s = ssd(kv_bits=None)
+    put(s, a)
+    s.close()
+    s = ssd(kv_bits=4, kv_group_size=32)
+    assert_hit_is(s.fetch(M, a), a, 16)  # old dense entries: exact
+    b = a + toks(8, 7000)
+    assert put(s, b) == 1
+    hit = s.fetch(M, b)
+    assert hit.length == 24
+    for layer, ref in zip(hit.layers, kv_layers(b)):
+        assert same(layer.keys[..., :16, :], ref.keys[..., :16, :])
+        assert same(layer.keys[..., 16:, :], dq(ref.keys[..., 16:, :], 4, 32))
+        assert same(layer.values[..., 16:, :], dq(ref.values[..., 16:, :], 4, 32))
+    s.close()
+    s = ssd(kv_bits=None)
+    hit = s.fetch(M, b)  # and a dense store reads the 4-bit entries back
+    assert hit.length == 24
+    for layer, ref in zip(hit.layers, kv_layers(b)):
+        assert same(layer.values[..., 16:, :], dq(ref.values[..., 16:, :], 4, 32))
+
+
+# ------------------------------------------------------------------ isolation
+
+
+def test_models_do_not_share_blocks(store):
+    """Identical prompts of different models never hit each other's KV."""
+    p = toks(20)
+    put(store, p)
+    assert not store.fetch("another-model", p)
+    assert not store.fetch(M.encode() + b"\0", p)
+    other = [KVLayer(l.keys + 1, l.values + 1) for l in kv_layers(p)]
+    assert store.put("another-model", p, other) == 3
+    assert_hit_is(store.fetch(M, p), p, 20)
+    assert same(store.fetch("another-model", p).layers[0].keys, other[0].keys)
+
+
+def test_namespaces_do_not_share_blocks(ssd):
+    """Stores of different namespaces on one SSD path never see each other's
+    blocks; the same namespace does."""
+    p = toks(20)
+    s = ssd(namespace="tenant-a")
+    put(s, p)
+    s.close()
+    for ns in ("tenant-b", None, ""):
+        s = ssd(namespace=ns)
+        assert not s.fetch(M, p) and s.contains(M, p) == 0
+        s.close()
+    s = ssd(namespace="tenant-a")
+    assert_hit_is(s.fetch(M, p), p, 20)
+
+
+# --------------------------------------------------------------------- layout
+
+
+@pytest.mark.parametrize("make,match", [
+    (lambda p: [KVLayer(rows(p, 0, heads=2), rows(p, 1, heads=1))], r"layer 0: keys .* and values .* must share"),
+    (lambda p: [kv_layers(p)[0], KVLayer(rows(p[:-1], 0), rows(p[:-1], 1))], r"layer 1: rows cover tokens \[0, 7\) but the prompt has 8"),
+    (lambda p: [KVLayer(rows(p, 0)[0], rows(p, 1)[0])], r"layer 0: keys/values must be \[batch, heads, tokens, dim\]"),
+    (lambda p: [KVLayer(mx.concatenate([rows(p, 0)] * 2), mx.concatenate([rows(p, 1)] * 2))], r"batch \(1\)"),
+    (lambda p: [kv_layers(p)[0], "not a layer"], r"layer 1: expected KVLayer or StateLayer, got str"),
+    (lambda p: [], r"non-empty list"),
+    (lambda p: [KVLayer(rows(p, 0), rows(p, 1), start=3)], r"rows cover tokens \[3, 11\)"),
+])
+def test_put_of_mismatched_arrays_raises_layout_error(store, make, match):
+    """Arrays that do not fit together or the tokens raise LayoutError (a
+    ValueError) naming the layer and the shapes; nothing is stored."""
+    p = toks(8)
+    with pytest.raises(LayoutError, match=match):
+        store.put(M, p, make(p))
+    assert len(store) == 0
+    with pytest.raises(ValueError):
+        store.put(M, p, make(p))
+
+
+def test_bad_tokens_raise_value_error(store):
+    """Token ids must be flat non-negative int32."""
+    for bad in ([-1] * 8, [2**31] * 8, [[1] * 8]):
+        with pytest.raises(ValueError):
+            store.put(M, bad, kv_layers(toks(8)))
+
+
+# --------------------------------------------------------------- disk tier
+
+
+def test_store_directory_is_private(tmp_path):
+    """The store directory is created with mode 0o700 (parents as needed), its files 0o600."""
+    path = tmp_path / "a" / "b" / "store"
+    with PrefixStore(budget_gb=1, ssd_path=path, block_size=BS) as s:
+        put(s, toks(8))
+    assert stat.S_IMODE(path.stat().st_mode) == 0o700
+    assert stat.S_IMODE((path / "data.mdb").stat().st_mode) == 0o600
+
+
+def test_foreign_paths_are_refused(tmp_path):
+    """ssd_path must be new, empty or a kvstore store: a file or a directory
+    of other files is refused with StoreOpenError, and left untouched."""
+    f = tmp_path / "file"
+    f.write_text("x")
+    with pytest.raises(StoreOpenError, match="is a file"):
+        PrefixStore(ssd_path=f)
+    d = tmp_path / "dir"
+    d.mkdir()
+    (d / "notes.txt").write_text("x")
+    with pytest.raises(StoreOpenError, match="not a kvstore store"):
+        PrefixStore(ssd_path=d)
+    assert f.read_text() == "x" and sorted(p.name for p in d.iterdir()) == ["notes.txt"]
+
+
+def test_readonly_store_serves_but_refuses_writes(ssd, tmp_path):
+    """A read-only store fetches what is on disk and refuses put."""
+    p = toks(20)
+    s = ssd()
+    put(s, p)
+    s.close()
+    ro = ssd(readonly=True)
+    assert_hit_is(ro.fetch(M, p), p, 20)
+    with pytest.raises(RuntimeError):
+        put(ro, p)
+    with pytest.raises(StoreOpenError):
+        PrefixStore(ssd_path=tmp_path / "missing", readonly=True)
+
+
+def _corrupt(path, key: bytes, how) -> None:
+    env = lmdb.open(str(path), max_dbs=8, subdir=True)
+    db = env.open_db(b"blocks", create=False)
+    with env.begin(write=True) as txn:
+        buf = bytearray(txn.get(key, db=db))
+        txn.put(key, how(buf), db=db)
+    env.close()
+
+
+@pytest.mark.parametrize("how", [
+    pytest.param(lambda b: bytes(b[:-1] + bytes([b[-1] ^ 0xFF])), id="flipped"),
+    pytest.param(lambda b: bytes(b[: len(b) // 2]), id="truncated"),
+    pytest.param(lambda b: b"garbage", id="garbage"),
+])
+def test_corrupt_block_on_disk_shortens_the_hit(ssd, tmp_path, how):
+    """A bad block is a miss from there on: fetch serves the good prefix
+    before it, never raises, counts it, and removes it."""
+    p = toks(32)
+    s = ssd()
+    put(s, p)
+    s.close()
+    _corrupt(tmp_path / "store", KeyChain(root_key(M), as_tokens(p), BS).key(2), how)
+    s = ssd()
+    assert_hit_is(s.fetch(M, p), p, 16)
+    assert s.stats()["corrupt_blocks"] == 1
+    assert_hit_is(s.fetch(M, p), p, 16)
+    assert put(s, p) == 2  # the bad block (and what hung below it) can be stored again
+    s.flush()
+    assert_hit_is(s.fetch(M, p), p, 32)
+
+
+# ------------------------------------------------------------------ budgets
+
+
+def test_ram_eviction_keeps_the_prefix_that_fits(store):
+    """RAM only, a prompt larger than the budget: eviction takes leaves first,
+    so the longest prefix that fits stays servable (not nothing)."""
+    store.set_budget(2.5 * BLOCK_BYTES / GB)
+    p = toks(40)
+    put(store, p)
+    store.flush()
+    assert store.stats()["ram_bytes"] <= store.stats()["ram_budget"]
+    assert_hit_is(store.fetch(M, p), p, 16)
+
+
+def test_ram_eviction_is_least_recently_used(store):
+    """The prompt fetched most recently survives; the other one is evicted."""
+    a, b = toks(16, 1000), toks(16, 2000)
+    put(store, a)
+    put(store, b)
+    store.flush()
+    assert store.fetch(M, a)
+    store.set_budget(2.5 * BLOCK_BYTES / GB)
+    assert_hit_is(store.fetch(M, a), a, 16)
+    assert not store.fetch(M, b)
+
+
+def test_shrinking_the_budget_evicts_at_once(store):
+    """``set_budget`` below what is held evicts immediately; 0 holds nothing."""
+    for i in range(4):
+        put(store, toks(16, 1000 * i))
+    store.flush()
+    assert store.nbytes == 8 * BLOCK_BYTES
+    store.set_budget(3 * BLOCK_BYTES / GB)
+    assert store.nbytes <= 3 * BLOCK_BYTES
+    store.set_budget(0)
+    assert store.nbytes == 0 and store.stats()["ram_blocks"] == 0
+
+
+def test_no_ram_budget_with_ssd_keeps_everything_on_disk(ssd):
+    """With a RAM budget of 0 every block goes to SSD, none is lost, and a
+    fetch right after put (writes still in flight) already serves it all."""
+    s = ssd(budget_gb=0)
+    p = toks(40)
+    assert put(s, p) == 5
+    assert_hit_is(s.fetch(M, p), p, 40)
+    s.flush()
+    st = s.stats()
+    assert st["ram_bytes"] == 0 and st["ssd_blocks"] == 5
+    s.close()
+    s = ssd(budget_gb=0)
+    assert_hit_is(s.fetch(M, p), p, 40)
+
+
+def test_blocks_read_from_ssd_respect_the_ram_budget(ssd):
+    """Promoting blocks read from SSD never leaves RAM above its budget."""
+    p = toks(40)
+    s = ssd()
+    put(s, p)
+    s.close()
+    s = ssd(budget_gb=2.5 * BLOCK_BYTES / GB)
+    assert_hit_is(s.fetch(M, p), p, 40)
+    st = s.stats()
+    assert 0 < st["ram_bytes"] <= st["ram_budget"]
+
+
+def test_clear_drops_everything(ssd):
+    """``clear`` empties RAM and disk: nothing is served, now or after reopening."""
+    p = toks(20)
+    s = ssd()
+    put(s, p)
+    s.clear()
+    assert not s.fetch(M, p) and len(s) == 0 and s.nbytes == 0
+    s.close()
+    s = ssd()
+    assert not s.fetch(M, p) and len(s) == 0
+
+
+# --------------------------------------------------------------- concurrency
+
+
+def test_concurrent_puts_and_fetches_never_serve_wrong_kv():
+    """Threads putting and fetching overlapping prompts under a small budget
+    only ever see correct KV."""
+    s = PrefixStore(budget_gb=6 * BLOCK_BYTES / GB, block_size=BS)
+    base = toks(12)
+    errors = []
+
+    def worker(seed):
+        rng = np.random.default_rng(seed)
+        try:
+            for _ in range(15):
+                p = base[: rng.integers(1, 12)] + [int(x) for x in rng.integers(0, 4, size=rng.integers(0, 14))]
+                if rng.random() < 0.5:
+                    put(s, p)
+                else:
+                    hit = s.fetch(M, p)
+                    assert_hit_is(hit, p, hit.length)
+        except BaseException as e:  # noqa: BLE001 - reported below
+            errors.append(e)
+
+    threads = [threading.Thread(target=worker, args=(i,)) for i in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    s.close()
+    assert not errors, errors[0]
