@@ -43,12 +43,14 @@ class Entry:
 class Catalog:
     metas: dict[bytes, dict]
     models: dict[bytes, dict]
+    bad: list[bytes] = field(default_factory=list)  # blocks whose index record is unreadable
 
     @classmethod
     def read(cls, disk: LmdbTier) -> "Catalog":
+        bad: list[bytes] = []
         with disk.reader() as txn:
-            metas = dict(disk.iter_meta(txn))
-        return cls(metas, disk.models())
+            metas = dict(disk.iter_meta(txn, bad))
+        return cls(metas, disk.models(), bad)
 
     def children(self) -> dict[bytes, list[bytes]]:
         out: dict[bytes, list[bytes]] = {}

@@ -180,9 +180,12 @@ def verify(path: Path = PathArg,
                     bad[key] = why
         for key in cat.orphans():
             bad.setdefault(key, "parent block missing (orphan)")
+        for key in cat.bad:
+            bad[key] = "index record unreadable"
         for key, why in bad.items():
-            m = cat.metas[key]
-            out.print(f"[red]bad[/red] {key.hex()[:16]} tokens {m['s']}-{m['s'] + m['n']}: {why}")
+            m = cat.metas.get(key)
+            where = f"tokens {m['s']}-{m['s'] + m['n']}" if m else "tokens ?"
+            out.print(f"[red]bad[/red] {key.hex()[:16]} {where}: {why}")
         if bad and repair:
             doomed = set(bad)
             kids = cat.children()
@@ -196,7 +199,7 @@ def verify(path: Path = PathArg,
             out.print(f"removed {n} blocks")
     finally:
         disk.close()
-    out.print(f"{len(cat.metas)} blocks checked, {len(bad)} bad")
+    out.print(f"{len(cat.metas) + len(cat.bad)} blocks checked, {len(bad)} bad")
     raise typer.Exit(1 if bad else 0)
 
 

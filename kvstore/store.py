@@ -28,7 +28,7 @@ import mlx.core as mx
 import numpy as np
 
 from .codec import Block, Codec, block_arrays, convert, deserialize, serialize
-from .errors import BlockDecodeError, LayoutError
+from .errors import BlockDecodeError, LayoutError, StoreOpenError
 from .hashing import KeyChain, as_tokens, root_key
 from .index import FULL_GAP, NO_GAP, Node, RadixIndex
 from .layers import KVLayer, Layer, Quantized, StateLayer, Tensor, take_rows
@@ -153,16 +153,21 @@ class PrefixStore:
                 key = chain.key(i) if length == bs else chain.tail_key(i, length)
                 child = self._child(node, key)
                 end_here = start + length == n
-                if child is not None and not (end_here and has_state and child.snap is False and child.job is None):
+                if child is not None and not (end_here and has_state and child.snap is False):
                     node = child
                     continue
-                if child is not None:  # stored without the state snapshot this put carries: re-encode it
-                    self._drop(child)
                 snap = (end_here if has_state else None)
                 gap = _gap(layers, start, start + length)
                 if gap == FULL_GAP:
                     break
-                node = self._index.add(node, key, start, length, int(toks[start]), snap, gap)
+                if child is not None:
+                    # Stored without the state snapshot this put carries: re-encode it in place. The
+                    # blocks below it stay (dropping them would lose other prompts' prefixes), and a job
+                    # still encoding it leaves it to this one.
+                    child.snap, child.gap = True, gap
+                    node = child
+                else:
+                    node = self._index.add(node, key, start, length, int(toks[start]), snap, gap)
                 new.append(node)
             self._counters["puts"] += 1
             self._unsaved["puts"] += 1
@@ -558,11 +563,6 @@ class PrefixStore:
             except Exception as e:
                 self._warn("delete", f"kvstore: deleting from {self._disk.path} failed: {e}")
 
-    def _drop(self, node: Node) -> None:
-        """Forget a block that is about to be stored again (keeps its disk copy
-        until the new one overwrites it)."""
-        self._forget(node)
-
     # --------------------------------------------------------- background
 
     def _ensure_worker(self) -> None:
@@ -592,11 +592,11 @@ class PrefixStore:
         try:
             for node in job.nodes:
                 with self._lock:
-                    if self._index.get(node.key) is not node:
-                        continue  # dropped meanwhile (evicted parent, clear)
+                    if self._index.get(node.key) is not node or node.job is not job:
+                        continue  # dropped meanwhile (evicted parent, clear) or re-encoded by a later put
                 block = _encode(job, node, self.codec)
                 with self._lock:
-                    if self._index.get(node.key) is not node:
+                    if self._index.get(node.key) is not node or node.job is not job:
                         continue
                     if block.nbytes <= self._ram.budget:
                         self._ram.add(node.key, block)
@@ -621,12 +621,13 @@ class PrefixStore:
             log.exception("kvstore: storing %d blocks failed; they are dropped", len(job.nodes))
             with self._lock:
                 for node in job.nodes:
-                    if self._index.get(node.key) is node and not node.in_ram and not node.on_disk:
+                    if self._index.get(node.key) is node and node.job is job and not node.in_ram and not node.on_disk:
                         self._forget(node)
         finally:
             with self._lock:
                 for node in job.nodes:
-                    node.job = None
+                    if node.job is job:
+                        node.job = None
             job.done.set()
             self._save_uses()
 
@@ -651,8 +652,9 @@ class PrefixStore:
         now = time.time()
         records = []
         for node, block in items:
-            if node.on_disk:
-                continue
+            has_state = any(isinstance(l, StateLayer) for l in block.layers)
+            if node.on_disk and not has_state:
+                continue  # already there (a block re-encoded to add its snapshot is written again)
             payload = serialize(block)
             kv, dtype = block.describe()
             parent = node.parent.key
@@ -661,7 +663,7 @@ class PrefixStore:
                 root = root.parent
             records.append(Record(node.key, parent, {
                 "p": parent, "r": root.key, "s": node.start, "n": node.length, "f": node.first,
-                "sn": node.snap, "g": node.gap, "b": len(payload), "t": block.tokens.tobytes(),
+                "sn": None if node.snap is None else has_state, "g": node.gap, "b": len(payload), "t": block.tokens.tobytes(),
                 "c": now, "u": now, "h": 0, "kv": kv, "dt": dtype}, payload))
         if not records:
             return False
@@ -728,10 +730,19 @@ class PrefixStore:
         """Rebuild the index from LMDB: every block whose parent chain is whole."""
         roots = {}
         by_parent: dict[bytes, list[tuple[bytes, dict]]] = {}
-        with self._disk.reader() as txn:
-            for key, meta in self._disk.iter_meta(txn):
-                by_parent.setdefault(meta["p"], []).append((key, meta))
-                roots[meta["r"]] = True
+        bad: list[bytes] = []
+        try:
+            with self._disk.reader() as txn:
+                for key, meta in self._disk.iter_meta(txn, bad):
+                    by_parent.setdefault(meta["p"], []).append((key, meta))
+                    roots[meta["r"]] = True
+        except Exception as e:  # LMDB's own pages are corrupt
+            self._disk.close()
+            raise StoreOpenError(f"{self._disk.path}: the store's index cannot be read ({e}). It is corrupt: "
+                                 f"move it away or delete the directory to start over.") from None
+        if bad:
+            log.warning("kvstore: %d blocks in %s have an unreadable index record and are ignored "
+                        "(`kvstore verify --repair` removes them)", len(bad), self._disk.path)
         loaded = 0
         for r in roots:
             stack = [self._index.root(r)]

@@ -49,6 +49,29 @@ def unpack(buf) -> dict:
     return msgpack.unpackb(buf, raw=False)
 
 
+_NUM = (int, float)
+_META_TYPES = {"p": bytes, "r": bytes, "s": int, "n": int, "b": int, "t": bytes, "f": int, "g": int,
+               "c": _NUM, "u": _NUM, "h": int, "sn": (bool, type(None)), "kv": str, "dt": str}
+_META_REQUIRED = ("p", "r", "s", "n", "b", "t")
+
+
+def read_meta(raw) -> Optional[dict]:
+    """A block's index record, or ``None`` when it is not a well-formed one
+    (torn or flipped bytes): such a block is treated as absent, never trusted."""
+    try:
+        meta = unpack(raw)
+    except Exception:
+        return None
+    if not isinstance(meta, dict) or any(k not in meta for k in _META_REQUIRED):
+        return None
+    for k, t in _META_TYPES.items():
+        if k in meta and (not isinstance(meta[k], t) or (t is int and isinstance(meta[k], bool))):
+            return None
+    if meta["s"] < 0 or meta["n"] < 0 or len(meta["t"]) != 4 * meta["n"]:
+        return None
+    return meta
+
+
 class _Gate:
     """Shared for transactions, exclusive for ``set_mapsize`` (which LMDB
     allows only while this process has no transaction open)."""
@@ -177,8 +200,13 @@ class LmdbTier:
 
     def _init_dbs(self) -> None:
         env = self.env
-        with env.begin() as txn:
-            names = [k for k, _ in txn.cursor()]
+        try:
+            with env.begin() as txn:
+                names = [bytes(k) for k, _ in txn.cursor()]
+        except lmdb.Error as e:
+            env.close()
+            raise StoreOpenError(f"{self.path}: data.mdb is corrupt ({e}). Move it away or delete the store "
+                                 f"directory to start over.") from None
         if names and b"meta" not in names:
             env.close()
             raise StoreOpenError(f"{self.path} is an LMDB environment of another program (no kvstore meta). "
@@ -207,8 +235,9 @@ class LmdbTier:
             env.close()
             raise StoreOpenError(
                 f"{self.path} was written by kvstore format {fmt.get('name')}/{fmt.get('version')}, this "
-                f"kvstore reads {FORMAT_NAME}/{FORMAT_VERSION}. Use a new ssd_path, or clear the old "
-                f"store with `kvstore clear {self.path} --all --yes`.")
+                f"kvstore reads {FORMAT_NAME}/{FORMAT_VERSION}. Use a new ssd_path, open it with the kvstore "
+                f"version that wrote it, or delete the directory {self.path} to start over (it is a cache); "
+                f"nothing was written.")
 
     def close(self) -> None:
         with self._gate.exclusive():
@@ -265,8 +294,9 @@ class LmdbTier:
         return txn.get(key, db=self.dbs[b"blocks"])
 
     def get_meta(self, txn: lmdb.Transaction, key: bytes) -> Optional[dict]:
+        """The block's index record; ``None`` when missing or malformed."""
         raw = txn.get(key, db=self.dbs[b"nodes"])
-        return None if raw is None else unpack(raw)
+        return None if raw is None else read_meta(raw)
 
     def children(self, txn: lmdb.Transaction, key: bytes) -> list[bytes]:
         cur = txn.cursor(db=self.dbs[b"children"])
@@ -274,9 +304,15 @@ class LmdbTier:
             return []
         return [bytes(k) for k in cur.iternext_dup()]
 
-    def iter_meta(self, txn: lmdb.Transaction) -> Iterator[tuple[bytes, dict]]:
+    def iter_meta(self, txn: lmdb.Transaction, bad: Optional[list] = None) -> Iterator[tuple[bytes, dict]]:
+        """Every well-formed index record; keys of malformed ones go to ``bad``."""
         for k, v in txn.cursor(db=self.dbs[b"nodes"]):
-            yield bytes(k), unpack(v)
+            meta = read_meta(v)
+            if meta is None:
+                if bad is not None:
+                    bad.append(bytes(k))
+                continue
+            yield bytes(k), meta
 
     def models(self) -> dict[bytes, dict]:
         with self.reader() as txn:
@@ -325,10 +361,9 @@ class LmdbTier:
 
         def fn(txn):
             for key, (when, hits) in uses.items():
-                raw = txn.get(key, db=nodes)
-                if raw is None:
+                meta = read_meta(raw) if (raw := txn.get(key, db=nodes)) is not None else None
+                if meta is None:
                     continue
-                meta = unpack(raw)
                 meta["u"] = max(meta.get("u", 0), when)
                 meta["h"] = meta.get("h", 0) + hits
                 txn.put(key, pack(meta), db=nodes)
@@ -348,9 +383,10 @@ class LmdbTier:
             done.clear()
             for key in keys:
                 raw = txn.get(key, db=self.dbs[b"nodes"])
-                if raw is None:
+                if raw is None and txn.get(key, db=self.dbs[b"blocks"]) is None:
                     continue
-                parent = unpack(raw).get("p")
+                meta = None if raw is None else read_meta(raw)
+                parent = None if meta is None else meta["p"]
                 txn.delete(key, db=self.dbs[b"blocks"])
                 txn.delete(key, db=self.dbs[b"nodes"])
                 txn.delete(key, db=self.dbs[b"children"])
@@ -384,9 +420,10 @@ class LmdbTier:
 
     def remove_all(self, root: Optional[bytes] = None) -> int:
         """Delete every block (of one root key, if given). Returns how many."""
+        bad: list[bytes] = []
         with self.reader() as txn:
-            keys = [k for k, m in self.iter_meta(txn) if root is None or m.get("r") == root]
-        return len(self.delete(keys))
+            keys = [k for k, m in self.iter_meta(txn, bad) if root is None or m.get("r") == root]
+        return len(self.delete(keys + (bad if root is None else [])))
 
 
 def _pages(stat: dict) -> int:
