@@ -31,7 +31,7 @@ import numpy as np
 import xxhash
 
 from .errors import BlockDecodeError
-from .layers import KVLayer, Layer, Quantized, StateLayer, Tensor
+from .layers import KVLayer, Layer, Quantized, StateLayer, Tensor, tensor_rows
 
 MAGIC = b"KVSB"
 FORMAT_VERSION = 1
@@ -193,7 +193,8 @@ def serialize(block: Block) -> bytes:
         if layer is None:
             table.append(None)
         elif isinstance(layer, KVLayer):
-            table.append({"k": w.tensor(layer.keys), "v": w.tensor(layer.values), "w": layer.window})
+            table.append({"k": w.tensor(layer.keys), "v": w.tensor(layer.values), "w": layer.window,
+                          "o": len(block.tokens) - tensor_rows(layer.keys)})  # rows end at the block's end
         else:
             table.append({"s": [None if a is None else w.add(a) for a in layer.arrays]})
     payload = bytearray(w.size)
@@ -310,8 +311,10 @@ def _validate(f, size: int) -> None:
         else:
             _check("k" in entry and "v" in entry, "layer keys/values")
             _check(entry.get("w") is None or (_is_int(entry["w"]) and entry["w"] > 0), "window")
-            _validate_tensor(entry["k"], size, f["n"])
-            _validate_tensor(entry["v"], size, f["n"])
+            o = entry.get("o", 0)
+            _check(_is_int(o) and 0 <= o < max(f["n"], 1) and (o == 0 or entry.get("w") is not None), "row offset")
+            _validate_tensor(entry["k"], size, f["n"] - o)
+            _validate_tensor(entry["v"], size, f["n"] - o)
 
 
 def _array(payload: memoryview, d) -> mx.array:
@@ -348,7 +351,8 @@ def deserialize(buf: Union[bytes, memoryview], start: int = 0, verify: bool = Tr
         elif "s" in entry:
             layers.append(StateLayer([None if d is None else _array(payload, d) for d in entry["s"]]))
         else:
-            layers.append(KVLayer(_tensor(payload, entry["k"]), _tensor(payload, entry["v"]), start, entry.get("w")))
+            layers.append(KVLayer(_tensor(payload, entry["k"]), _tensor(payload, entry["v"]),
+                                  start + entry.get("o", 0), entry.get("w")))
     arrays = [a for l in layers if l is not None for a in _layer_arrays(l)]
     if arrays:
         mx.eval(arrays)  # copy out of the buffer now: it may be an mmap view that ends with its transaction

@@ -26,14 +26,17 @@ class Node:
     ``snap`` is ``None`` when the model has no recurrent-state layers, else
     whether this block carries the state snapshot taken at its end. ``gap`` is
     ``NO_GAP``, ``FULL_GAP``, or the largest sliding window of a layer whose
-    rows this block lacks (those rows are only needed within that window).
+    rows this block lacks in part: those layers hold rows only from token
+    ``rows_from`` on, which serves every length whose window starts there or
+    later.
     """
 
-    __slots__ = ("key", "parent", "children", "start", "length", "first", "snap", "gap",
+    __slots__ = ("key", "parent", "children", "start", "length", "first", "snap", "gap", "rows_from",
                  "in_ram", "on_disk", "pins", "job")
 
     def __init__(self, key: bytes, parent: Optional["Node"], start: int, length: int,
-                 first: int = -1, snap: Optional[bool] = None, gap: int = NO_GAP):
+                 first: int = -1, snap: Optional[bool] = None, gap: int = NO_GAP,
+                 rows_from: Optional[int] = None):
         self.key = key
         self.parent = parent
         self.children: Optional[dict[bytes, Node]] = None
@@ -42,6 +45,7 @@ class Node:
         self.first = first
         self.snap = snap
         self.gap = gap
+        self.rows_from = start if rows_from is None else rows_from
         self.in_ram = False
         self.on_disk = False
         self.pins = 0
@@ -114,7 +118,7 @@ class RadixIndex:
         return list(self._roots.values())
 
     def add(self, parent: Node, key: bytes, start: int, length: int, first: int = -1,
-            snap: Optional[bool] = None, gap: int = NO_GAP) -> Node:
+            snap: Optional[bool] = None, gap: int = NO_GAP, rows_from: Optional[int] = None) -> Node:
         """Insert a block under ``parent`` (which must be indexed), or return the
         block already there."""
         node = self._nodes.get(key)
@@ -124,7 +128,7 @@ class RadixIndex:
             raise KeyError("parent block is not indexed")
         if start != parent.end:
             raise ValueError(f"block starts at {start} but its parent ends at {parent.end}")
-        node = Node(key, parent, start, length, first, snap, gap)
+        node = Node(key, parent, start, length, first, snap, gap, rows_from)
         if parent.children is None:
             parent.children = {}
         parent.children[key] = node

@@ -157,17 +157,17 @@ class PrefixStore:
                     node = child
                     continue
                 snap = (end_here if has_state else None)
-                gap = _gap(layers, start, start + length)
+                gap, rows_from = _gap(layers, start, start + length)
                 if gap == FULL_GAP:
                     break
                 if child is not None:
                     # Stored without the state snapshot this put carries: re-encode it in place. The
                     # blocks below it stay (dropping them would lose other prompts' prefixes), and a job
                     # still encoding it leaves it to this one.
-                    child.snap, child.gap = True, gap
+                    child.snap, child.gap, child.rows_from = True, gap, rows_from
                     node = child
                 else:
-                    node = self._index.add(node, key, start, length, int(toks[start]), snap, gap)
+                    node = self._index.add(node, key, start, length, int(toks[start]), snap, gap, rows_from)
                 new.append(node)
             self._counters["puts"] += 1
             self._unsaved["puts"] += 1
@@ -218,7 +218,13 @@ class PrefixStore:
         if length == 0:
             self._count("misses")
             return Hit()
-        layers = _assemble(blocks, length, quantized)
+        try:
+            layers = _assemble(blocks, length, quantized)
+        except Exception as e:  # blocks that do not fit together (a reused model key, a bad index record)
+            self._warn("assemble", f"kvstore: stored blocks for this prompt do not fit together ({e}); "
+                                   f"serving a miss")
+            self._count("misses")
+            return Hit()
         ram_tokens = sum(min(b.end, length) - b.start for b, r in zip(path, from_ram) if r and b.start < length)
         hit = Hit(length, layers, ram_tokens, length - ram_tokens)
         self._count("hits")
@@ -344,8 +350,9 @@ class PrefixStore:
 
     def _add_from_meta(self, parent: Node, key: bytes, meta: dict) -> Optional[Node]:
         try:
-            node = self._index.add(parent, key, meta["s"], meta["n"], meta.get("f", -1), meta.get("sn"),
-                                   meta.get("g", NO_GAP))
+            gap = meta.get("g", NO_GAP)
+            node = self._index.add(parent, key, meta["s"], meta["n"], meta.get("f", -1), meta.get("sn"), gap,
+                                   meta.get("wf", meta["s"] + meta["n"] if gap > 0 else meta["s"]))
         except (KeyError, ValueError):
             return None
         node.on_disk = True
@@ -437,8 +444,8 @@ class PrefixStore:
                 break
             if p.gap == FULL_GAP:
                 return False
-            if p.gap > 0 and p.end > length - p.gap:
-                return False
+            if p.gap > 0 and p.end > length - p.gap and max(p.start, length - p.gap) < p.rows_from:
+                return False  # a sliding window reaches rows this block lacks
             if p.snap is not None and p.end == length and not p.snap:
                 return False
         last = next(p for p in reversed(path) if p.start < length)
@@ -663,7 +670,7 @@ class PrefixStore:
                 root = root.parent
             records.append(Record(node.key, parent, {
                 "p": parent, "r": root.key, "s": node.start, "n": node.length, "f": node.first,
-                "sn": None if node.snap is None else has_state, "g": node.gap, "b": len(payload), "t": block.tokens.tobytes(),
+                "sn": None if node.snap is None else has_state, "g": node.gap, "wf": node.rows_from, "b": len(payload), "t": block.tokens.tobytes(),
                 "c": now, "u": now, "h": 0, "kv": kv, "dt": dtype}, payload))
         if not records:
             return False
@@ -797,14 +804,15 @@ def _check_layers(layers: Sequence[Layer], n: int) -> None:
             raise LayoutError(f"layer {i}: expected KVLayer or StateLayer, got {type(l).__name__}")
 
 
-def _gap(layers: Sequence[Layer], start: int, end: int) -> int:
-    gap = NO_GAP
+def _gap(layers: Sequence[Layer], start: int, end: int) -> tuple[int, int]:
+    """(``gap``, ``rows_from``) of block ``[start, end)``: see ``index.Node``."""
+    gap, rows_from = NO_GAP, start
     for l in layers:
         if isinstance(l, KVLayer) and l.start > start:
             if l.window is None:
-                return FULL_GAP
-            gap = max(gap, l.window)
-    return gap
+                return FULL_GAP, end
+            gap, rows_from = max(gap, l.window), max(rows_from, min(l.start, end))
+    return gap, rows_from
 
 
 def _encode(job: _Job, node: Node, codec: Codec) -> Block:
@@ -812,12 +820,14 @@ def _encode(job: _Job, node: Node, codec: Codec) -> Block:
     out: list[Optional[Layer]] = []
     for l in job.layers:
         if isinstance(l, KVLayer):
-            if l.start <= s:
-                k = take_rows(l.keys, s - l.start, e - l.start)
-                v = take_rows(l.values, s - l.start, e - l.start)
-                out.append(KVLayer(_own(codec.compress_keys(k)), _own(codec.compress_values(v)), s, l.window))
-            else:
+            # a sliding-window layer may hold only the block's last rows
+            first = s if l.start <= s else (l.start if l.window is not None and l.start < e else None)
+            if first is None:
                 out.append(None)
+                continue
+            k = take_rows(l.keys, first - l.start, e - l.start)
+            v = take_rows(l.values, first - l.start, e - l.start)
+            out.append(KVLayer(_own(codec.compress_keys(k)), _own(codec.compress_values(v)), first, l.window))
         else:
             out.append(StateLayer([None if a is None else mx.contiguous(a) for a in l.arrays])
                        if e == len(job.tokens) else None)
@@ -855,7 +865,9 @@ def _assemble(blocks: list[Block], length: int, quantized: Optional[tuple[int, i
             if e <= lo or s >= length:
                 continue
             layer = b.layers[li]
-            a, z = max(lo, s) - s, min(length, e) - s
+            if layer is None or layer.start > max(lo, s):
+                raise BlockDecodeError(f"layer {li} lacks rows its window needs")  # the index said otherwise
+            a, z = max(lo, s) - layer.start, min(length, e) - layer.start
             pieces_k.append(take_rows(layer.keys, a, z))
             pieces_v.append(take_rows(layer.values, a, z))
         out.append(KVLayer(_concat(pieces_k, quantized), _concat(pieces_v, quantized), lo, window))

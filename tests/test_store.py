@@ -534,3 +534,31 @@ def test_concurrent_puts_and_fetches_never_serve_wrong_kv():
         t.join()
     s.close()
     assert not errors, errors[0]
+
+
+def test_sliding_window_rows_starting_mid_block(store, ssd):
+    """A window whose rows start inside a block (what an engine holds after
+    decoding past its window) is served where the window is covered, from RAM
+    and from disk after a restart, and never where it reaches missing rows."""
+    p = toks(30)  # block size 8: rows [18, 30) start inside block [16, 24)
+    on_disk = ssd()
+    for s in (store, on_disk):
+        s.put(M, p, window_layers(p, window=12, start=18))
+        s.flush()
+        assert_window_hit(s.fetch(M, p), p, 30, 12)
+        assert s.fetch(M, p[:29]).length == 0  # its window would start at 17
+    on_disk.close()
+    reopened = ssd()
+    assert_window_hit(reopened.fetch(M, p), p, 30, 12)
+    assert reopened.fetch(M, p[:29]).length == 0
+
+
+def test_blocks_of_other_shapes_under_one_model_key_are_a_miss_not_an_error(store):
+    """A model key reused for a model of another shape must not raise into the engine."""
+    a = toks(8)
+    store.put(M, a, kv_layers(a, heads=1))
+    b = a + toks(8, start=5000)
+    wide = kv_layers(b, heads=2)
+    store.put(M, b, wide)  # block 2 stored with 2 heads under block 1 with 1 head
+    store.flush()
+    assert store.fetch(M, b).length == 0  # never an exception, never mixed rows
