@@ -141,6 +141,7 @@ class PrefixStore:
         # engine already evaluated its cache, as it does after every step).
         mx.eval([a for l in layers for a in _arrays_of(l)])
         has_state = any(isinstance(l, StateLayer) for l in layers)
+        late = [l for l in layers if isinstance(l, KVLayer) and l.start > 0]  # layers lacking early rows
         bs = self.block_size
         root = self._root(model_key)
         chain = KeyChain(root.key, toks, bs)
@@ -157,7 +158,7 @@ class PrefixStore:
                     node = child
                     continue
                 snap = (end_here if has_state else None)
-                gap, rows_from = _gap(layers, start, start + length)
+                gap, rows_from = _gap(late, start, start + length)
                 if gap == FULL_GAP:
                     break
                 if child is not None:
@@ -804,11 +805,11 @@ def _check_layers(layers: Sequence[Layer], n: int) -> None:
             raise LayoutError(f"layer {i}: expected KVLayer or StateLayer, got {type(l).__name__}")
 
 
-def _gap(layers: Sequence[Layer], start: int, end: int) -> tuple[int, int]:
+def _gap(layers: Sequence[KVLayer], start: int, end: int) -> tuple[int, int]:
     """(``gap``, ``rows_from``) of block ``[start, end)``: see ``index.Node``."""
     gap, rows_from = NO_GAP, start
     for l in layers:
-        if isinstance(l, KVLayer) and l.start > start:
+        if l.start > start:
             if l.window is None:
                 return FULL_GAP, end
             gap, rows_from = max(gap, l.window), max(rows_from, min(l.start, end))
