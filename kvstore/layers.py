@@ -52,9 +52,7 @@ class Quantized:
         return self.data, self.scales, self.biases
 
     def dequantize(self) -> mx.array:
-        return mx.dequantize(
-            self.data, self.scales, self.biases, group_size=self.group_size, bits=self.bits
-        )
+        return dequantize(self.data, self.scales, self.biases, self.group_size, self.bits)
 
     def take(self, start: int, stop: int) -> "Quantized":
         """Rows ``[start, stop)`` of the token axis (-2)."""
@@ -64,6 +62,29 @@ class Quantized:
 
 
 Tensor = Union[mx.array, Quantized]
+
+
+def dequantize(data: mx.array, scales: mx.array, biases: mx.array, group_size: int, bits: int) -> mx.array:
+    """``mx.dequantize``, bit for bit, about twice as fast on the CPU.
+
+    mlx's CPU kernel computes ``scale * q + bias`` in half precision and is the
+    bottleneck of serving quantized entries to a dense engine there (~0.2 GB/s
+    of fp16 on these machines). For 2, 4 and 8 bits the packed values are whole
+    bytes or nibbles: unpack them with byte ops and do the arithmetic in fp32,
+    rounding to the half type after the product and after the sum exactly
+    where the half-precision kernel rounds. GPUs keep mlx's fused kernel.
+    """
+    if bits not in (2, 4, 8) or mx.default_device() != mx.cpu or scales.dtype == mx.float32:
+        return mx.dequantize(data, scales, biases, group_size=group_size, bits=bits)
+    b = data.view(mx.uint8)
+    if bits == 4:
+        b = mx.stack([b & 0xF, b >> 4], axis=-1)
+    elif bits == 2:
+        b = mx.stack([b & 3, (b >> 2) & 3, (b >> 4) & 3, b >> 6], axis=-1)
+    v = b.reshape(*scales.shape, group_size).astype(mx.float32)
+    f32 = mx.float32
+    m = (v * scales[..., None].astype(f32)).astype(scales.dtype).astype(f32)
+    return (m + biases[..., None].astype(f32)).astype(scales.dtype).reshape(*data.shape[:-1], -1)
 
 
 def tensor_rows(t: Tensor) -> int:

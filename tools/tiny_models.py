@@ -64,7 +64,7 @@ __all__ = [
 
 # Bump when anything that influences the written bytes changes (init rules,
 # corpus, tokenizer recipe, config defaults): stale folders get rebuilt.
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
 MARKER = "tiny_model.json"
 
 # --------------------------------------------------------------------------
@@ -324,15 +324,33 @@ def _bpe_train(lines: List[str], n_merges: int, alphabet: List[str]) -> List[Tup
     return merges
 
 
-_TOKENIZER_CACHE: Dict[int, Tuple[str, int]] = {}
+def _byte_decoder() -> Dict[str, int]:
+    """GPT-2 byte-level symbol -> byte value."""
+    bs = list(range(ord("!"), ord("~") + 1))
+    bs += list(range(ord("\xa1"), ord("\xac") + 1)) + list(range(ord("\xae"), ord("\xff") + 1))
+    cs = bs[:]
+    n = 0
+    for b in range(256):
+        if b not in bs:
+            bs.append(b)
+            cs.append(256 + n)
+            n += 1
+    return {chr(c): b for b, c in zip(bs, cs)}
 
 
-def build_tokenizer(vocab_size: int) -> Tuple[str, int]:
-    """Return (tokenizer.json text, number of tokens) for a byte-level BPE.
+_TOKENIZER_CACHE: Dict[int, Tuple[str, int, List[int]]] = {}
+
+
+def build_tokenizer(vocab_size: int) -> Tuple[str, int, List[int]]:
+    """Return (tokenizer.json text, number of tokens, unprintable ids) for a
+    byte-level BPE.
 
     Ids 0..4 are the special tokens, then the 256 byte symbols, then merges.
     The tokenizer has at most ``vocab_size`` tokens (fewer only if the corpus
     runs out of merges; the model's extra rows are then never predicted).
+    The unprintable ids are the special tokens and every token with a byte
+    outside printable ASCII / tab / newline: the model never predicts them,
+    so generations are EOS-free, valid UTF-8 and re-encode-stable in text.
     """
     if vocab_size in _TOKENIZER_CACHE:
         return _TOKENIZER_CACHE[vocab_size]
@@ -359,13 +377,20 @@ def build_tokenizer(vocab_size: int) -> Tuple[str, int]:
         special_tokens=[(BOS, bos_id)],
     )
     text = tok.to_str(pretty=True)
-    result = (text, tok.get_vocab_size(with_added_tokens=True))
+    byte_of = _byte_decoder()
+    ok = set(range(0x20, 0x7F)) | {0x09, 0x0A}
+    banned = sorted(
+        i
+        for t, i in vocab.items()
+        if t in SPECIAL_TOKENS or any(byte_of[ch] not in ok for ch in t)
+    )
+    result = (text, tok.get_vocab_size(with_added_tokens=True), banned)
     _TOKENIZER_CACHE[vocab_size] = result
     return result
 
 
 def _tokenizer_files(vocab_size: int, model_max_length: int) -> Dict[str, str]:
-    tok_json, n_tokens = build_tokenizer(vocab_size)
+    tok_json, n_tokens, banned = build_tokenizer(vocab_size)
     added = {
         str(i): {
             "content": t,
@@ -401,6 +426,7 @@ def _tokenizer_files(vocab_size: int, model_max_length: int) -> Dict[str, str]:
         "tokenizer_config.json": _dumps(tok_config),
         "special_tokens_map.json": _dumps(special_map),
         "_n_tokens": str(n_tokens),
+        "_banned": json.dumps(banned),
     }
 
 
@@ -415,7 +441,16 @@ def _param_rng(seed: int, name: str) -> np.random.Generator:
     return np.random.default_rng([seed, zlib.crc32(name.encode())])
 
 
-def _init_param(name: str, default: np.ndarray, config: Dict[str, Any], seed: int) -> np.ndarray:
+# Random-init attention with unit-scale q/k is close to uniform averaging and
+# greedy decoding then tends to lock into one token. Sharpening the scores
+# (x4: q and k each x2, via the projections or the q/k RMSNorm gains) makes
+# 32-48 token greedy continuations wander (checked over seeds 0-2, 6 prompts).
+QK_GAIN = 2.0
+
+
+def _init_param(
+    name: str, default: np.ndarray, config: Dict[str, Any], seed: int, qk_norm: bool = False
+) -> np.ndarray:
     shape = default.shape
     rng = _param_rng(seed, name)
     hidden = config["hidden_size"]
@@ -424,6 +459,9 @@ def _init_param(name: str, default: np.ndarray, config: Dict[str, Any], seed: in
     if name.endswith("A_log"):  # gated delta decay, as in Qwen3NextGatedDeltaNet
         return np.log(rng.uniform(1.0, 16.0, size=shape)).astype(np.float32)
     if default.ndim == 1:
+        if name.endswith(("q_norm.weight", "k_norm.weight")):
+            gain = QK_GAIN - 1.0 if is_gemma else QK_GAIN
+            return np.full(shape, gain, np.float32)
         if "norm" in name and leaf == "weight":
             # gemma's RMSNorm multiplies by (1 + w); the others by w.
             return np.zeros(shape, np.float32) if is_gemma else np.ones(shape, np.float32)
@@ -439,10 +477,14 @@ def _init_param(name: str, default: np.ndarray, config: Dict[str, Any], seed: in
         std = (shape[1] * shape[2]) ** -0.5
     else:  # Linear (out, in) or SwitchLinear (experts, out, in)
         std = shape[-1] ** -0.5
+        if not qk_norm and name.endswith(("q_proj.weight", "k_proj.weight")):
+            std *= QK_GAIN
     return (rng.standard_normal(shape) * std).astype(np.float32)
 
 
-def _build_weights(config: Dict[str, Any], seed: int, n_tokens: int) -> Dict[str, Any]:
+def _build_weights(
+    config: Dict[str, Any], seed: int, n_tokens: int, banned: List[int]
+) -> Dict[str, Any]:
     import mlx.core as mx
     from mlx.utils import tree_flatten
     from mlx_lm.utils import _get_classes
@@ -450,16 +492,19 @@ def _build_weights(config: Dict[str, Any], seed: int, n_tokens: int) -> Dict[str
     model_class, args_class = _get_classes(config)
     model = model_class(args_class.from_dict(config))
     dtype = getattr(mx, config["dtype"])
+    params = sorted(tree_flatten(model.parameters()))
+    qk_norm = any(name.endswith("q_norm.weight") for name, _ in params)
     weights = {}
-    for name, p in sorted(tree_flatten(model.parameters())):
-        arr = _init_param(name, np.array(p.astype(mx.float32)), config, seed)
+    for name, p in params:
+        arr = _init_param(name, np.array(p.astype(mx.float32)), config, seed, qk_norm)
         if name == "lm_head.weight" or (
             name.endswith("embed_tokens.weight") and config.get("tie_word_embeddings")
         ):
-            # Never predict special tokens (EOS would cut generations short) or
-            # ids the tokenizer does not have: a zero row gives logit 0, well
-            # below the max over ~1000 random logits.
-            arr[: len(SPECIAL_TOKENS)] = 0.0
+            # Never predict special tokens (EOS would cut generations short),
+            # partial-UTF-8 / control-byte tokens, or ids the tokenizer does
+            # not have: a zero row gives logit 0, far below the max over the
+            # ~900 remaining random logits.
+            arr[banned] = 0.0
             arr[n_tokens:] = 0.0
         weights[name] = mx.array(arr).astype(dtype)
     mx.eval(weights)
@@ -540,6 +585,7 @@ def _write_folder(dst: pathlib.Path, kind: str, seed: int, config: Dict[str, Any
 
     files = _tokenizer_files(config["vocab_size"], config["max_position_embeddings"])
     n_tokens = int(files.pop("_n_tokens"))
+    banned = json.loads(files.pop("_banned"))
     files["config.json"] = _dumps(config)
     files["generation_config.json"] = _dumps(
         {
@@ -551,7 +597,7 @@ def _write_folder(dst: pathlib.Path, kind: str, seed: int, config: Dict[str, Any
     )
     for fname, text in files.items():
         (dst / fname).write_text(text, encoding="utf-8")
-    weights = _build_weights(config, seed, n_tokens)
+    weights = _build_weights(config, seed, n_tokens, banned)
     mx.save_safetensors(str(dst / "model.safetensors"), weights, metadata={"format": "mlx"})
     sizes = {f.name: f.stat().st_size for f in sorted(dst.iterdir()) if f.is_file()}
     marker = {
@@ -588,6 +634,7 @@ def make_tiny_model(
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = pathlib.Path(tempfile.mkdtemp(prefix=f".{path.name}.tmp-", dir=path.parent))
     try:
+        os.chmod(tmp, 0o755)  # mkdtemp makes it 0700
         _write_folder(tmp, kind, seed, config)
         for _ in range(3):
             try:
