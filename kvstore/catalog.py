@@ -58,6 +58,18 @@ class Catalog:
             out.setdefault(m["p"], []).append(k)
         return out
 
+    def with_descendants(self, keys) -> list[bytes]:
+        """``keys`` and every block below them (unservable without them)."""
+        out = set(keys)
+        kids = self.children()
+        stack = list(out)
+        while stack:
+            for c in kids.get(stack.pop(), []):
+                if c not in out:
+                    out.add(c)
+                    stack.append(c)
+        return sorted(out)
+
     def orphans(self) -> list[bytes]:
         """Blocks whose parent is neither a root nor a stored block."""
         return [k for k, m in self.metas.items() if m["p"] != m["r"] and m["p"] not in self.metas]
@@ -142,11 +154,4 @@ def select(cat: Catalog, model: Optional[str] = None, older_than: Optional[float
         if older_than is not None and now - m.get("u", m.get("c", 0)) < older_than:
             continue
         chosen.add(k)
-    kids = cat.children()
-    stack = list(chosen)
-    while stack:
-        for c in kids.get(stack.pop(), []):
-            if c not in chosen:
-                chosen.add(c)
-                stack.append(c)
-    return sorted(chosen)
+    return cat.with_descendants(chosen)

@@ -187,15 +187,7 @@ def verify(path: Path = PathArg,
             where = f"tokens {m['s']}-{m['s'] + m['n']}" if m else "tokens ?"
             out.print(f"[red]bad[/red] {key.hex()[:16]} {where}: {why}")
         if bad and repair:
-            doomed = set(bad)
-            kids = cat.children()
-            stack = list(doomed)
-            while stack:
-                for c in kids.get(stack.pop(), []):
-                    if c not in doomed:
-                        doomed.add(c)
-                        stack.append(c)
-            n = len(disk.delete(sorted(doomed)))
+            n = len(disk.delete(cat.with_descendants(bad)))
             out.print(f"removed {n} blocks")
     finally:
         disk.close()
