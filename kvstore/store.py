@@ -32,13 +32,14 @@ from .errors import BlockDecodeError, LayoutError, StoreOpenError
 from .hashing import KeyChain, as_tokens, root_key
 from .index import FULL_GAP, NO_GAP, Node, RadixIndex
 from .layers import KVLayer, Layer, Quantized, StateLayer, Tensor, take_rows
-from .tiers.lmdb import LmdbTier, Record, is_disk_full
+from .tiers.lmdb import LmdbTier, Record
 from .tiers.ram import RamTier
 
 log = logging.getLogger("kvstore")
 
 GB = 1 << 30
 _WRITE_BATCH = 64 << 20  # bytes per LMDB write transaction
+_FULL_PAUSE = 30.0  # seconds without disk writes after the device filled up and evicting could not help
 
 
 @dataclass
@@ -110,6 +111,7 @@ class PrefixStore:
         self._uses: dict[bytes, tuple[float, int]] = {}
         self._roots: dict[bytes, tuple[bytes, dict]] = {}  # root key -> model info to register
         self._warned: set[str] = set()
+        self._full_at: Optional[float] = None  # when a full device last stopped writes to it
         self._queue: "queue.Queue[Optional[_Job]]" = queue.Queue()
         self._pending_bytes = 0
         self._max_pending = max(256 << 20, self._ram.budget)
@@ -326,7 +328,10 @@ class PrefixStore:
                 name = model_key if isinstance(model_key, str) else model_key.hex()
                 self._roots[key] = (key, dict(info or {}, model_key=name, namespace=self.namespace,
                                               created=time.time()))
-                self._disk.register_model(key, self._roots[key][1])
+                try:
+                    self._disk.register_model(key, self._roots[key][1])
+                except Exception as e:  # a storage fault never reaches the engine; blocks still get stored
+                    self._disk_failed("registering a model in", e)
             return self._index.root(key)
 
     def _child(self, node: Node, key: bytes) -> Optional[Node]:
@@ -365,15 +370,19 @@ class PrefixStore:
         or, at token granularity, a block the prompt diverges inside of."""
         path: list[Node] = []
         node = root
+        looked = False  # whether ``_child`` already looked on disk below ``node``
         for i in range(n // self.block_size):
             child = self._child(node, chain.key(i))
             if child is None:
+                looked = True
                 break
             path.append(child)
             node = child
         matched = node.end if path else 0
         if matched < n:
-            if not node.children and self._disk is not None and (node.is_root or node.on_disk):
+            # partial blocks other processes wrote below ``node`` are found only on disk, even
+            # when this process has children of its own there
+            if not looked and self._disk is not None and (node.is_root or node.on_disk):
                 self._discover(node)
             best, shared = self._partial(node, chain, matched, n)
             if best is not None:
@@ -498,6 +507,7 @@ class PrefixStore:
 
     def _read_disk(self, nodes: list[Node]) -> dict[bytes, Block]:
         out: dict[bytes, Block] = {}
+        bad = None
         try:
             with self._disk.reader() as txn:
                 for p in nodes:
@@ -507,10 +517,12 @@ class PrefixStore:
                     try:
                         out[p.key] = deserialize(buf, p.start)
                     except BlockDecodeError as e:
-                        self._bad_block(p, str(e))
+                        bad = (p, str(e))
                         break
         except Exception as e:
             self._warn("read", f"kvstore: reading {self._disk.path} failed: {e}")
+        if bad is not None:  # dropped after the read transaction: deleting it from inside could deadlock
+            self._bad_block(*bad)  # with a thread waiting to resize the map
         return out
 
     def _bad_block(self, node: Node, why: str) -> None:
@@ -524,9 +536,11 @@ class PrefixStore:
     def _promote(self, node: Node, block: Block) -> None:
         if block.nbytes > self._ram.budget:
             return
+        self._make_room(block.nbytes)  # room first: the RAM tier never holds more than its budget
+        if self._ram.over(block.nbytes) > 0 or self._index.get(node.key) is not node:
+            return  # pinned blocks fill RAM: served without being kept
         self._ram.add(node.key, block)
         node.in_ram = True
-        self._make_room(0, keep=node)
 
     # ---------------------------------------------------------------- evict
 
@@ -569,7 +583,7 @@ class PrefixStore:
             try:
                 self._disk.delete([d.key for d in dropped if d.on_disk])
             except Exception as e:
-                self._warn("delete", f"kvstore: deleting from {self._disk.path} failed: {e}")
+                self._disk_failed("deleting from", e)
 
     # --------------------------------------------------------- background
 
@@ -607,10 +621,21 @@ class PrefixStore:
                     if self._index.get(node.key) is not node or node.job is not job:
                         continue
                     if block.nbytes <= self._ram.budget:
-                        self._ram.add(node.key, block)
-                        node.in_ram = True
-                        node.job = None  # servable now; a block bound only for disk keeps its job until written
-                        self._touch_ancestors(node)
+                        # room first, so the RAM tier never holds more than its budget, even for a moment;
+                        # never from the block's own prefix: a leaf goes before its ancestors
+                        ancestors = node.path()[:-1]
+                        RadixIndex.pin(ancestors)
+                        try:
+                            self._make_room(block.nbytes)
+                        finally:
+                            RadixIndex.unpin(ancestors)
+                        if self._index.get(node.key) is not node:
+                            continue
+                        if self._ram.over(block.nbytes) <= 0:  # else its prefix and pinned blocks fill RAM
+                            self._ram.add(node.key, block)
+                            node.in_ram = True
+                            node.job = None  # servable now; a block bound only for disk keeps its job until written
+                            self._touch_ancestors(node)
                     self._count("blocks_stored")
                 if to_disk:
                     written.append((node, block))
@@ -675,31 +700,47 @@ class PrefixStore:
                 "c": now, "u": now, "h": 0, "kv": kv, "dt": dtype}, payload))
         if not records:
             return False
+        if self._full_at is not None and time.monotonic() - self._full_at < _FULL_PAUSE:
+            return False  # the device is full and evicting did not help: RAM only for now
         try:
             self._disk.put_records(records)
         except Exception as e:
             self._count("write_errors")
-            if is_disk_full(e):
-                self._warn("full", f"kvstore: {self._disk.path} is full; keeping new blocks in RAM only "
-                                   f"and evicting old ones from disk")
-                self._shrink_disk()
-            else:
-                self._warn("write", f"kvstore: writing to {self._disk.path} failed: {e}")
+            self._disk_failed("writing to", e)
+            if self._disk.is_full(e) and not self._shrink_disk():
+                self._full_at = time.monotonic()
             return False
+        self._full_at = None
         with self._lock:
             for node, _ in items:
                 node.on_disk = True
         self._count("blocks_written", len(records))
-        if self._disk.usage() > self._disk.budget:
-            self._evict_disk(int(self._disk.budget * 0.9))
+        try:
+            if self._disk.usage() > self._disk.budget:
+                self._evict_disk(int(self._disk.budget * 0.9))
+        except Exception as e:  # the blocks are written; staying under budget is retried next write
+            self._disk_failed("evicting from", e)
         return True
 
-    def _shrink_disk(self) -> None:
+    def _shrink_disk(self) -> bool:
+        """Lower the disk budget below what the full device holds and evict to
+        it; False when that failed too."""
         try:
             self._disk.budget = max(0, int(self._disk.usage() * 0.9))
             self._evict_disk(self._disk.budget)
+            return True
         except Exception as e:
-            self._warn("shrink", f"kvstore: evicting from {self._disk.path} failed: {e}")
+            self._disk_failed("evicting from", e)
+            return False
+
+    def _disk_failed(self, what: str, e: BaseException) -> None:
+        """Log a failed LMDB write once per kind; every failure of a full
+        device is one kind."""
+        if self._disk.is_full(e):
+            self._warn("full", f"kvstore: {self._disk.path} is full; keeping new blocks in RAM only "
+                               f"and evicting old ones from disk")
+        else:
+            self._warn(what, f"kvstore: {what} {self._disk.path} failed: {e}")
 
     def _evict_disk(self, target: int) -> None:
         with self._lock:
@@ -730,7 +771,7 @@ class PrefixStore:
         try:
             self._disk.touch(uses, counters)
         except Exception as e:
-            self._warn("touch", f"kvstore: updating use times in {self._disk.path} failed: {e}")
+            self._disk_failed("updating use times in", e)
 
     # ----------------------------------------------------------- start-up
 

@@ -72,18 +72,18 @@ SIZES: dict[str, dict[str, Any]] = {
         ttft=dict(lengths=[256], hit_repeats=2),
         replay=dict(sys_lens=[256, 192], sys_p=[0.6, 0.4], sessions=3, concurrency=2, chat_turns=(2, 3),
                     user=(8, 32), resp=(8, 16), agent_turns=(2, 3), tool=(16, 48), action=(4, 8),
-                    agent_frac=0.34, budget_frac=0.25),
+                    agent_frac=0.34, budget_fracs=[0.25]),
         fidelity=dict(kinds=["llama"], codecs=[None, 8], prompts=1, prompt_len=300, prefix=256, gen=4),
     ),
     "quick": dict(
         repeats=3,
-        restore=dict(layers=8, heads=8, dim=128, tokens=1024),
+        restore=dict(layers=8, heads=8, dim=128, tokens=2048),
         lookup=dict(tokens=131072, filler=200_000, repeats=50),
         put=dict(layers=4, heads=8, dim=128, tokens=32768, q8_tokens=4096),
         ttft=dict(lengths=[1024, 4096], hit_repeats=5),
-        replay=dict(sys_lens=[768, 512, 384], sys_p=[0.5, 0.3, 0.2], sessions=8, concurrency=4, chat_turns=(2, 5),
+        replay=dict(sys_lens=[768, 512, 384], sys_p=[0.5, 0.3, 0.2], sessions=12, concurrency=4, chat_turns=(2, 5),
                     user=(24, 96), resp=(16, 64), agent_turns=(3, 6), tool=(48, 192), action=(8, 32),
-                    agent_frac=0.4, budget_frac=0.25),
+                    agent_frac=0.4, budget_fracs=[0.25, 0.1]),
         fidelity=dict(kinds=["llama", "gemma3_text", "qwen3_next"], codecs=[None, 8, 6, 4, (8, 4)], prompts=2,
                       prompt_len=600, prefix=512, gen=8),
     ),
@@ -95,8 +95,8 @@ SIZES: dict[str, dict[str, Any]] = {
         ttft=dict(lengths=[1024, 4096, 16384], hit_repeats=5),
         replay=dict(sys_lens=[1536, 1024, 768], sys_p=[0.5, 0.3, 0.2], sessions=24, concurrency=6, chat_turns=(3, 7),
                     user=(32, 160), resp=(24, 128), agent_turns=(4, 9), tool=(64, 384), action=(16, 48),
-                    agent_frac=0.4, budget_frac=0.25),
-        fidelity=dict(kinds=["llama", "gemma3_text", "qwen3_next"], codecs=[None, 8, 6, 4, (8, 4)], prompts=4,
+                    agent_frac=0.4, budget_fracs=[0.25, 0.1]),
+        fidelity=dict(kinds=["llama", "gemma3_text", "qwen3_next"], codecs=[None, 8, 6, 4, (8, 4)], prompts=6,
                       prompt_len=600, prefix=512, gen=16),
     ),
 }
@@ -156,6 +156,32 @@ def drop_page_cache(path: Path) -> None:
         os.close(fd)
 
 
+def resident_fraction(path: Path) -> float:
+    """Fraction of a file's pages in the page cache (mincore on a fresh read-only map)."""
+    import ctypes
+    import mmap
+
+    size = os.path.getsize(path)
+    if size == 0:
+        return 0.0
+    page = mmap.PAGESIZE
+    with open(path, "rb") as f:
+        m = mmap.mmap(f.fileno(), size, prot=mmap.PROT_READ)
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
+        n = (size + page - 1) // page
+        vec = (ctypes.c_ubyte * n)()
+        view = np.frombuffer(m, dtype=np.uint8)
+        rc = libc.mincore(ctypes.c_void_p(view.ctypes.data), ctypes.c_size_t(size), vec)
+        del view
+        if rc != 0:
+            return float("nan")
+        return sum(v & 1 for v in vec) / n
+    finally:
+        m.close()
+
+
 def rand_tokens(rng: np.random.Generator, n: int, hi: int = 1000) -> np.ndarray:
     return rng.integers(5, hi, n).astype(np.int32)
 
@@ -197,6 +223,32 @@ def lmdb_readahead(enabled: bool):
         yield
     finally:
         lmdb.open = orig
+
+
+def _lmdb_readahead_flag(tmp: Path) -> Optional[bool]:
+    """Whether kvstore's LMDB tier opens its environment with readahead."""
+    from kvstore.tiers.lmdb import LmdbTier
+
+    t = LmdbTier(tmp / "flag-probe", 64 << 20)
+    try:
+        return bool(t.env.flags().get("readahead"))
+    finally:
+        t.close()
+        shutil.rmtree(tmp / "flag-probe", ignore_errors=True)
+
+
+def _read_ahead_kb(path: Path) -> Optional[int]:
+    """The block device's read_ahead_kb under ``path`` (Linux), if found."""
+    try:
+        dev = os.stat(path).st_dev
+        sysdir = Path(f"/sys/dev/block/{os.major(dev)}:{os.minor(dev)}")
+        for q in (sysdir / "queue", sysdir.resolve().parent / "queue"):
+            f = q / "read_ahead_kb"
+            if f.exists():
+                return int(f.read_text())
+    except (OSError, ValueError):
+        pass
+    return None
 
 
 def plain_read(path: Path, nbytes: int) -> np.ndarray:
@@ -267,11 +319,16 @@ def _dequant_paths(hit_q, R: int, nbytes_out: int) -> dict:
     qs = [t for l in hit_q.layers for t in (l.keys, l.values) if isinstance(t, Quantized)]
     if not qs or qs[0].bits not in (8, 4):
         return {}
-    ref = [q.dequantize() for q in qs]
+    ref = [mx.dequantize(q.data, q.scales, q.biases, group_size=q.group_size, bits=q.bits) for q in qs]
     mx.eval(ref)
 
-    def mx_fp16():
+    def shipped():
         out = [q.dequantize() for q in qs]
+        mx.eval(out)
+        return out
+
+    def mx_kernel():
+        out = [mx.dequantize(q.data, q.scales, q.biases, group_size=q.group_size, bits=q.bits) for q in qs]
         mx.eval(out)
         return out
 
@@ -294,17 +351,59 @@ def _dequant_paths(hit_q, R: int, nbytes_out: int) -> dict:
         return out
 
     res = {}
-    for name, fn in (("mx.dequantize fp16 (current)", mx_fp16), ("mx.dequantize f32 scales -> fp16", mx_f32),
+    for name, fn in (("kvstore Quantized.dequantize (as shipped)", shipped), ("mx.dequantize (mlx CPU kernel)", mx_kernel),
+                     ("mx.dequantize, f32 scales -> fp16", mx_f32),
                      ("numpy f32 -> mx.array", np_1), ("numpy f32 x2 threads -> mx.array", np_2)):
         out = fn()
         err = max(float(mx.max(mx.abs(a.astype(mx.float32) - r.astype(mx.float32))).item()) for a, r in zip(out, ref))
         del out
-        res[name] = dict(stat(timed(fn, R, warmup=0), nbytes_out), max_abs_diff_vs_current=err)
+        res[name] = dict(stat(timed(fn, R, warmup=0), nbytes_out), max_abs_diff_vs_mx_dequantize=err)
     pool.shutdown()
-    base = res["mx.dequantize fp16 (current)"]["median_s"]
+    base = res["kvstore Quantized.dequantize (as shipped)"]["median_s"]
     for v in res.values():
-        v["speedup_vs_current"] = base / v["median_s"]
+        v["speedup_vs_shipped"] = base / v["median_s"]
     return res
+
+
+def _ssd_numpy_assemble(store, key: str, toks: np.ndarray) -> list:
+    """Prototype of a faster SSD fetch (dense entries, full blocks only): read
+    every block's payload view in one LMDB transaction, check it, concatenate
+    each layer's rows with numpy straight from the mmap views (one memcpy that
+    numpy backs with huge pages), then one ``mx.array`` copy per tensor —
+    instead of ``mx.array`` per block and ``mx.concatenate`` per layer."""
+    import xxhash
+
+    from kvstore.codec import _DTYPES, read_header
+    from kvstore.hashing import KeyChain, root_key
+
+    bs = store.block_size
+    chain = KeyChain(root_key(key, store.namespace), toks, bs)
+    disk = store._disk
+    with disk.reader() as txn:
+        views = []
+        for i in range(len(toks) // bs):
+            buf = memoryview(disk.get_block(txn, chain.key(i)))
+            h = read_header(buf)
+            pl = buf[h.payload_start:]
+            if xxhash.xxh3_64_intdigest(pl) != h.fields["sum"]:
+                raise ValueError("checksum")
+            t = h.fields["tok"]
+            if not np.array_equal(np.frombuffer(pl, "<i4", count=h.ntokens, offset=t[2]), toks[i * bs:(i + 1) * bs]):
+                raise ValueError("tokens")
+            views.append((h, pl))
+        out = []
+        for li in range(len(views[0][0].layers)):
+            kv = []
+            for which in ("k", "v"):
+                parts = []
+                for h, pl in views:
+                    name, shape, off, n = h.layers[li][which]["a"]
+                    dt = _DTYPES[name][1]
+                    parts.append(np.frombuffer(pl, dtype=dt, count=n // dt.itemsize, offset=off).reshape(shape))
+                kv.append(mx.array(np.concatenate(parts, axis=-2)))
+            out.append(kv)
+        mx.eval(out)
+    return out
 
 
 def bench_restore(cfg: dict, R: int, tmp: Path) -> dict:
@@ -316,7 +415,8 @@ def bench_restore(cfg: dict, R: int, tmp: Path) -> dict:
     toks = rand_tokens(rng, c["tokens"], 100_000)
     out_bytes = fp16_nbytes(layers)
     key = "bench-restore"
-    res: dict[str, Any] = {"shape": dict(c, block_size=256, dtype="float16"), "fp16_bytes": out_bytes, "entries": {}}
+    res: dict[str, Any] = {"shape": dict(c, block_size=256, dtype="float16"), "fp16_bytes": out_bytes, "entries": {},
+                           "lmdb_readahead": _lmdb_readahead_flag(tmp), "read_ahead_kb": _read_ahead_kb(tmp)}
     log(f"restore: {c['layers']} layers x {c['heads']} heads x {c['dim']} dim x {c['tokens']} tokens "
         f"= {out_bytes / MiB:.0f} MiB fp16")
     baselines: dict[int, dict] = {}
@@ -336,6 +436,7 @@ def bench_restore(cfg: dict, R: int, tmp: Path) -> dict:
         name = "fp16" if bits is None else f"q{bits}"
         log(f"restore: {name}")
         e: dict[str, Any] = {}
+        Rs = R if bits is None else min(R, 3)  # dequantizing fetches take seconds on a CPU
         # --- RAM tier
         store = PrefixStore(budget_gb=64, block_size=256, kv_bits=bits)
         store.put(key, toks, layers)
@@ -345,13 +446,13 @@ def bench_restore(cfg: dict, R: int, tmp: Path) -> dict:
         hit = store.fetch(key, toks)
         assert hit.length == len(toks) and hit.ram_tokens == len(toks), hit
         del hit
-        e["ram"] = stat(timed(lambda: store.fetch(key, toks), R, warmup=1), stored)
+        e["ram"] = stat(timed(lambda: store.fetch(key, toks), Rs, warmup=1), stored)
         e["ram"]["out_gbps"] = out_bytes / e["ram"]["median_s"] / 1e9
         if bits is not None:
             e["ram_quantized"] = stat(timed(lambda: store.fetch(key, toks, quantized=(bits, 64)), R, warmup=1), stored)
             hq = store.fetch(key, toks, quantized=(bits, 64))
             e["dequant_share_of_ram_fetch"] = 1 - e["ram_quantized"]["median_s"] / e["ram"]["median_s"]
-            e["dequant_paths"] = _dequant_paths(hq, R, out_bytes)
+            e["dequant_paths"] = _dequant_paths(hq, Rs, out_bytes)
             del hq
         store.close()
         del store
@@ -368,29 +469,43 @@ def bench_restore(cfg: dict, R: int, tmp: Path) -> dict:
         hit = store.fetch(key, toks)
         assert hit.length == len(toks) and hit.ssd_tokens == len(toks), (hit.length, hit.ssd_tokens)
         del hit
-        e["ssd_page_cached"] = stat(timed(lambda: store.fetch(key, toks), R, warmup=1), stored)
+        e["ssd_page_cached"] = stat(timed(lambda: store.fetch(key, toks), Rs, warmup=1), stored)
+        if bits is None:
+            ref = store.fetch(key, toks)
+            proto = _ssd_numpy_assemble(store, key, toks)
+            assert all(bool(mx.array_equal(l.keys, k).item()) and bool(mx.array_equal(l.values, v).item())
+                       for l, (k, v) in zip(ref.layers, proto))
+            del ref, proto
+            e["ssd_page_cached_numpy_assemble"] = stat(
+                timed(lambda: _ssd_numpy_assemble(store, key, toks), Rs, warmup=1), stored)
         if bits is not None:
             e["ssd_page_cached_quantized"] = stat(
                 timed(lambda: store.fetch(key, toks, quantized=(bits, 64)), R, warmup=1), stored)
         store.close()
 
-        def cold_fetch(readahead: Optional[bool] = None) -> list[float]:
-            ts = []
-            for _ in range(R):
+        def cold_fetch(readahead: Optional[bool] = None, quantized=None, reps: int = R) -> dict:
+            ts, pre = [], []
+            for _ in range(reps):
                 drop_page_cache(data)
                 ctx = lmdb_readahead(readahead) if readahead is not None else contextlib.nullcontext()
                 with ctx:
                     s = PrefixStore(budget_gb=0, ssd_path=path)
+                pre.append(resident_fraction(data))  # opening reads the index: some pages come in
                 t0 = time.perf_counter()
-                h = s.fetch(key, toks)
+                h = s.fetch(key, toks, quantized=quantized)
                 ts.append(time.perf_counter() - t0)
                 assert h.ssd_tokens == len(toks)
                 del h
                 s.close()
-            return ts
+            return dict(stat(ts, stored), resident_before_fetch=pre)
 
-        e["ssd_cold"] = stat(cold_fetch(), stored)
-        e["ssd_cold_readahead_on"] = stat(cold_fetch(True), stored)  # proposed LMDB flag
+        q = None if bits is None else (bits, 64)
+        e["ssd_cold"] = cold_fetch(reps=Rs)  # kvstore as it is
+        if bits is not None:  # the I/O path without the dequantize
+            e["ssd_cold_quantized"] = cold_fetch(quantized=q)
+        # LMDB readahead forced off / on (the I/O path: Quantized for quantized entries)
+        e["ssd_cold_ra_off"] = cold_fetch(False, quantized=q)
+        e["ssd_cold_ra_on"] = cold_fetch(True, quantized=q)
         e["lmdb_file_bytes"] = data.stat().st_size
         shutil.rmtree(path)
         # --- ratios against the same bytes
@@ -400,9 +515,16 @@ def bench_restore(cfg: dict, R: int, tmp: Path) -> dict:
             "ram_vs_numpy_memcpy": e["ram"]["gbps"] / b["numpy_copy"]["gbps"],
             "ram_vs_mx_array_copy": e["ram"]["gbps"] / b["mx_array_copy"]["gbps"],
             "ssd_page_cached_vs_read": e["ssd_page_cached"]["gbps"] / b["read_page_cached"]["gbps"],
+            "ssd_page_cached_numpy_assemble_vs_read": (e["ssd_page_cached_numpy_assemble"]["gbps"]
+                                                       / b["read_page_cached"]["gbps"]
+                                                       if "ssd_page_cached_numpy_assemble" in e else None),
             "ssd_cold_vs_read_cold": e["ssd_cold"]["gbps"] / b["read_cold"]["gbps"],
-            "ssd_cold_readahead_on_vs_read_cold": e["ssd_cold_readahead_on"]["gbps"] / b["read_cold"]["gbps"],
+            "ssd_cold_ra_off_vs_read_cold": e["ssd_cold_ra_off"]["gbps"] / b["read_cold"]["gbps"],
+            "ssd_cold_ra_on_vs_read_cold": e["ssd_cold_ra_on"]["gbps"] / b["read_cold"]["gbps"],
         }
+        if bits is not None:
+            e["ratio"]["ssd_cold_quantized_vs_read_cold"] = e["ssd_cold_quantized"]["gbps"] / b["read_cold"]["gbps"]
+
         if bits is not None:
             e["ratio"]["ram_quantized_vs_numpy_memcpy"] = e["ram_quantized"]["gbps"] / b["numpy_copy"]["gbps"]
             e["ratio"]["ram_quantized_vs_mx_array_copy"] = e["ram_quantized"]["gbps"] / b["mx_array_copy"]["gbps"]
@@ -418,7 +540,8 @@ def plot_restore(res: dict, out: Path) -> list[str]:
     plt = _plt()
     names = list(res["entries"])
     series = [("RAM", "ram"), ("RAM, Quantized", "ram_quantized"), ("SSD page-cached", "ssd_page_cached"),
-              ("SSD cold", "ssd_cold"), ("SSD cold, readahead on", "ssd_cold_readahead_on")]
+              ("SSD cold", "ssd_cold"), ("SSD cold, I/O path, LMDB readahead off", "ssd_cold_ra_off"),
+              ("SSD cold, I/O path, LMDB readahead on", "ssd_cold_ra_on")]
     fig, ax = plt.subplots(figsize=(7.5, 3.6), dpi=80)
     w = 0.8 / (len(series) + 3)
     x = np.arange(len(names))
@@ -536,12 +659,22 @@ def bench_put(cfg: dict, R: int, tmp: Path) -> dict:
     nbytes = fp16_nbytes(layers)
     res: dict[str, Any] = {"shape": dict(c, block_size=256), "bytes": nbytes}
     log(f"put: {c['layers']} layers x {c['heads']} heads x {c['dim']} dim x {n} tokens = {nbytes / MiB:.0f} MiB")
-    blocking, blocking_ram, total, dedup = [], [], [], []
+    R = min(R, 3)  # each repeat moves the whole cache through the background thread and LMDB
+    blocking, blocking_ram, total, dedup, first = [], [], [], [], []
     key = "bench-put"
+    from kvstore.layers import KVLayer
+
+    warm = [KVLayer(l.keys[..., :256, :], l.values[..., :256, :]) for l in layers]
     for r in range(R):
         toks = rand_tokens(rng, n, 100_000)
         path = tmp / f"put-{r}"
         store = PrefixStore(budget_gb=max(1.0, 2 * nbytes / GiB), ssd_path=path, block_size=256)
+        # the first put of a model key registers it in LMDB (a write transaction on the
+        # caller's thread): timed apart, on another short prompt, before the measured put
+        t0 = time.perf_counter()
+        store.put(key, rand_tokens(rng, 256, 100_000), warm)
+        first.append(time.perf_counter() - t0)
+        store.flush()
         gc.collect()
         t0 = time.perf_counter()
         store.put(key, toks, layers)
@@ -550,7 +683,7 @@ def bench_put(cfg: dict, R: int, tmp: Path) -> dict:
         t2 = time.perf_counter()
         blocking.append(t1 - t0)
         total.append(t2 - t0)
-        assert store.stats()["blocks_written"] == (n + 255) // 256
+        assert store.stats()["blocks_written"] == (n + 255) // 256 + 1
         t0 = time.perf_counter()
         store.put(key, toks, layers)  # already stored: hash + walk only
         dedup.append(time.perf_counter() - t0)
@@ -558,6 +691,8 @@ def bench_put(cfg: dict, R: int, tmp: Path) -> dict:
         store.close()
         shutil.rmtree(path)
         s2 = PrefixStore(budget_gb=max(1.0, 2 * nbytes / GiB), block_size=256)
+        s2.put(key, rand_tokens(rng, 256, 100_000), warm)
+        s2.flush()
         t0 = time.perf_counter()
         s2.put(key, toks, layers)
         blocking_ram.append(time.perf_counter() - t0)
@@ -566,6 +701,7 @@ def bench_put(cfg: dict, R: int, tmp: Path) -> dict:
     res["blocking_ssd_store"] = stat(blocking)
     res["blocking_ram_store"] = stat(blocking_ram)
     res["blocking_already_stored"] = stat(dedup)
+    res["blocking_first_put_of_model"] = stat(first)
     res["background_to_ssd"] = stat(total, nbytes)
     res["ssd_bytes"] = ssd_bytes
     # baseline: write + fsync a plain file of the same size
@@ -586,6 +722,8 @@ def bench_put(cfg: dict, R: int, tmp: Path) -> dict:
         toks = rand_tokens(rng, nq, 100_000)
         path = tmp / f"putq-{r}"
         store = PrefixStore(budget_gb=max(1.0, 2 * nbytes / GiB), ssd_path=path, block_size=256, kv_bits=8)
+        store.put(key, rand_tokens(rng, 256, 100_000), warm)
+        store.flush()
         t0 = time.perf_counter()
         store.put(key, toks, lq)
         t1 = time.perf_counter()
@@ -621,13 +759,21 @@ def load_tiny(kind: str):
     return _MODELS[kind]
 
 
-def run_tokens(model, cache, toks, step: int = 2048):
-    """Feed ``toks`` into ``cache``; logits of the last position (float32)."""
-    logits = None
-    for i in range(0, len(toks), step):
-        logits = model(mx.array(np.asarray(toks[i:i + step], dtype=np.int32))[None], cache=cache)
-        mx.eval(logits, [c.state for c in cache])
-    return logits[0, -1].astype(mx.float32)
+def run_tokens(model, cache, toks, step: int = 2048, logits: bool = True):
+    """Feed ``toks`` into ``cache``; logits of the last position (float32).
+
+    As mlx-lm's prefill: chunks before the last token only evaluate the cache
+    (the lm head never runs on them), the last token gives the logits."""
+    toks = np.asarray(toks, dtype=np.int32)
+    body = toks[:-1] if logits else toks
+    for i in range(0, len(body), step):
+        model(mx.array(body[i:i + step])[None], cache=cache)
+        mx.eval([c.state for c in cache])
+    if not logits:
+        return None
+    out = model(mx.array(toks[-1:])[None], cache=cache)[0, -1].astype(mx.float32)
+    mx.eval(out)
+    return out
 
 
 # ========================================================================= ttft
@@ -781,11 +927,24 @@ def make_trace(c: dict, seed: int = 50) -> dict:
             active.pop(i)
             if pending:
                 active.append(pending.pop(0))
+    # what a cache of unbounded size could serve: the longest prefix shared with any
+    # earlier prompt + response (leaving the last token to compute)
+    seen: list[np.ndarray] = []
+    ideal = 0
+    for r in requests:
+        p = r["prompt"]
+        best = 0
+        for q in seen:
+            m = min(len(p), len(q))
+            diff = np.flatnonzero(p[:m] != q[:m])
+            best = max(best, int(diff[0]) if diff.size else m)
+        ideal += min(best, len(p) - 1)
+        seen.append(np.concatenate([p, r["response"]]))
     used_sys = {sessions[s]["system"] for s in range(len(sessions))}
     unique = sum(len(systems[k]) for k in used_sys) + sum(len(ctx[s]) - len(systems[sessions[s]["system"]])
                                                          for s in range(len(sessions)))
     return {"requests": requests, "sessions": sessions, "unique_tokens": int(unique),
-            "prompt_tokens": int(sum(len(r["prompt"]) for r in requests)),
+            "prompt_tokens": int(sum(len(r["prompt"]) for r in requests)), "ideal_cached_tokens": ideal,
             "n_chat": sum(s["kind"] == "chat" for s in sessions), "n_agent": sum(s["kind"] == "agent" for s in sessions)}
 
 
@@ -829,7 +988,7 @@ def _replay_one(system: str, trace: dict, model, mkey: str, budget: int, tmp: Pa
         cached.append(got)
         # the response (teacher-forced: the trace fixes it), then the cache goes back
         resp = req["response"].tolist()
-        run_tokens(model, cache, resp)
+        run_tokens(model, cache, resp, logits=False)
         full = prompt + resp
         if lru is not None:
             lru.insert_cache(mkey, full, cache)
@@ -879,54 +1038,71 @@ def bench_replay(cfg: dict, R: int, tmp: Path) -> dict:
     trace = make_trace(c)
     bpt = 2 * 2 * 1 * 64 * 2  # fp16 KV bytes per token of the tiny llama
     working = trace["unique_tokens"] * bpt
-    budget = int(c["budget_frac"] * working)
+    total = trace["prompt_tokens"]
     res: dict[str, Any] = {
         "trace": {k: v for k, v in c.items()}, "requests": len(trace["requests"]), "sessions": len(trace["sessions"]),
-        "chat_sessions": trace["n_chat"], "agent_sessions": trace["n_agent"], "prompt_tokens": trace["prompt_tokens"],
-        "unique_tokens": trace["unique_tokens"], "working_set_fp16_bytes": working, "ram_budget_bytes": budget,
-        "kv_bytes_per_token_fp16": bpt, "systems": {},
+        "chat_sessions": trace["n_chat"], "agent_sessions": trace["n_agent"], "prompt_tokens": total,
+        "unique_tokens": trace["unique_tokens"], "working_set_fp16_bytes": working, "kv_bytes_per_token_fp16": bpt,
+        "ideal": {"recomputed_tokens": total - trace["ideal_cached_tokens"],
+                  "token_hit_rate": trace["ideal_cached_tokens"] / total},
+        "budgets": [],
     }
-    log(f"replay: {len(trace['requests'])} requests, {trace['prompt_tokens']:,} prompt tokens, "
-        f"working set {working / MiB:.1f} MiB fp16, RAM budget {budget / MiB:.1f} MiB")
     run_tokens(model, __import__("mlx_lm").models.cache.make_prompt_cache(model), list(range(5, 300)))  # warm-up
-    for name, label in REPLAY_SYSTEMS:
-        log(f"replay: {label}")
-        r = _replay_one(name, trace, model, mkey, budget, tmp)
-        r["label"] = label
-        res["systems"][name] = r
-        log(f"replay: {label}: recomputed {r['recomputed_tokens']:,} tokens, hit rate {r['token_hit_rate']:.1%}, "
-            f"TTFT total {r['ttft_total_s']:.1f} s ({r['wall_s']:.0f} s wall)")
-        gc.collect()
-    base = res["systems"]["lru"]
-    for r in res["systems"].values():
-        r["recompute_vs_lru"] = r["recomputed_tokens"] / max(1, base["recomputed_tokens"])
-        r["ttft_total_vs_lru"] = r["ttft_total_s"] / base["ttft_total_s"]
+    for frac in c["budget_fracs"]:
+        budget = int(frac * working)
+        log(f"replay: {len(trace['requests'])} requests, {total:,} prompt tokens, working set "
+            f"{working / MiB:.1f} MiB fp16, RAM budget {budget / MiB:.2f} MiB ({frac:.0%})")
+        systems: dict[str, Any] = {}
+        for name, label in REPLAY_SYSTEMS:
+            r = _replay_one(name, trace, model, mkey, budget, tmp)
+            r["label"] = label
+            systems[name] = r
+            log(f"replay: {label}: recomputed {r['recomputed_tokens']:,} tokens, hit rate {r['token_hit_rate']:.1%}, "
+                f"TTFT total {r['ttft_total_s']:.1f} s ({r['wall_s']:.0f} s wall)")
+            gc.collect()
+        base = systems["lru"]
+        for r in systems.values():
+            r["recompute_vs_lru"] = r["recomputed_tokens"] / max(1, base["recomputed_tokens"])
+            r["ttft_total_vs_lru"] = r["ttft_total_s"] / base["ttft_total_s"]
+        res["budgets"].append({"budget_frac": frac, "ram_budget_bytes": budget, "systems": systems,
+                               "met": systems["kvstore_q8_ssd"]["recompute_vs_lru"] <= TARGETS["replay_recompute_vs_lru"]})
+    # the first budget is the headline
+    res["ram_budget_bytes"] = res["budgets"][0]["ram_budget_bytes"]
+    res["systems"] = res["budgets"][0]["systems"]
     res["target_recompute_vs_lru"] = TARGETS["replay_recompute_vs_lru"]
-    res["met"] = res["systems"]["kvstore_q8_ssd"]["recompute_vs_lru"] <= TARGETS["replay_recompute_vs_lru"]
+    res["met"] = res["budgets"][0]["met"]
     return res
 
 
 def plot_replay(res: dict, out: Path) -> list[str]:
     plt = _plt()
     names = [n for n, _ in REPLAY_SYSTEMS]
-    labels = [res["systems"][n]["label"].replace("kvstore ", "kvstore\n").replace("mlx-lm ", "mlx-lm\n") for n in names]
-    fig, axs = plt.subplots(1, 3, figsize=(10, 3.4), dpi=80)
-    vals = [res["systems"][n]["recomputed_tokens"] / 1e3 for n in names]
-    axs[0].bar(labels, vals, color=["gray", "C0", "C1", "C2"])
-    axs[0].set_ylabel("prompt tokens recomputed (K)")
-    axs[1].bar(labels, [res["systems"][n]["ttft_total_s"] for n in names], color=["gray", "C0", "C1", "C2"])
-    axs[1].set_ylabel("total TTFT (s)")
+    labels = [dict(REPLAY_SYSTEMS)[n].replace("kvstore ", "kvstore\n").replace("mlx-lm ", "mlx-lm\n") for n in names]
+    budgets = res["budgets"]
+    fig, axs = plt.subplots(1, 3, figsize=(10.5, 3.4), dpi=80)
     x = np.arange(len(names))
-    axs[2].bar(x - 0.2, [res["systems"][n]["ttft_p50_s"] * 1e3 for n in names], 0.4, label="p50")
-    axs[2].bar(x + 0.2, [res["systems"][n]["ttft_p95_s"] * 1e3 for n in names], 0.4, label="p95")
-    axs[2].set_xticks(x)
-    axs[2].set_xticklabels(labels)
-    axs[2].set_ylabel("TTFT (ms)")
+    w = 0.8 / len(budgets)
+    for i, b in enumerate(budgets):
+        lab = f"budget {b['ram_budget_bytes'] / MiB:.1f} MiB ({b['budget_frac']:.0%})"
+        axs[0].bar(x + (i - (len(budgets) - 1) / 2) * w, [b["systems"][n]["recomputed_tokens"] / 1e3 for n in names], w,
+                   label=lab)
+        axs[1].bar(x + (i - (len(budgets) - 1) / 2) * w, [b["systems"][n]["ttft_total_s"] for n in names], w, label=lab)
+    axs[0].axhline(res["ideal"]["recomputed_tokens"] / 1e3, color="k", ls="--", lw=1, label="unbounded cache")
+    axs[0].set_ylabel("prompt tokens recomputed (K)")
+    axs[1].set_ylabel("total TTFT (s)")
+    axs[0].legend(fontsize=6)
+    axs[1].legend(fontsize=6)
+    s0 = budgets[0]["systems"]
+    axs[2].bar(x - 0.2, [s0[n]["ttft_p50_s"] * 1e3 for n in names], 0.4, label="p50")
+    axs[2].bar(x + 0.2, [s0[n]["ttft_p95_s"] * 1e3 for n in names], 0.4, label="p95")
+    axs[2].set_ylabel(f"TTFT (ms), budget {budgets[0]['budget_frac']:.0%}")
     axs[2].legend(fontsize=7)
     for ax in axs:
+        ax.set_xticks(x)
+        ax.set_xticklabels(labels)
         ax.tick_params(axis="x", labelsize=7)
-    fig.suptitle(f"replay: {res['requests']} requests, RAM budget {res['ram_budget_bytes'] / MiB:.1f} MiB "
-                 f"({res['ram_budget_bytes'] / res['working_set_fp16_bytes']:.0%} of the fp16 working set)", fontsize=9)
+    fig.suptitle(f"replay: {res['requests']} requests, {res['prompt_tokens']:,} prompt tokens, working set "
+                 f"{res['working_set_fp16_bytes'] / MiB:.1f} MiB fp16 KV (tiny llama, mlx CPU)", fontsize=9)
     fig.tight_layout()
     p = out / "replay.png"
     fig.savefig(p)
@@ -1048,11 +1224,24 @@ def summary_rows(results: dict) -> list[tuple[str, str, str, str]]:
             rows.append((f"restore {name}: RAM fetch", f"{e['ram']['gbps']:.2f} GB/s = {r['ram_vs_numpy_memcpy']:.2f}x numpy "
                          f"memcpy, {r['ram_vs_mx_array_copy']:.2f}x mx.array copy", ">= 0.5x memcpy",
                          _ok(r["ram_vs_numpy_memcpy"] >= 0.5) + " (numpy) / " + _ok(r["ram_vs_mx_array_copy"] >= 0.5) + " (mx)"))
+            proto = r.get("ssd_page_cached_numpy_assemble_vs_read")
             rows.append((f"restore {name}: SSD page-cached", f"{e['ssd_page_cached']['gbps']:.2f} GB/s = "
-                         f"{r['ssd_page_cached_vs_read']:.2f}x plain read", ">= 0.4x", _ok(r["ssd_page_cached_vs_read"] >= 0.4)))
+                         f"{r['ssd_page_cached_vs_read']:.2f}x plain read"
+                         + (f" (numpy-assemble prototype: {proto:.2f}x)" if proto else ""), ">= 0.4x",
+                         _ok(r["ssd_page_cached_vs_read"] >= 0.4)
+                         + (f" (prototype: {_ok(proto >= 0.4)})" if proto else "")))
             rows.append((f"restore {name}: SSD cold", f"{e['ssd_cold']['gbps']:.2f} GB/s = {r['ssd_cold_vs_read_cold']:.2f}x "
-                         f"plain cold read (readahead on: {r['ssd_cold_readahead_on_vs_read_cold']:.2f}x)", ">= 0.7x",
-                         _ok(r["ssd_cold_vs_read_cold"] >= 0.7)))
+                         f"plain cold read (I/O path with LMDB readahead off: {r['ssd_cold_ra_off_vs_read_cold']:.2f}x, "
+                         f"on: {r['ssd_cold_ra_on_vs_read_cold']:.2f}x)", ">= 0.7x", _ok(r["ssd_cold_vs_read_cold"] >= 0.7)))
+            if "ram_quantized" in e:
+                rows.append((f"restore {name}: handed over Quantized (no dequantize)",
+                             f"RAM {r['ram_quantized_vs_numpy_memcpy']:.2f}x memcpy, SSD cached "
+                             f"{r['ssd_page_cached_quantized_vs_read']:.2f}x read, SSD cold "
+                             f"{r['ssd_cold_quantized_vs_read_cold']:.2f}x; dequantized fetch is "
+                             f"{r['dequantized_vs_quantized_time']:.0f}x slower", "0.5 / 0.4 / 0.7",
+                             f"{_ok(r['ram_quantized_vs_numpy_memcpy'] >= 0.5)} / "
+                             f"{_ok(r['ssd_page_cached_quantized_vs_read'] >= 0.4)} / "
+                             f"{_ok(r['ssd_cold_quantized_vs_read_cold'] >= 0.7)}"))
     p = results.get("lookup")
     if p:
         rows.append((f"lookup: contains() of {p['prompt_tokens'] // 1024}K tokens, {p['blocks_indexed']:,} blocks",
@@ -1073,11 +1262,67 @@ def summary_rows(results: dict) -> list[tuple[str, str, str, str]]:
                          f"{e['kvstore_ram_vs_lru']:.2f}x LRU's TTFT", "-", "-"))
     p = results.get("replay")
     if p:
-        s = p["systems"]["kvstore_q8_ssd"]
-        rows.append(("replay: tokens recomputed, kvstore q8+SSD vs LRUPromptCache",
-                     f"{s['recompute_vs_lru']:.3f}x ({s['recomputed_tokens']:,} vs {p['systems']['lru']['recomputed_tokens']:,})",
-                     "<= 0.333x", _ok(p["met"])))
+        for b in p.get("budgets", []):
+            sy = b["systems"]
+            s = sy["kvstore_q8_ssd"]
+            rows.append((f"replay, RAM budget {b['budget_frac']:.0%} of the working set: tokens recomputed, "
+                         f"kvstore q8+SSD vs LRUPromptCache",
+                         f"{s['recompute_vs_lru']:.3f}x ({s['recomputed_tokens']:,} vs {sy['lru']['recomputed_tokens']:,}; "
+                         f"fp16 {sy['kvstore_fp16']['recompute_vs_lru']:.2f}x, q8 {sy['kvstore_q8']['recompute_vs_lru']:.2f}x, "
+                         f"unbounded cache {p['ideal']['recomputed_tokens']:,}); total TTFT "
+                         f"{s['ttft_total_vs_lru']:.2f}x", "<= 0.333x", _ok(b["met"])))
     return rows
+
+
+def reading_notes(results: dict) -> list[str]:
+    """What limits each figure (mechanisms measured in this project; see the sections)."""
+    n = []
+    ents = results.get("restore", {}).get("entries", {})
+    fp = ents.get("fp16", {})
+    proto = (fp["ssd_page_cached"]["median_s"] / fp["ssd_page_cached_numpy_assemble"]["median_s"]
+             if "ssd_page_cached_numpy_assemble" in fp else float("nan"))
+    shares = [e["dequant_share_of_ram_fetch"] for e in ents.values() if "dequant_share_of_ram_fetch" in e]
+    speed = [e["ratio"]["dequantized_vs_quantized_time"] for e in ents.values()
+             if "dequantized_vs_quantized_time" in e.get("ratio", {})]
+    qmet = [k for k, e in ents.items() if e.get("ratio", {}).get("ram_quantized_vs_numpy_memcpy", 0) >= 0.5]
+    if "restore" in results:
+        n.append("**RAM fetch is at mlx's own copy rate, not memcpy.** A fetch writes the prefix into fresh mlx "
+                 "buffers. On Linux, mlx's CPU allocator neither reuses them nor asks for transparent huge pages "
+                 "(THP is `madvise` here), so each 4 KiB page faults on first write: a 256 MiB `mx.array` copy takes "
+                 "65,536 minor faults and runs at ~1.3 GB/s, numpy's copy (which madvises huge pages) at ~5-7 GB/s. "
+                 "The RAM fetch is one mlx copy (concatenate per layer) and matches or beats `mx.array` copy.")
+        n.append("**SSD page-cached fetch makes two mlx copies** (`mx.array` per block in `deserialize`, then "
+                 "`concatenate` per layer) plus an xxh3 pass. Assembling each layer with numpy straight from the "
+                 f"LMDB mmap views and copying once into mlx (prototype, timed in the same run) is {proto:.1f}x "
+                 "faster.")
+        n.append("**Cold SSD reads depend on LMDB readahead.** With `readahead=False` every 4 KiB page of a "
+                 "multi-MiB block is a separate synchronous read (~0.05 GB/s here); with readahead on, the kernel "
+                 "reads ahead (8 MiB on this VM). 'Cold' is cold in the guest only: the VM's host may cache the "
+                 "disk, so plain cold reads vary between ~0.4 and ~1.9 GB/s from run to run.")
+        n.append("**Serving quantized entries to a dense engine is dequantize-bound on a CPU** "
+                 f"({min(shares or [0]):.0%}-{max(shares or [0]):.0%} of the RAM fetch): handed over as `Quantized` "
+                 "(an engine running `kv_bits` / `QuantizedKVCache` needs no dequantize) the same fetch is "
+                 f"{min(speed or [0]):.0f}-{max(speed or [0]):.0f}x faster"
+                 + (f" and meets the RAM target for {', '.join(qmet)}." if qmet else "."))
+    if "lookup" in results:
+        n.append("**Lookup:** walk + hashing of a 128K-token prompt stays under 1 ms for an int32 array; a Python "
+                 "list costs 3-6 ms more just to convert (`as_tokens`), so engines should pass arrays.")
+    if "put" in results:
+        n.append("**Put** blocks only for hashing and indexing; the background thread is bounded by `serialize` "
+                 "(the payload is copied three times into fresh Python bytes) and LMDB's write + fsync, not by "
+                 "slicing.")
+    if "ttft" in results:
+        n.append("**TTFT hits** on the tiny llama (512 B of KV per token) are dominated by per-request fixed costs "
+                 "(a decode step, cache rebuild), so kvstore and `LRUPromptCache` hits land within noise of each "
+                 "other; both are two to three orders of magnitude faster than a cold prefill. The restore part "
+                 "measures the KV-size-dependent cost on a Llama-3-8B-shaped set.")
+    if "replay" in results:
+        n.append("**Replay:** the 'unbounded' row is what any exact prefix cache of unlimited size could serve "
+                 "(the new tokens of each turn, plus each system prompt once); kvstore q8 + SSD reaches it at every "
+                 "budget. LRUPromptCache keeps one full copy per conversation (system prompt included) in fp16, "
+                 "kvstore shares blocks between conversations, stores 8-bit entries in about half the bytes and "
+                 "keeps what RAM evicts on SSD.")
+    return n
 
 
 def write_docs(results: dict, meta: dict, out: Path, docs: Path) -> Path:
@@ -1089,9 +1334,13 @@ def write_docs(results: dict, meta: dict, out: Path, docs: Path) -> Path:
     L: list[str] = []
     a = L.append
     a("# Benchmarks\n")
-    a(f"Generated by `python tools/bench.py{' --quick' if meta['mode'] == 'quick' else ''}` "
-      f"({meta['mode']} run, {meta['date']}, {meta['runtime_s'] / 60:.1f} min). Machine: {meta['machine']}; "
+    a(f"Generated by `python tools/bench.py` ({meta['mode']} run, {meta['date']}, "
+      f"{meta['runtime_s'] / 60:.1f} min of benchmarks). Machine: {meta['machine']}; "
       f"mlx {meta['mlx']} (CPU), mlx-lm {meta['mlx_lm']}, Python {meta['python']}.\n")
+    dates = meta.get("part_dates", {})
+    if len(set(dates.values())) > 1:
+        a("Parts come from different runs: "
+          + ", ".join(f"{p} {d}" for p, d in dates.items()) + ".\n")
     a("Every figure is the median over repeats; every baseline was measured in the same run, so read the ratios. "
       "Absolute numbers are from mlx on a shared 2-core Linux CPU, where mlx's own kernels are slow "
       "(fp16 elementwise ~0.3 GB/s, matmul ~5 GFLOP/s vs 75 for numpy/OpenBLAS): model time here is far from "
@@ -1102,6 +1351,12 @@ def write_docs(results: dict, meta: dict, out: Path, docs: Path) -> Path:
     for r in summary_rows(results):
         a("| " + " | ".join(r) + " |")
     a("")
+    notes = reading_notes(results)
+    if notes:
+        a("## Reading the results\n")
+        for n in notes:
+            a(f"- {n}")
+        a("")
     p = results.get("restore")
     if p:
         sh = p["shape"]
@@ -1113,36 +1368,62 @@ def write_docs(results: dict, meta: dict, out: Path, docs: Path) -> Path:
           "`posix_fadvise(DONTNEED)` and the store reopened before each fetch. Baselines on the same byte count: "
           "numpy copy (alloc + memcpy), `mx.array(numpy)` copy, a plain `readinto` of a file of the same size "
           "(page-cached and cold).\n")
-        a("| entries | stored MiB | RAM GB/s | RAM Quantized GB/s | SSD cached GB/s | SSD cold GB/s | SSD cold, readahead on | "
-          "numpy memcpy | mx.array copy | read cached | read cold |")
-        a("|---|---|---|---|---|---|---|---|---|---|---|")
+        res_pre = [x for e in p["entries"].values() for x in e["ssd_cold"].get("resident_before_fetch", [])]
+        a(f"kvstore opened LMDB with `readahead={p.get('lmdb_readahead')}` in this run. Opening the store reads its index, "
+          f"and kernel readahead (`read_ahead_kb` = {p.get('read_ahead_kb', '?')} here) brings part of the file back "
+          f"before the timed cold fetch: median {np.median(res_pre) if res_pre else float('nan'):.0%} of data.mdb was "
+          "resident (recorded per repeat in restore.json).\n")
+        a("Fetch, GB/s (entries as stored; *Quantized* = `quantized=(bits, 64)`, handed over without dequantizing; "
+          "*I/O path* = the same cold fetch (Quantized for quantized entries) with LMDB's readahead forced off / on):\n")
+        a("| entries | stored MiB | RAM | RAM Quantized | SSD cached | SSD cached Quantized | SSD cold | "
+          "SSD cold Quantized | I/O path cold, RA off | I/O path cold, RA on |")
+        a("|---|---|---|---|---|---|---|---|---|---|")
+        g = lambda e, k: _fmt(e.get(k, {}).get("gbps"))  # noqa: E731
+        for name, e in p["entries"].items():
+            a(f"| {name} | {e['stored_bytes'] / MiB:,.0f} | {g(e, 'ram')} | {g(e, 'ram_quantized')} | "
+              f"{g(e, 'ssd_page_cached')} | {g(e, 'ssd_page_cached_quantized')} | {g(e, 'ssd_cold')} | "
+              f"{g(e, 'ssd_cold_quantized')} | {g(e, 'ssd_cold_ra_off')} | {g(e, 'ssd_cold_ra_on')} |")
+        a("")
+        a("Baselines on the same byte counts, GB/s:\n")
+        a("| entries | numpy memcpy | mx.array copy | plain read, page-cached | plain read, cold |")
+        a("|---|---|---|---|---|")
         for name, e in p["entries"].items():
             b = e["baselines"]
-            a(f"| {name} | {e['stored_bytes'] / MiB:,.0f} | {e['ram']['gbps']:.2f} | "
-              f"{e.get('ram_quantized', {}).get('gbps', float('nan')):.2f} | {e['ssd_page_cached']['gbps']:.2f} | "
-              f"{e['ssd_cold']['gbps']:.2f} | {e['ssd_cold_readahead_on']['gbps']:.2f} | {b['numpy_copy']['gbps']:.2f} | "
-              f"{b['mx_array_copy']['gbps']:.2f} | {b['read_page_cached']['gbps']:.2f} | {b['read_cold']['gbps']:.2f} |")
+            a(f"| {name} | {b['numpy_copy']['gbps']:.2f} | {b['mx_array_copy']['gbps']:.2f} | "
+              f"{b['read_page_cached']['gbps']:.2f} | {b['read_cold']['gbps']:.2f} |")
         a("")
         a("Ratios (same bytes):\n")
-        a("| entries | RAM / numpy memcpy | RAM / mx.array copy | SSD cached / read | SSD cold / cold read | "
-          "SSD cold readahead on / cold read | dequantized / Quantized fetch time | dequantize share of RAM fetch |")
-        a("|---|---|---|---|---|---|---|---|")
+        a("| entries | RAM / numpy memcpy | RAM / mx.array copy | RAM Quantized / numpy memcpy | SSD cached / read | "
+          "SSD cached Quantized / read | SSD cold / cold read | SSD cold Quantized / cold read | "
+          "I/O path RA off / cold read | I/O path RA on / cold read | dequantized / Quantized fetch time | "
+          "dequantize share of RAM fetch |")
+        a("|---|---|---|---|---|---|---|---|---|---|---|---|")
         for name, e in p["entries"].items():
             r = e["ratio"]
             a(f"| {name} | {r['ram_vs_numpy_memcpy']:.2f} | {r['ram_vs_mx_array_copy']:.2f} | "
-              f"{r['ssd_page_cached_vs_read']:.2f} | {r['ssd_cold_vs_read_cold']:.2f} | "
-              f"{r['ssd_cold_readahead_on_vs_read_cold']:.2f} | {_fmt(r.get('dequantized_vs_quantized_time'))} | "
-              f"{_fmt(e.get('dequant_share_of_ram_fetch'))} |")
+              f"{_fmt(r.get('ram_quantized_vs_numpy_memcpy'))} | {r['ssd_page_cached_vs_read']:.2f} | "
+              f"{_fmt(r.get('ssd_page_cached_quantized_vs_read'))} | {r['ssd_cold_vs_read_cold']:.2f} | "
+              f"{_fmt(r.get('ssd_cold_quantized_vs_read_cold'))} | {r['ssd_cold_ra_off_vs_read_cold']:.2f} | "
+              f"{r['ssd_cold_ra_on_vs_read_cold']:.2f} | "
+              f"{_fmt(r.get('dequantized_vs_quantized_time'))} | {_fmt(e.get('dequant_share_of_ram_fetch'))} |")
         a("")
+        e = p["entries"].get("fp16", {})
+        if "ssd_page_cached_numpy_assemble" in e:
+            a(f"Prototype (fp16, page-cached): assembling each layer with numpy straight from the LMDB mmap views and "
+              f"copying once into mlx takes {e['ssd_page_cached_numpy_assemble']['median_s'] * 1e3:.0f} ms vs "
+              f"{e['ssd_page_cached']['median_s'] * 1e3:.0f} ms for `fetch` "
+              f"({e['ssd_page_cached']['median_s'] / e['ssd_page_cached_numpy_assemble']['median_s']:.1f}x faster, "
+              f"{e['ratio']['ssd_page_cached_numpy_assemble_vs_read']:.2f}x plain read).\n")
         dq = [(n, e["dequant_paths"]) for n, e in p["entries"].items() if e.get("dequant_paths")]
         if dq:
-            a("Dequantize paths for the whole fetched set (GB/s of fp16 output, speed-up vs the current "
-              "`mx.dequantize` on fp16 scales, max |diff| vs it):\n")
+            a("Dequantize paths for the whole fetched set (GB/s of fp16 output; speed-up vs what kvstore ships, "
+              "`Quantized.dequantize`; max |diff| vs `mx.dequantize`):\n")
             a("| entries | path | GB/s out | speed-up | max abs diff |")
             a("|---|---|---|---|---|")
             for n, d in dq:
                 for path, v in d.items():
-                    a(f"| {n} | {path} | {v['gbps']:.2f} | {v['speedup_vs_current']:.2f}x | {v['max_abs_diff_vs_current']:.2g} |")
+                    a(f"| {n} | {path} | {v['gbps']:.2f} | {v['speedup_vs_shipped']:.2f}x | "
+                      f"{v['max_abs_diff_vs_mx_dequantize']:.2g} |")
             a("")
         a("![restore](bench/restore.png)\n")
     p = results.get("lookup")
@@ -1173,6 +1454,8 @@ def write_docs(results: dict, meta: dict, out: Path, docs: Path) -> Path:
         a(f"| `put` blocking (RAM + SSD store) | {p['blocking_ssd_store']['median_s'] * 1e3:.3f} ms |")
         a(f"| `put` blocking (RAM-only store) | {p['blocking_ram_store']['median_s'] * 1e3:.3f} ms |")
         a(f"| `put` of an already stored prefix | {p['blocking_already_stored']['median_s'] * 1e3:.3f} ms |")
+        a(f"| first `put` of a model key in a store (registers it in LMDB, 256 tokens) | "
+          f"{p['blocking_first_put_of_model']['median_s'] * 1e3:.3f} ms |")
         a(f"| put -> flush (encode + write to LMDB) | {p['background_to_ssd']['median_s']:.2f} s = "
           f"{p['background_to_ssd']['gbps']:.2f} GB/s |")
         a(f"| plain file write + fsync, same bytes | {p['plain_write_fsync']['gbps']:.2f} GB/s |")
@@ -1199,6 +1482,8 @@ def write_docs(results: dict, meta: dict, out: Path, docs: Path) -> Path:
     p = results.get("replay")
     if p:
         t = p["trace"]
+        budgets_mib = ", ".join(f"{b['ram_budget_bytes'] / MiB:.2f} MiB" for b in p["budgets"])
+        budgets_pct = ", ".join(f"{b['budget_frac']:.0%}" for b in p["budgets"])
         a("## replay: many users, one RAM budget (headline)\n")
         a(f"Seeded trace: {p['sessions']} sessions ({p['chat_sessions']} chats, {p['agent_sessions']} agent loops) on "
           f"{len(t['sys_lens'])} shared system prompts of {', '.join(map(str, t['sys_lens']))} tokens, "
@@ -1206,18 +1491,24 @@ def write_docs(results: dict, meta: dict, out: Path, docs: Path) -> Path:
           f"({t['user'][0]}-{t['user'][1]} tokens) and a response ({t['resp'][0]}-{t['resp'][1]}); agent steps add a "
           f"tool output ({t['tool'][0]}-{t['tool'][1]}) and an action ({t['action'][0]}-{t['action'][1]}). "
           f"{p['requests']} requests, {p['prompt_tokens']:,} prompt tokens, {p['unique_tokens']:,} distinct tokens = "
-          f"{p['working_set_fp16_bytes'] / MiB:.1f} MiB of fp16 KV. RAM budget for every system: "
-          f"{p['ram_budget_bytes'] / MiB:.2f} MiB ({p['ram_budget_bytes'] / p['working_set_fp16_bytes']:.0%}).\n")
+          f"{p['working_set_fp16_bytes'] / MiB:.1f} MiB of fp16 KV. Every system gets the same RAM byte budget: "
+          f"{budgets_mib} ({budgets_pct} of the working set; the first is the headline).\n")
         a("Each request really runs the tiny llama: look up, restore, prefill the rest, first token (TTFT), then the "
           "trace's response is fed (teacher-forced) and the cache of prompt + response goes back "
           "(`insert_cache`, as mlx-lm's server does, or `put`).\n")
-        a("| system | tokens recomputed | vs LRU | token hit rate | TTFT total | p50 | p95 | resident RAM max |")
-        a("|---|---|---|---|---|---|---|---|")
-        for name, _ in REPLAY_SYSTEMS:
-            s = p["systems"][name]
-            a(f"| {s['label']} | {s['recomputed_tokens']:,} | {s['recompute_vs_lru']:.3f} | {s['token_hit_rate']:.1%} | "
-              f"{s['ttft_total_s']:.1f} s | {s['ttft_p50_s'] * 1e3:.0f} ms | {s['ttft_p95_s'] * 1e3:.0f} ms | "
-              f"{s['resident_ram_bytes_max'] / MiB:.2f} MiB |")
+        a("| RAM budget | system | tokens recomputed | vs LRU | token hit rate | TTFT total | p50 | p95 | "
+          "resident RAM max |")
+        a("|---|---|---|---|---|---|---|---|---|")
+        for b in p["budgets"]:
+            for name, _ in REPLAY_SYSTEMS:
+                s = b["systems"][name]
+                a(f"| {b['ram_budget_bytes'] / MiB:.2f} MiB ({b['budget_frac']:.0%}) | {s['label']} | "
+                  f"{s['recomputed_tokens']:,} | {s['recompute_vs_lru']:.3f} | {s['token_hit_rate']:.1%} | "
+                  f"{s['ttft_total_s']:.1f} s | {s['ttft_p50_s'] * 1e3:.0f} ms | {s['ttft_p95_s'] * 1e3:.0f} ms | "
+                  f"{s['resident_ram_bytes_max'] / MiB:.2f} MiB |")
+        a(f"| unbounded | (any exact prefix cache) | {p['ideal']['recomputed_tokens']:,} | "
+          f"{p['ideal']['recomputed_tokens'] / max(1, p['systems']['lru']['recomputed_tokens']):.3f} | "
+          f"{p['ideal']['token_hit_rate']:.1%} | | | | |")
         a("")
         a("![replay](bench/replay.png)\n")
     p = results.get("fidelity")
@@ -1275,6 +1566,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--tmp", help="where SSD stores and scratch files go (default: system temp)")
     ap.add_argument("--write-docs", action="store_true", help="write docs/benchmarks.md (default: full runs only)")
     ap.add_argument("--docs", default=str(ROOT / "docs"), help=argparse.SUPPRESS)
+    ap.add_argument("--merge", metavar="RESULTS_JSON",
+                    help="take the parts not run now from an earlier results.json (its plots from its folder)")
     return ap.parse_args(argv)
 
 
@@ -1322,6 +1615,21 @@ def main(argv=None) -> int:
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     meta["runtime_s"] = time.perf_counter() - t_all
+    meta["part_dates"] = {p: meta["date"] for p in results}
+    if args.merge:
+        prev = json.loads(Path(args.merge).read_text())
+        for part, r in prev["parts"].items():
+            if part not in results:
+                results[part] = r
+                meta["part_dates"][part] = prev["meta"].get("part_dates", {}).get(part, prev["meta"]["date"])
+                for png in Path(args.merge).parent.glob(f"{part}.png"):
+                    if png.resolve() != (out / png.name).resolve():
+                        shutil.copy(png, out / png.name)
+                    plots.append(png.name)
+        results = {p: results[p] for p in PARTS if p in results}
+        meta["merged_from"] = str(args.merge)
+        meta["mode"] = prev["meta"]["mode"] if mode == prev["meta"]["mode"] else f"{mode}+{prev['meta']['mode']}"
+        meta["runtime_s"] = sum(r.get("runtime_s", 0) for r in results.values())
     meta["plots"] = plots
     (out / "results.json").write_text(json.dumps({"meta": meta, "parts": results}, indent=1, default=str))
     rows = summary_rows(results)

@@ -131,3 +131,38 @@ def run_verify(path, repair: bool = False, timeout: float = 60):
     p = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout,
                        env=dict(os.environ, COLUMNS="200", NO_COLOR="1"))
     return p.returncode, p.stdout + p.stderr
+
+
+# ------------------------------------------------------------ raw LMDB access
+
+
+def open_env(path, readonly: bool = False):
+    """The store's LMDB environment opened directly, as another program would."""
+    import lmdb
+
+    return lmdb.open(str(path), max_dbs=8, readonly=readonly, map_size=1 << 30)
+
+
+def block_key(model, toks: Sequence[int], start: int, namespace: Optional[str] = None) -> bytes:
+    """Key of the block of prompt ``toks`` (of ``model``) that starts at token
+    ``start``: a full block, or the prompt's last, partial one."""
+    from kvstore.hashing import KeyChain, as_tokens, root_key
+
+    t = as_tokens(toks)
+    chain = KeyChain(root_key(model, namespace), t, BLOCK)
+    i = start // BLOCK
+    assert start % BLOCK == 0 and start < len(t)
+    return chain.key(i) if start + BLOCK <= len(t) else chain.tail_key(i, len(t) - start)
+
+
+def rewrite(path, key: bytes, fn, db: bytes = b"blocks") -> None:
+    """Replace the value of ``key`` in sub-database ``db`` with ``fn(old value)``."""
+    env = open_env(path)
+    try:
+        handle = env.open_db(db, create=False)
+        with env.begin(write=True) as txn:
+            old = txn.get(key, db=handle)
+            assert old is not None
+            txn.put(key, fn(bytes(old)), db=handle)
+    finally:
+        env.close()

@@ -1,0 +1,145 @@
+"""Foreign and old files at ``ssd_path``: a plain file, a directory of other
+files, an LMDB environment of another program, a kvstore store of another
+format version. Each gives a ``StoreOpenError`` that names the path and says
+what to do, and nothing of the user's is written to.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import time
+from pathlib import Path
+
+import lmdb
+import msgpack
+import pytest
+
+from kvstore import PrefixStore, StoreOpenError
+
+from . import kvdata as D
+
+
+def _snapshot(root: Path, skip=("lock.mdb",)) -> dict:
+    """Bytes, mode and mtime of every file under ``root`` (or of ``root``)."""
+    files = [root] if root.is_file() else sorted(p for p in root.rglob("*") if p.is_file())
+    return {str(p): (p.read_bytes(), p.stat().st_mtime_ns, p.stat().st_mode) for p in files if p.name not in skip}
+
+
+def _age(root: Path) -> None:
+    """Set mtimes in the past so any write would show."""
+    old = time.time() - 3600
+    for p in [root, *root.rglob("*")] if root.is_dir() else [root]:
+        os.utime(p, (old, old))
+
+
+def _expect_open_error(path: Path, *phrases: str) -> str:
+    for kwargs in ({}, {"readonly": True}):
+        with pytest.raises(StoreOpenError) as e:
+            PrefixStore(ssd_path=path, **kwargs)
+        msg = str(e.value)
+        assert str(path) in msg, msg
+        for ph in phrases:
+            assert ph in msg, msg
+    for cmd in (["verify", str(path)], ["inspect", str(path)], ["verify", str(path), "--repair"]):
+        import subprocess
+        p = subprocess.run(D.kvstore_cli() + cmd, capture_output=True, text=True, timeout=60,
+                           env=dict(os.environ, COLUMNS="300"))
+        assert p.returncode == 2 and str(path) in " ".join((p.stdout + p.stderr).split()) \
+            and "Traceback" not in p.stderr, (cmd, p.returncode, p.stdout, p.stderr)
+    return msg
+
+
+def test_plain_file(tmp_path):
+    path = tmp_path / "notes.txt"
+    path.write_bytes(b"my notes\n" * 100)
+    _age(path)
+    before = _snapshot(path)
+    msg = _expect_open_error(path, "is a file", "directory")
+    assert _snapshot(path) == before
+    assert "nothing was written" in msg
+
+
+def test_directory_of_something_else(tmp_path):
+    path = tmp_path / "photos"
+    (path / "2024").mkdir(parents=True)
+    (path / "a.jpg").write_bytes(os.urandom(5000))
+    (path / "2024" / "b.jpg").write_bytes(os.urandom(3000))
+    _age(path)
+    before = _snapshot(path)
+    names = sorted(p.name for p in path.rglob("*"))
+    _expect_open_error(path, "not a kvstore store", "empty or new directory")
+    assert _snapshot(path) == before
+    assert sorted(p.name for p in path.rglob("*")) == names  # no data.mdb / lock.mdb created
+
+
+def _foreign_env(path: Path, named_dbs: bool, names=(b"users", b"orders")) -> None:
+    env = lmdb.open(str(path), max_dbs=8, map_size=16 << 20)
+    if named_dbs:
+        for name in names:
+            db = env.open_db(name)
+            with env.begin(write=True) as txn:
+                for i in range(200):
+                    txn.put(b"k%05d" % i, os.urandom(50), db=db)
+    else:
+        with env.begin(write=True) as txn:
+            for i in range(500):
+                txn.put(b"user:%05d" % i, os.urandom(80))
+    env.close()
+
+
+@pytest.mark.parametrize("layout", ["main_db", "named_dbs", "named_dbs_with_a_meta_db"])
+def test_lmdb_environment_of_another_program(tmp_path, layout):
+    path = tmp_path / "app-db"
+    _foreign_env(path, layout != "main_db",
+                 (b"users", b"meta") if layout == "named_dbs_with_a_meta_db" else (b"users", b"orders"))
+    _age(path)
+    before = _snapshot(path)
+    msg = _expect_open_error(path)
+    assert "another program" in msg or "not a kvstore store" in msg, msg
+    assert "nothing was written" in msg, msg
+    assert "delete" not in msg.lower(), msg  # never advise deleting another program's data
+    assert _snapshot(path) == before
+
+
+def _store_with_format(path: Path, fmt: dict) -> None:
+    toks = D.tokens(1, 40)
+    with PrefixStore(ssd_path=path, block_size=D.BLOCK) as store:
+        store.put("m", toks, D.layers_for(toks))
+    env = lmdb.open(str(path), max_dbs=8)
+    meta = env.open_db(b"meta", create=False)
+    with env.begin(write=True) as txn:
+        txn.put(b"format", msgpack.packb(fmt), db=meta)
+    env.close()
+
+
+@pytest.mark.parametrize("fmt", [{"name": "kvstore", "version": 2}, {"name": "kvstore", "version": 0},
+                                 {"name": "other-cache", "version": 1}, {}])
+def test_store_of_another_format_version(tmp_path, fmt):
+    path = tmp_path / "store"
+    _store_with_format(path, fmt)
+    _age(path)
+    before = _snapshot(path)
+    msg = _expect_open_error(path, "this kvstore reads kvstore/1")
+    assert f"{fmt.get('name')}/{fmt.get('version')}" in msg
+    assert "new ssd_path" in msg
+    assert _snapshot(path) == before
+    for cmd in re.findall(r"`(kvstore [^`]+)`", msg):  # a command it suggests must do what it says
+        import subprocess
+        p = subprocess.run(D.kvstore_cli() + cmd.split()[1:], capture_output=True, text=True, timeout=60)
+        assert p.returncode == 0, f"the suggested `{cmd}` fails: {p.stdout}{p.stderr}"
+        with PrefixStore(ssd_path=path, block_size=D.BLOCK):
+            pass
+        return
+    # what the message says to do works: a new ssd_path, or deleting the directory
+    toks = D.tokens(2, 40)
+    for fresh in (tmp_path / "new-store", None):
+        if fresh is None:
+            import shutil
+            shutil.rmtree(path)
+            fresh = path
+        with PrefixStore(ssd_path=fresh, block_size=D.BLOCK) as store:
+            store.put("m", toks, D.layers_for(toks))
+        with PrefixStore(ssd_path=fresh, block_size=D.BLOCK) as store:
+            hit = store.fetch("m", toks)
+            assert hit.length == len(toks) and D.hit_problem(hit, toks) is None
