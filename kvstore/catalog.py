@@ -15,7 +15,7 @@ from typing import Iterator, Optional
 import numpy as np
 import xxhash
 
-from .codec import read_header
+from .codec import check_key, read_header
 from .errors import BlockDecodeError
 from .tiers.lmdb import LmdbTier
 
@@ -117,6 +117,7 @@ def check_block(disk: LmdbTier, txn, key: bytes, meta: dict) -> Optional[str]:
         return "payload missing"
     try:
         h = read_header(buf)
+        check_key(h, key)
     except BlockDecodeError as e:
         return str(e)
     payload = memoryview(buf)[h.payload_start:]

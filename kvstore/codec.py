@@ -7,7 +7,8 @@ Wire format of a block (little-endian)::
     6   2  reserved (0)
     8   4  header length H
     12  8  xxh3_64 of the header bytes
-    20  H  msgpack header: token count, payload size and xxh3_64, array table
+    20  H  msgpack header: the block's own key, token count, payload size and
+           xxh3_64, array table
     ..     zero padding to a multiple of 64
     P      payload: token ids (int32) then every array, each 64-byte aligned
 
@@ -16,6 +17,11 @@ array inside the buffer) before anything is allocated, so a hostile or torn
 value costs at most its own size and is reported as ``BlockDecodeError``.
 Arrays are read straight out of the buffer (an LMDB mmap view) into mlx memory
 with a single copy. Nothing is ever unpickled.
+
+A block carries the key it is stored under. Its rows depend on every token
+before it, not only on its own tokens, so an intact block found under another
+key (a misdirected write, swapped pages, a copied file) is refused rather than
+served because its tokens happen to match.
 """
 
 from __future__ import annotations
@@ -34,7 +40,8 @@ from .errors import BlockDecodeError
 from .layers import KVLayer, Layer, Quantized, StateLayer, Tensor, tensor_rows
 
 MAGIC = b"KVSB"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: the header carries the block's key
+MAX_KEY = 64
 ALIGN = 64
 _PREFIX = struct.Struct("<4sHHIQ")  # magic, version, reserved, header len, header hash
 MAX_HEADER = 1 << 20
@@ -184,8 +191,9 @@ def _align(n: int) -> int:
     return (n + ALIGN - 1) // ALIGN * ALIGN
 
 
-def serialize(block: Block) -> bytes:
-    """One buffer holding the whole block (see the module docstring)."""
+def serialize(block: Block, key: bytes = b"") -> bytes:
+    """One buffer holding the whole block, bound to ``key`` (see the module
+    docstring)."""
     w = _Writer()
     tok = w.add(mx.array(block.tokens))
     table: list[Any] = []
@@ -202,7 +210,7 @@ def serialize(block: Block) -> bytes:
         if arr.nbytes:  # a zero-size array has no bytes (and memoryview cannot cast it)
             payload[off : off + arr.nbytes] = memoryview(arr).cast("B")
     header = msgpack.packb(
-        {"n": int(len(block.tokens)), "size": len(payload), "sum": xxhash.xxh3_64_intdigest(payload), "tok": tok, "L": table},
+        {"key": bytes(key), "n": int(len(block.tokens)), "size": len(payload), "sum": xxhash.xxh3_64_intdigest(payload), "tok": tok, "L": table},
         use_bin_type=True,
     )
     prefix = _PREFIX.pack(MAGIC, FORMAT_VERSION, 0, len(header), xxhash.xxh3_64_intdigest(header))
@@ -251,6 +259,13 @@ def read_header(buf: Union[bytes, memoryview]) -> Header:
     return Header(fields["n"], start, fields)
 
 
+def check_key(h: Header, key: bytes) -> None:
+    """Refuse a block stored under another key than its own."""
+    if h.fields["key"] != key:
+        raise BlockDecodeError(f"block is bound to key {h.fields['key'].hex()[:16] or '(none)'}, not to the key "
+                               f"{key.hex()[:16]} it is stored under (moved or overwritten)")
+
+
 def _check(cond: bool, what: str):
     if not cond:
         raise BlockDecodeError(f"invalid block header: {what}")
@@ -293,6 +308,7 @@ def _validate_tensor(t, size: int, rows: int) -> None:
 
 def _validate(f, size: int) -> None:
     _check(isinstance(f, dict), "not a map")
+    _check(isinstance(f.get("key"), bytes) and len(f["key"]) <= MAX_KEY, "block key")
     _check(_is_int(f.get("n")) and f["n"] >= 0, "token count")
     _check(f.get("size") == size, "payload size does not match the value size (truncated?)")
     _check(_is_int(f.get("sum")), "payload checksum")
@@ -331,14 +347,18 @@ def _tensor(payload: memoryview, t) -> Tensor:
     return _array(payload, t["a"])
 
 
-def deserialize(buf: Union[bytes, memoryview], start: int = 0, verify: bool = True) -> Block:
+def deserialize(buf: Union[bytes, memoryview], start: int = 0, verify: bool = True,
+                key: Optional[bytes] = None) -> Block:
     """Decode a block whose first token sits at position ``start`` of its prompt.
 
-    Raises ``BlockDecodeError`` for anything malformed; with ``verify`` the
-    payload checksum is checked too (a fast xxh3 pass over the bytes).
+    Raises ``BlockDecodeError`` for anything malformed, or for a block bound
+    to another key than ``key`` (when given); with ``verify`` the payload
+    checksum is checked too (a fast xxh3 pass over the bytes).
     """
     buf = memoryview(buf)
     h = read_header(buf)
+    if key is not None:
+        check_key(h, key)
     payload = buf[h.payload_start :]
     if verify and xxhash.xxh3_64_intdigest(payload) != h.fields["sum"]:
         raise BlockDecodeError("payload checksum mismatch")

@@ -22,6 +22,7 @@ import threading
 import time
 import weakref
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Optional, Sequence, Union
 
 import mlx.core as mx
@@ -32,6 +33,7 @@ from .errors import BlockDecodeError, LayoutError, StoreOpenError
 from .hashing import KeyChain, as_tokens, root_key
 from .index import FULL_GAP, NO_GAP, Node, RadixIndex
 from .layers import KVLayer, Layer, Quantized, StateLayer, Tensor, take_rows
+from .spread import evaluate, spread
 from .tiers.lmdb import LmdbTier, Record
 from .tiers.ram import RamTier
 
@@ -515,7 +517,7 @@ class PrefixStore:
                     if buf is None:
                         break
                     try:
-                        out[p.key] = deserialize(buf, p.start)
+                        out[p.key] = deserialize(buf, p.start, key=p.key)
                     except BlockDecodeError as e:
                         bad = (p, str(e))
                         break
@@ -688,7 +690,7 @@ class PrefixStore:
             has_state = any(isinstance(l, StateLayer) for l in block.layers)
             if node.on_disk and not has_state:
                 continue  # already there (a block re-encoded to add its snapshot is written again)
-            payload = serialize(block)
+            payload = serialize(block, node.key)
             kv, dtype = block.describe()
             parent = node.parent.key
             root = node
@@ -895,13 +897,14 @@ def _assemble(blocks: list[Block], length: int, quantized: Optional[tuple[int, i
     used = [b for b in blocks if b is not None]
     starts = np.cumsum([0] + [len(b.tokens) for b in used])
     out: list[Layer] = []
+    work = []
     for li, proto in enumerate(used[-1].layers):
         if isinstance(proto, StateLayer) or (proto is None and _is_state_slot(used, li)):
             out.append(proto)
             continue
         window = next((b.layers[li].window for b in used if b.layers[li] is not None), None)
         lo = 0 if window is None else max(0, length - window)
-        pieces_k, pieces_v = [], []
+        pieces = []
         for b, s in zip(used, starts):
             e = s + len(b.tokens)
             if e <= lo or s >= length:
@@ -909,12 +912,19 @@ def _assemble(blocks: list[Block], length: int, quantized: Optional[tuple[int, i
             layer = b.layers[li]
             if layer is None or layer.start > max(lo, s):
                 raise BlockDecodeError(f"layer {li} lacks rows its window needs")  # the index said otherwise
-            a, z = max(lo, s) - layer.start, min(length, e) - layer.start
-            pieces_k.append(take_rows(layer.keys, a, z))
-            pieces_v.append(take_rows(layer.values, a, z))
-        out.append(KVLayer(_concat(pieces_k, quantized), _concat(pieces_v, quantized), lo, window))
-    mx.eval([a for l in out if l is not None for a in _arrays_of(l)])
+            pieces.append((layer, max(lo, s) - layer.start, min(length, e) - layer.start))
+        work += [partial(_rows, pieces, "keys", quantized), partial(_rows, pieces, "values", quantized)]
+        out.append(KVLayer(None, None, lo, window))
+    tensors = spread(work)  # the layers side by side on the CPU's cores
+    for layer, keys, values in zip((l for l in out if isinstance(l, KVLayer)), tensors[::2], tensors[1::2]):
+        layer.keys, layer.values = keys, values
+    evaluate([a for l in out if isinstance(l, StateLayer) for a in l.arrays])
     return out
+
+
+def _rows(pieces: list[tuple[KVLayer, int, int]], which: str, quantized: Optional[tuple[int, int]]) -> Tensor:
+    """One tensor of the given rows of each block's keys or values."""
+    return _concat([take_rows(getattr(layer, which), a, z) for layer, a, z in pieces], quantized)
 
 
 def _is_state_slot(blocks: list[Block], li: int) -> bool:

@@ -211,7 +211,7 @@ def test_bad_magic_is_rejected():
         read_header(bytes(buf))
 
 
-@pytest.mark.parametrize("version", [0, 2, 0xFFFF])
+@pytest.mark.parametrize("version", [0, codec.FORMAT_VERSION - 1, codec.FORMAT_VERSION + 1, 0xFFFF])
 def test_other_format_version_is_rejected(version):
     """Blocks of another format version are refused, naming the version."""
     buf = bytearray(serialize(small_block()))
@@ -250,6 +250,18 @@ def test_payload_checksum_is_skipped_only_when_asked():
     with pytest.raises(BlockDecodeError, match="payload checksum"):
         deserialize(bytes(buf))
     deserialize(bytes(buf), verify=False)
+
+
+def test_a_block_is_bound_to_its_key():
+    """A block is read back only under the key it was written for: its rows
+    depend on the tokens before it, which its own tokens do not show."""
+    key, other = bytes(range(16)), bytes(range(1, 17))
+    buf = serialize(small_block(), key)
+    assert deserialize(buf, key=key).tokens.tolist() == small_block().tokens.tolist()
+    with pytest.raises(BlockDecodeError, match="moved or overwritten"):
+        deserialize(buf, key=other)
+    with pytest.raises(BlockDecodeError, match="moved or overwritten"):
+        deserialize(serialize(small_block()), key=key)  # an unbound block is no one's
 
 
 def test_oversized_header_length_is_rejected():

@@ -36,7 +36,7 @@ from ..errors import StoreOpenError
 log = logging.getLogger("kvstore")
 
 FORMAT_NAME = "kvstore"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: blocks carry their key (codec format 2)
 _DBS = (b"blocks", b"nodes", b"children", b"models", b"meta")
 _MIN_MAP = 64 << 20
 

@@ -16,6 +16,7 @@ import msgpack
 import pytest
 
 from kvstore import PrefixStore, StoreOpenError
+from kvstore.tiers.lmdb import FORMAT_VERSION
 
 from . import kvdata as D
 
@@ -113,14 +114,15 @@ def _store_with_format(path: Path, fmt: dict) -> None:
     env.close()
 
 
-@pytest.mark.parametrize("fmt", [{"name": "kvstore", "version": 2}, {"name": "kvstore", "version": 0},
-                                 {"name": "other-cache", "version": 1}, {}])
+@pytest.mark.parametrize("fmt", [{"name": "kvstore", "version": FORMAT_VERSION + 1},
+                                 {"name": "kvstore", "version": FORMAT_VERSION - 1},
+                                 {"name": "other-cache", "version": FORMAT_VERSION}, {}])
 def test_store_of_another_format_version(tmp_path, fmt):
     path = tmp_path / "store"
     _store_with_format(path, fmt)
     _age(path)
     before = _snapshot(path)
-    msg = _expect_open_error(path, "this kvstore reads kvstore/1")
+    msg = _expect_open_error(path, f"this kvstore reads kvstore/{FORMAT_VERSION}")
     assert f"{fmt.get('name')}/{fmt.get('version')}" in msg
     assert "new ssd_path" in msg
     assert _snapshot(path) == before
