@@ -191,7 +191,10 @@ def _align(n: int) -> int:
     return (n + ALIGN - 1) // ALIGN * ALIGN
 
 
-def serialize(block: Block, key: bytes = b"") -> bytes:
+_SUM_PLACEHOLDER = 1 << 63  # packed in 9 bytes, like every checksum at or above 2**32
+
+
+def serialize(block: Block, key: bytes = b"") -> bytearray:
     """One buffer holding the whole block, bound to ``key`` (see the module
     docstring)."""
     w = _Writer()
@@ -205,17 +208,23 @@ def serialize(block: Block, key: bytes = b"") -> bytes:
                           "o": len(block.tokens) - tensor_rows(layer.keys)})  # rows end at the block's end
         else:
             table.append({"s": [None if a is None else w.add(a) for a in layer.arrays]})
-    payload = bytearray(w.size)
+    # the header's size does not depend on the checksum's value (msgpack packs it as a uint64 either way),
+    # so the payload goes straight into its final place: one copy of the KV in all
+    fields = {"key": bytes(key), "n": int(len(block.tokens)), "size": w.size, "sum": _SUM_PLACEHOLDER,
+              "tok": tok, "L": table}
+    start = _align(_PREFIX.size + len(msgpack.packb(fields, use_bin_type=True)))
+    out = bytearray(start + w.size)
+    payload = memoryview(out)[start:]
     for off, arr in w.parts:
         if arr.nbytes:  # a zero-size array has no bytes (and memoryview cannot cast it)
             payload[off : off + arr.nbytes] = memoryview(arr).cast("B")
-    header = msgpack.packb(
-        {"key": bytes(key), "n": int(len(block.tokens)), "size": len(payload), "sum": xxhash.xxh3_64_intdigest(payload), "tok": tok, "L": table},
-        use_bin_type=True,
-    )
-    prefix = _PREFIX.pack(MAGIC, FORMAT_VERSION, 0, len(header), xxhash.xxh3_64_intdigest(header))
-    head = prefix + header
-    return bytes(head) + bytes(_align(len(head)) - len(head)) + bytes(payload)
+    fields["sum"] = xxhash.xxh3_64_intdigest(payload)
+    header = msgpack.packb(fields, use_bin_type=True)
+    head = _PREFIX.pack(MAGIC, FORMAT_VERSION, 0, len(header), xxhash.xxh3_64_intdigest(header)) + header
+    if _align(len(head)) != start:  # a checksum below 2**32 packs shorter (1 in 2**32 blocks)
+        return bytearray(head + bytes(_align(len(head)) - len(head))) + payload
+    out[: len(head)] = head  # the rest up to ``start`` is still zero
+    return out
 
 
 @dataclass
