@@ -69,7 +69,8 @@ class _Job:
 
 
 _COUNTERS = ("hits", "misses", "tokens_requested", "tokens_ram", "tokens_ssd", "puts", "blocks_written",
-             "evictions_ram", "evictions_ssd", "sync_writes", "corrupt_blocks", "write_errors", "blocks_stored")
+             "evictions_ram", "evictions_ssd", "sync_writes", "corrupt_blocks", "write_errors", "blocks_stored",
+             "puts_inline")  # puts done in the caller because the background thread was far behind
 
 
 class PrefixStore:
@@ -185,6 +186,7 @@ class PrefixStore:
             if not sync:
                 self._pending_bytes += job.nbytes
         if sync:  # the background thread is far behind: do this one here rather than queue without bound
+            self._count("puts_inline")
             self._run_job(job)
         else:
             self._ensure_worker()

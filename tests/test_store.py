@@ -562,3 +562,30 @@ def test_blocks_of_other_shapes_under_one_model_key_are_a_miss_not_an_error(stor
     store.put(M, b, wide)  # block 2 stored with 2 heads under block 1 with 1 head
     store.flush()
     assert store.fetch(M, b).length == 0  # never an exception, never mixed rows
+
+
+def test_put_runs_in_the_caller_when_the_background_thread_is_far_behind(ssd, monkeypatch):
+    """Queued work is bounded: a put that would pass the bound is done in the
+    caller (counted as ``puts_inline``), and both puts are stored."""
+    import kvstore.store as S
+
+    gate = threading.Event()
+    real = S._encode
+
+    def encode(*a):
+        if threading.current_thread().name == "kvstore-writer":
+            gate.wait(30)  # the background thread is stuck behind the first put
+        return real(*a)
+
+    monkeypatch.setattr(S, "_encode", encode)
+    s = ssd()
+    s._max_pending = 1
+    a, b = toks(20), toks(20, start=5000)
+    put(s, a)
+    put(s, b)  # pending work is over the bound: done here, while the writer waits
+    assert s.stats()["puts_inline"] == 1
+    assert_hit_is(s.fetch(M, b), b, 20)
+    gate.set()
+    s.flush()
+    assert_hit_is(s.fetch(M, a), a, 20)
+    assert s.stats()["puts_inline"] == 1
