@@ -11,7 +11,6 @@ would, and the requests are replayed: their prefixes now come from SSD.
 from __future__ import annotations
 
 import shutil
-import time
 from pathlib import Path
 from typing import Optional
 

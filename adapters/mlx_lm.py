@@ -52,6 +52,7 @@ import mlx.nn as nn
 import xxhash
 from mlx_lm.models import cache as C
 
+from kvstore.codec import layer_arrays
 from kvstore.layers import KVLayer, Layer, Quantized, StateLayer, Tensor, take_rows
 
 __all__ = [
@@ -105,17 +106,6 @@ def _check_batch(t: Tensor, what: str) -> None:
             f"{what}: batch size {_batch(t)}; the store keys a single token "
             "sequence, so caches must have batch size 1"
         )
-
-
-def _arrays_of(layers: Iterable[Layer]) -> list[mx.array]:
-    out: list[mx.array] = []
-    for l in layers:
-        if isinstance(l, KVLayer):
-            for t in (l.keys, l.values):
-                out.extend(t.arrays() if isinstance(t, Quantized) else [t])
-        else:
-            out.extend(a for a in l.arrays if a is not None)
-    return out
 
 
 # ---------------------------------------------------------------------------
@@ -289,7 +279,7 @@ def cache_to_layers(prompt_cache: Sequence[Any]) -> list[Layer]:
     offsets = {l.stop for l in out if isinstance(l, KVLayer)}
     if len(offsets) > 1:
         raise ValueError(f"cache layers disagree on the token count: {sorted(offsets)}")
-    mx.eval(_arrays_of(out))
+    mx.eval([a for l in out for a in layer_arrays(l)])
     return out
 
 

@@ -17,7 +17,6 @@ import sys
 from pathlib import Path
 from typing import Any, Optional, Sequence
 
-from mlx_lm.models import cache as C
 
 from kvstore import PrefixStore
 

@@ -6,10 +6,9 @@ from __future__ import annotations
 import datetime as dt
 import json
 import sys
-import time
 from enum import Enum
 from pathlib import Path
-from typing import List, Optional
+from typing import Optional
 
 import typer
 from rich.console import Console

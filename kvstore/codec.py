@@ -382,13 +382,14 @@ def deserialize(buf: Union[bytes, memoryview], start: int = 0, verify: bool = Tr
         else:
             layers.append(KVLayer(_tensor(payload, entry["k"]), _tensor(payload, entry["v"]),
                                   start + entry.get("o", 0), entry.get("w")))
-    arrays = [a for l in layers if l is not None for a in _layer_arrays(l)]
+    arrays = [a for l in layers if l is not None for a in layer_arrays(l)]
     if arrays:
         mx.eval(arrays)  # copy out of the buffer now: it may be an mmap view that ends with its transaction
     return Block(tokens, layers)
 
 
-def _layer_arrays(layer: Layer) -> list[mx.array]:
+def layer_arrays(layer: Layer) -> list[mx.array]:
+    """Every mlx array a layer holds (state slots left empty skipped)."""
     if isinstance(layer, StateLayer):
         return [a for a in layer.arrays if a is not None]
     out = []
@@ -399,4 +400,4 @@ def _layer_arrays(layer: Layer) -> list[mx.array]:
 
 def block_arrays(block: Block) -> list[mx.array]:
     """Every mlx array a block holds (to evaluate them in one call)."""
-    return [a for l in block.layers if l is not None for a in _layer_arrays(l)]
+    return [a for l in block.layers if l is not None for a in layer_arrays(l)]

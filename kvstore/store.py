@@ -28,12 +28,12 @@ from typing import Optional, Sequence, Union
 import mlx.core as mx
 import numpy as np
 
-from .codec import Block, Codec, block_arrays, convert, deserialize, serialize
+from .codec import Block, Codec, block_arrays, convert, deserialize, layer_arrays, serialize
 from .errors import BlockDecodeError, LayoutError, StoreOpenError
 from .hashing import KeyChain, as_tokens, root_key
 from .index import FULL_GAP, NO_GAP, Node, RadixIndex
 from .layers import KVLayer, Layer, Quantized, StateLayer, Tensor, take_rows
-from .spread import evaluate, spread
+from .spread import spread
 from .tiers.lmdb import LmdbTier, Record
 from .tiers.ram import RamTier
 
@@ -144,7 +144,7 @@ class PrefixStore:
         # Evaluate here: mlx streams are per thread, so the background thread
         # cannot evaluate a lazy graph built on the caller's (a no-op when the
         # engine already evaluated its cache, as it does after every step).
-        mx.eval([a for l in layers for a in _arrays_of(l)])
+        mx.eval([a for l in layers for a in layer_arrays(l)])
         has_state = any(isinstance(l, StateLayer) for l in layers)
         late = [l for l in layers if isinstance(l, KVLayer) and l.start > 0]  # layers lacking early rows
         bs = self.block_size
@@ -898,8 +898,9 @@ def _assemble(blocks: list[Block], length: int, quantized: Optional[tuple[int, i
     """Per layer, the rows of ``[0, length)`` (or of the window) as one tensor."""
     used = [b for b in blocks if b is not None]
     starts = np.cumsum([0] + [len(b.tokens) for b in used])
-    out: list[Layer] = []
+    out: list[Optional[Layer]] = []
     work = []
+    slots = []  # (index in out, first row, window) of each attention layer
     for li, proto in enumerate(used[-1].layers):
         if isinstance(proto, StateLayer) or (proto is None and _is_state_slot(used, li)):
             out.append(proto)
@@ -916,11 +917,11 @@ def _assemble(blocks: list[Block], length: int, quantized: Optional[tuple[int, i
                 raise BlockDecodeError(f"layer {li} lacks rows its window needs")  # the index said otherwise
             pieces.append((layer, max(lo, s) - layer.start, min(length, e) - layer.start))
         work += [partial(_rows, pieces, "keys", quantized), partial(_rows, pieces, "values", quantized)]
-        out.append(KVLayer(None, None, lo, window))
+        slots.append((len(out), lo, window))
+        out.append(None)
     tensors = spread(work)  # the layers side by side on the CPU's cores
-    for layer, keys, values in zip((l for l in out if isinstance(l, KVLayer)), tensors[::2], tensors[1::2]):
-        layer.keys, layer.values = keys, values
-    evaluate([a for l in out if isinstance(l, StateLayer) for a in l.arrays])
+    for (i, lo, window), keys, values in zip(slots, tensors[::2], tensors[1::2]):
+        out[i] = KVLayer(keys, values, lo, window)
     return out
 
 
@@ -931,12 +932,6 @@ def _rows(pieces: list[tuple[KVLayer, int, int]], which: str, quantized: Optiona
 
 def _is_state_slot(blocks: list[Block], li: int) -> bool:
     return any(isinstance(b.layers[li], StateLayer) for b in blocks)
-
-
-def _arrays_of(l: Layer) -> list[mx.array]:
-    if isinstance(l, StateLayer):
-        return [a for a in l.arrays if a is not None]
-    return [a for t in (l.keys, l.values) for a in (t.arrays() if isinstance(t, Quantized) else [t])]
 
 
 def _concat(pieces: list[Tensor], quantized: Optional[tuple[int, int]]) -> Tensor:

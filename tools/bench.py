@@ -36,7 +36,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import copy
 import gc
 import json
 import os
@@ -44,7 +43,6 @@ import platform
 import shutil
 import sys
 import tempfile
-import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -328,11 +326,9 @@ def _dequant_paths(hit_q, R: int, nbytes_out: int) -> dict:
         return out
 
     def spread_cores():
-        from functools import partial
-
         from kvstore.spread import spread
 
-        return spread([partial(q.dequantize) for q in qs])
+        return spread([q.dequantize for q in qs])
 
     def mx_kernel():
         out = [mx.dequantize(q.data, q.scales, q.biases, group_size=q.group_size, bits=q.bits) for q in qs]
