@@ -1,7 +1,8 @@
-"""Engine adapters: translate an engine's own prompt-cache objects to and from
-the per-layer arrays of :mod:`kvstore.layers`.
+"""Engine adapters (installed as ``kvstore.adapters``): translate an engine's
+own prompt-cache objects to and from the per-layer arrays of
+:mod:`kvstore.layers`.
 
-Adapters live outside ``kvstore/`` on purpose: the store must never import an
-engine's cache classes, so each engine gets a module here (``adapters.mlx_lm``)
-that is the only place both worlds meet.
+This folder lives outside ``kvstore/`` on purpose: the store never imports an
+engine's cache classes, so each engine gets a module here
+(``kvstore.adapters.mlx_lm``) that is the only place both worlds meet.
 """

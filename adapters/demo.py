@@ -49,7 +49,7 @@ def run_demo(model_path: Optional[str] = None, ssd_path: Optional[str] = None, u
 
     console = console or Console()
     if model_path is None:
-        from tools.tiny_models import ensure_tiny_model
+        from kvstore.adapters.tiny_models import ensure_tiny_model
         with console.status("building the demo model (once; cached under the user's cache directory)"):
             model_path = str(ensure_tiny_model("llama", max_position_embeddings=8192))
     if ssd_path is None:

@@ -1,5 +1,8 @@
-"""The ``kvstore`` command: look into, check and clean an SSD store; run the
-demo, the benchmarks and an mlx-lm server on the store."""
+"""The store commands of ``kvstore``: look into, check and clean an SSD store.
+
+They read LMDB and nothing else; the commands that need an engine (demo,
+bench, serve) are added by ``kvstore.adapters.cli``, the console script.
+"""
 
 from __future__ import annotations
 
@@ -229,54 +232,6 @@ def clear(
         out.print(f"deleted {n} blocks ({_size(nbytes)})")
     finally:
         disk.close()
-
-
-@app.command()
-def demo(
-    model: Optional[Path] = typer.Option(None, help="A local mlx-lm model folder (default: a small built-in model)."),
-    ssd_path: Optional[Path] = typer.Option(None, help="Store directory (default: the demo's own, emptied first)."),
-    users: int = typer.Option(3, min=1, help="Users sharing the system prompt."),
-    turns: int = typer.Option(2, min=1, help="Turns per user."),
-    max_tokens: int = typer.Option(12, min=1, help="Tokens generated per request."),
-    kv_bits: int = typer.Option(8, help="Bits of stored entries (0: keep fp16)."),
-):
-    """The main job: a multi-user chat workload on the store, then again after a restart (hits from SSD).
-
-    Example: [bold]kvstore demo[/bold]   or   [bold]kvstore demo --model ./my-model --turns 3[/bold]
-    """
-    from adapters.demo import run_demo
-
-    run_demo(str(model) if model else None, str(ssd_path) if ssd_path else None, users=users, turns=turns,
-             max_tokens=max_tokens, kv_bits=kv_bits or None, console=out)
-
-
-@app.command(context_settings={"allow_extra_args": True, "ignore_unknown_options": True})
-def bench(ctx: typer.Context):
-    """Benchmarks (same options as [bold]python tools/bench.py[/bold]: --quick, --only PART, --out DIR).
-
-    Example: [bold]kvstore bench --quick --only lookup[/bold]
-    """
-    from tools.bench import main as bench_main
-
-    raise typer.Exit(bench_main(ctx.args) or 0)
-
-
-@app.command(context_settings={"allow_extra_args": True, "ignore_unknown_options": True,
-                                "help_option_names": []})
-def serve(ctx: typer.Context):
-    """Run mlx-lm's OpenAI-compatible server on the store (restarts keep the cache).
-
-    Takes every [bold]mlx_lm.server[/bold] option (--model, --host, --port, --kv-bits, ...) plus:
-    --ssd-path DIR, --budget-gb N (RAM, default 4), --disk-budget-gb N, --store-kv-bits 8 | 4 | 8,4,
-    --store-group-size N, --block-size N, --namespace NAME.
-
-    Example: [bold]kvstore serve --model ./my-model --ssd-path ~/.cache/kvstore/store --store-kv-bits 8 --port 8080[/bold]
-    """
-    if "--help" in ctx.args or "-h" in ctx.args:
-        out.print(serve.__doc__)
-    from adapters.server import serve as run_server  # the only place the CLI reaches into mlx-lm
-
-    run_server(ctx.args)
 
 
 def main() -> None:

@@ -40,7 +40,7 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from adapters.mlx_lm import (  # noqa: E402
+from kvstore.adapters.mlx_lm import (  # noqa: E402
     cache_layout,
     cache_offset,
     cache_to_layers,
@@ -639,7 +639,7 @@ def _write_model(path: Path, m, config: dict) -> Path:
 
 _FP_SCRIPT = (
     "import sys; sys.path.insert(0, sys.argv[1]);"
-    "from adapters.mlx_lm import model_fingerprint;"
+    "from kvstore.adapters.mlx_lm import model_fingerprint;"
     "print(model_fingerprint(sys.argv[2], extra='x'))"
 )
 

@@ -18,9 +18,9 @@ from mlx_lm import load
 from mlx_lm import stream_generate as mlx_stream_generate
 from mlx_lm.models.cache import make_prompt_cache
 
-from adapters.generate import fetch_cache, generate, model_key, prefill, store_cache
+from kvstore.adapters.generate import fetch_cache, generate, model_key, prefill, store_cache
 from kvstore import PrefixStore
-from tools.tiny_models import make_tiny_model
+from kvstore.adapters.tiny_models import make_tiny_model
 
 KINDS = ["llama", "gemma3_text", "qwen3_next"]
 BLOCK = 64

@@ -48,7 +48,7 @@ def test_bench_smoke_lookup_and_put(tmp_path):
 def test_bench_is_importable():
     sys.path.insert(0, str(ROOT))
     try:
-        from tools import bench
+        from kvstore.tools import bench
     finally:
         sys.path.remove(str(ROOT))
     assert callable(bench.main)

@@ -14,7 +14,7 @@ MODEL = "cli-test-model"
 
 
 def kvstore(*args, input=None):
-    return subprocess.run([sys.executable, "-m", "kvstore.cli", *map(str, args)], capture_output=True, text=True,
+    return subprocess.run([sys.executable, "-m", "kvstore.adapters.cli", *map(str, args)], capture_output=True, text=True,
                           input=input, timeout=120)
 
 

@@ -11,7 +11,7 @@ import urllib.request
 
 import pytest
 
-from tools.tiny_models import make_tiny_model
+from kvstore.adapters.tiny_models import make_tiny_model
 
 SYSTEM = "You are a helpful assistant who answers briefly. " * 30
 
@@ -23,7 +23,7 @@ def free_port() -> int:
 
 
 def start(model, store, port, log):
-    cmd = [sys.executable, "-m", "kvstore.cli", "serve", "--model", str(model), "--ssd-path", str(store),
+    cmd = [sys.executable, "-m", "kvstore.adapters.cli", "serve", "--model", str(model), "--ssd-path", str(store),
            "--budget-gb", "1", "--block-size", "64", "--host", "127.0.0.1", "--port", str(port)]
     proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
     deadline = time.time() + 120

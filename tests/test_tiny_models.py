@@ -1,4 +1,4 @@
-"""Tests for tools/tiny_models.py: tiny fixed-seed mlx-lm model folders."""
+"""Tests for kvstore.adapters.tiny_models: tiny fixed-seed mlx-lm model folders."""
 
 import hashlib
 import json
@@ -7,17 +7,12 @@ import sys
 
 import pytest
 
-# tools/ lives at the repository root; make it importable under plain `pytest`.
-_ROOT = str(pathlib.Path(__file__).resolve().parents[1])
-if _ROOT not in sys.path:
-    sys.path.insert(0, _ROOT)
-
 mx = pytest.importorskip("mlx.core")
 mlx_lm = pytest.importorskip("mlx_lm")
 
 from mlx_lm.models.cache import make_prompt_cache  # noqa: E402
 
-from tools.tiny_models import (  # noqa: E402
+from kvstore.adapters.tiny_models import (  # noqa: E402
     EXPECTED_CACHES,
     KINDS,
     default_model_dir,

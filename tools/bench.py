@@ -756,7 +756,7 @@ def load_tiny(kind: str):
     if kind not in _MODELS:
         import mlx_lm
 
-        from tools.tiny_models import ensure_tiny_model
+        from kvstore.adapters.tiny_models import ensure_tiny_model
 
         path = ensure_tiny_model(kind)  # max_position_embeddings 32768: enough for the 16K ttft prompts
         model, tok = mlx_lm.load(str(path))
@@ -788,7 +788,7 @@ def bench_ttft(cfg: dict, R: int, tmp: Path) -> dict:
     import mlx_lm
     from mlx_lm.models import cache as C
 
-    from adapters.generate import generate, model_key, store_cache
+    from kvstore.adapters.generate import generate, model_key, store_cache
     from kvstore import PrefixStore
 
     c = cfg["ttft"]
@@ -956,7 +956,7 @@ def make_trace(c: dict, seed: int = 50) -> dict:
 def _replay_one(system: str, trace: dict, model, mkey: str, budget: int, tmp: Path) -> dict:
     from mlx_lm.models import cache as C
 
-    from adapters.generate import fetch_cache, store_cache
+    from kvstore.adapters.generate import fetch_cache, store_cache
     from kvstore import PrefixStore
 
     lru, store, spath = None, None, None
@@ -1035,7 +1035,7 @@ REPLAY_SYSTEMS = (("lru", "mlx-lm LRUPromptCache"), ("kvstore_fp16", "kvstore RA
 
 
 def bench_replay(cfg: dict, R: int, tmp: Path) -> dict:
-    from adapters.generate import model_key
+    from kvstore.adapters.generate import model_key
 
     c = cfg["replay"]
     model, tok, path = load_tiny("llama")
@@ -1139,7 +1139,7 @@ def _greedy(model, cache, logits, n: int) -> list[int]:
 def bench_fidelity(cfg: dict, R: int) -> dict:
     from mlx_lm.models import cache as C
 
-    from adapters.generate import fetch_cache, model_key, prefill, store_cache
+    from kvstore.adapters.generate import fetch_cache, model_key, prefill, store_cache
     from kvstore import PrefixStore
 
     c = cfg["fidelity"]

@@ -203,6 +203,8 @@ class LmdbTier:
             raise StoreOpenError(f"{self.path}: not a readable LMDB store ({e}). It is corrupt or foreign: "
                                  f"move it away or delete it (`kvstore clear --all` cannot repair it).") from None
         info = env.info()
+        # stat again: another process may have committed (and grown the file) since the size above
+        size = data.stat().st_size if size else 0
         if size and (info["last_pgno"] + 1) * env.stat()["psize"] > size:
             env.close()
             raise StoreOpenError(f"{self.path}: data.mdb is truncated ({size} bytes, needs "

@@ -111,7 +111,7 @@ def hit_problem(hit, toks: Sequence[int], salt: int = 0) -> Optional[str]:
 def kvstore_cli() -> list[str]:
     """How to run the ``kvstore`` command with this interpreter."""
     exe = os.path.join(os.path.dirname(sys.executable), "kvstore")
-    return [exe] if os.path.exists(exe) else [sys.executable, "-m", "kvstore.cli"]
+    return [exe] if os.path.exists(exe) else [sys.executable, "-m", "kvstore.adapters.cli"]
 
 
 def writer_prompt(seed: int, i: int) -> np.ndarray:

@@ -31,7 +31,7 @@ or ``"float32"`` weights (and so the KV-cache dtype).
 
 Command line::
 
-    python -m tools.tiny_models KIND [PATH] [--seed N] [--set key=value ...]
+    python -m kvstore.adapters.tiny_models KIND [PATH] [--seed N] [--set key=value ...]
 """
 
 from __future__ import annotations
@@ -553,7 +553,7 @@ def default_model_dir() -> pathlib.Path:
 
 def _spec(kind: str, seed: int, config: Dict[str, Any]) -> Dict[str, Any]:
     return {
-        "generator": "tools.tiny_models",
+        "generator": "kvstore.adapters.tiny_models",
         "format_version": FORMAT_VERSION,
         "kind": kind,
         "seed": seed,
@@ -689,7 +689,7 @@ def _parse_value(text: str) -> Any:
 
 def main(argv: "List[str] | None" = None) -> int:
     parser = argparse.ArgumentParser(
-        prog="python -m tools.tiny_models",
+        prog="python -m kvstore.adapters.tiny_models",
         description="Write a tiny fixed-seed mlx-lm model folder.",
     )
     parser.add_argument("kind", choices=KINDS)

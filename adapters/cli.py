@@ -1,0 +1,68 @@
+"""The ``kvstore`` console script: the store commands of ``kvstore.cli`` plus
+the ones that run an engine (demo, bench, serve). Engine imports stay inside
+each command, so ``kvstore inspect`` never loads mlx-lm."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Optional
+
+import typer
+
+from kvstore.cli import app, out
+
+
+@app.command()
+def demo(
+    model: Optional[Path] = typer.Option(None, help="A local mlx-lm model folder (default: a small built-in model)."),
+    ssd_path: Optional[Path] = typer.Option(None, help="Store directory (default: the demo's own, emptied first)."),
+    users: int = typer.Option(3, min=1, help="Users sharing the system prompt."),
+    turns: int = typer.Option(2, min=1, help="Turns per user."),
+    max_tokens: int = typer.Option(12, min=1, help="Tokens generated per request."),
+    kv_bits: int = typer.Option(8, help="Bits of stored entries (0: keep fp16)."),
+):
+    """The main job: a multi-user chat workload on the store, then again after a restart (hits from SSD).
+
+    Example: [bold]kvstore demo[/bold]   or   [bold]kvstore demo --model ./my-model --turns 3[/bold]
+    """
+    from .demo import run_demo
+
+    run_demo(str(model) if model else None, str(ssd_path) if ssd_path else None, users=users, turns=turns,
+             max_tokens=max_tokens, kv_bits=kv_bits or None, console=out)
+
+
+@app.command(context_settings={"allow_extra_args": True, "ignore_unknown_options": True})
+def bench(ctx: typer.Context):
+    """Benchmarks (same options as [bold]python tools/bench.py[/bold]: --quick, --only PART, --out DIR).
+
+    Example: [bold]kvstore bench --quick --only lookup[/bold]
+    """
+    from kvstore.tools.bench import main as bench_main
+
+    raise typer.Exit(bench_main(ctx.args) or 0)
+
+
+@app.command(context_settings={"allow_extra_args": True, "ignore_unknown_options": True,
+                                "help_option_names": []})
+def serve(ctx: typer.Context):
+    """Run mlx-lm's OpenAI-compatible server on the store (restarts keep the cache).
+
+    Takes every [bold]mlx_lm.server[/bold] option (--model, --host, --port, --kv-bits, ...) plus:
+    --ssd-path DIR, --budget-gb N (RAM, default 4), --disk-budget-gb N, --store-kv-bits 8 | 4 | 8,4,
+    --store-group-size N, --block-size N, --namespace NAME.
+
+    Example: [bold]kvstore serve --model ./my-model --ssd-path ~/.cache/kvstore/store --store-kv-bits 8 --port 8080[/bold]
+    """
+    if "--help" in ctx.args or "-h" in ctx.args:
+        out.print(serve.__doc__)
+    from .server import serve as run_server
+
+    run_server(ctx.args)
+
+
+def main() -> None:
+    app()
+
+
+if __name__ == "__main__":
+    main()
