@@ -12,11 +12,11 @@ import time
 from dataclasses import asdict, dataclass, field
 from typing import Iterator, Optional
 
-import numpy as np
 import xxhash
 
 from .codec import check_key, read_header
 from .errors import BlockDecodeError
+from .record import BlockRecord
 from .tiers.lmdb import LmdbTier
 
 
@@ -41,7 +41,7 @@ class Entry:
 
 @dataclass
 class Catalog:
-    metas: dict[bytes, dict]
+    records: dict[bytes, BlockRecord]
     models: dict[bytes, dict]
     bad: list[bytes] = field(default_factory=list)  # blocks whose index record is unreadable
 
@@ -49,13 +49,13 @@ class Catalog:
     def read(cls, disk: LmdbTier) -> "Catalog":
         bad: list[bytes] = []
         with disk.reader() as txn:
-            metas = dict(disk.iter_meta(txn, bad))
-        return cls(metas, disk.models(), bad)
+            records = {r.key: r for r in disk.records(txn, bad)}
+        return cls(records, disk.models(), bad)
 
     def children(self) -> dict[bytes, list[bytes]]:
         out: dict[bytes, list[bytes]] = {}
-        for k, m in self.metas.items():
-            out.setdefault(m["p"], []).append(k)
+        for k, r in self.records.items():
+            out.setdefault(r.parent, []).append(k)
         return out
 
     def with_descendants(self, keys) -> list[bytes]:
@@ -72,7 +72,7 @@ class Catalog:
 
     def orphans(self) -> list[bytes]:
         """Blocks whose parent is neither a root nor a stored block."""
-        return [k for k, m in self.metas.items() if m["p"] != m["r"] and m["p"] not in self.metas]
+        return [k for k, r in self.records.items() if r.parent != r.root and r.parent not in self.records]
 
     def model_name(self, root: bytes) -> str:
         info = self.models.get(root, {})
@@ -80,39 +80,39 @@ class Catalog:
 
     def entries(self, first_n: int = 16) -> Iterator[Entry]:
         kids = self.children()
-        for key, meta in self.metas.items():
+        for key, rec in self.records.items():
             if key in kids:
                 continue  # not a leaf
             path = []
             k = key
-            while k in self.metas:
-                path.append(self.metas[k])
-                k = self.metas[k]["p"]
-            if k != meta["r"]:
+            while k in self.records:
+                path.append(self.records[k])
+                k = self.records[k].parent
+            if k != rec.root:
                 continue  # orphan chain
             path.reverse()
-            first = np.frombuffer(path[0]["t"], dtype="<i4")[:first_n].tolist()
             yield Entry(
-                model=self.model_name(meta["r"]), root=meta["r"].hex(), tokens=meta["s"] + meta["n"],
-                blocks=len(path), bytes=sum(m["b"] for m in path), kv=meta.get("kv", "?"),
-                dtype=meta.get("dt", "?"), created=min(m.get("c", 0) for m in path),
-                last_used=max(m.get("u", 0) for m in path), hits=meta.get("h", 0), first_tokens=first)
+                model=self.model_name(rec.root), root=rec.root.hex(), tokens=rec.end,
+                blocks=len(path), bytes=sum(r.nbytes for r in path), kv=rec.kv, dtype=rec.dtype,
+                created=min(r.created for r in path), last_used=max(r.used for r in path), hits=rec.hits,
+                first_tokens=path[0].tokens[:first_n].tolist())
 
     def per_model(self) -> dict[str, dict]:
         out: dict[str, dict] = {}
-        for m in self.metas.values():
-            d = out.setdefault(self.model_name(m["r"]), {"blocks": 0, "bytes": 0, "tokens": 0, "hits": 0})
+        for r in self.records.values():
+            d = out.setdefault(self.model_name(r.root), {"blocks": 0, "bytes": 0, "tokens": 0, "hits": 0})
             d["blocks"] += 1
-            d["bytes"] += m["b"]
-            d["tokens"] += m["n"]
-            d["hits"] += m.get("h", 0)
+            d["bytes"] += r.nbytes
+            d["tokens"] += r.length
+            d["hits"] += r.hits
         return out
 
 
-def check_block(disk: LmdbTier, txn, key: bytes, meta: dict) -> Optional[str]:
+def check_block(disk: LmdbTier, txn, rec: BlockRecord) -> Optional[str]:
     """Why a stored block is bad, or ``None``: header, checksum, and tokens
-    against its index meta. Reads the bytes in place; allocates no KV."""
-    buf = disk.get_block(txn, key)
+    against its index record. Reads the bytes in place; allocates no KV."""
+    key = rec.key
+    buf = disk.payload(txn, key)
     if buf is None:
         return "payload missing"
     try:
@@ -124,10 +124,10 @@ def check_block(disk: LmdbTier, txn, key: bytes, meta: dict) -> Optional[str]:
     if xxhash.xxh3_64_intdigest(payload) != h.fields["sum"]:
         return "payload checksum mismatch"
     _, _, off, n = h.fields["tok"]
-    if bytes(payload[off : off + n]) != bytes(meta.get("t", b"")):
-        return "tokens differ from the index"
-    if h.ntokens != meta.get("n"):
+    if h.ntokens != rec.length:
         return "length differs from the index"
+    if bytes(payload[off : off + n]) != rec.tokens.tobytes():
+        return "tokens differ from the index"
     return None
 
 
@@ -149,10 +149,10 @@ def select(cat: Catalog, model: Optional[str] = None, older_than: Optional[float
     cannot be served without them)."""
     now = time.time() if now is None else now
     chosen = set()
-    for k, m in cat.metas.items():
-        if model is not None and not (cat.model_name(m["r"]).startswith(model) or m["r"].hex().startswith(model)):
+    for k, r in cat.records.items():
+        if model is not None and not (cat.model_name(r.root).startswith(model) or r.root.hex().startswith(model)):
             continue
-        if older_than is not None and now - m.get("u", m.get("c", 0)) < older_than:
+        if older_than is not None and now - (r.used or r.created) < older_than:
             continue
         chosen.add(k)
     return cat.with_descendants(chosen)

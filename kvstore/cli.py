@@ -113,7 +113,7 @@ def inspect(
         for e in rows:
             out.print_json(json.dumps(e.as_dict()), indent=None) if sys.stdout.isatty() else print(json.dumps(e.as_dict()))
         return
-    table = Table(title=f"{path}: {len(cat.metas)} blocks, {len(list(cat.entries()))} entries")
+    table = Table(title=f"{path}: {len(cat.records)} blocks, {len(list(cat.entries()))} entries")
     for col in ("model", "prefix", "tokens", "blocks", "bytes", "kv", "dtype", "created", "last used", "hits"):
         table.add_column(col, justify="right" if col in ("tokens", "blocks", "bytes", "hits") else "left",
                          overflow="fold", max_width=36 if col == "prefix" else None)
@@ -140,7 +140,7 @@ def stats(path: Path = PathArg, as_json: bool = typer.Option(False, "--json", he
     requested = counters.get("tokens_requested", 0)
     served = counters.get("tokens_ram", 0) + counters.get("tokens_ssd", 0)
     result = {
-        "path": str(path), "blocks": len(cat.metas), "entries": sum(1 for _ in cat.entries()),
+        "path": str(path), "blocks": len(cat.records), "entries": sum(1 for _ in cat.entries()),
         "bytes_used": usage, "disk_budget": budget, "orphans": len(cat.orphans()),
         "models": cat.per_model(), "lifetime": counters,
         "token_hit_rate": served / requested if requested else 0.0, "tokens_saved": served,
@@ -156,7 +156,7 @@ def stats(path: Path = PathArg, as_json: bool = typer.Option(False, "--json", he
         t.add_row(name[:24], str(d["blocks"]), str(d["tokens"]), _size(d["bytes"]), str(d["hits"]))
     out.print(t)
     used = f"{_size(usage)} of {_size(budget)} ({100 * usage / budget:.1f}%)" if budget else _size(usage)
-    out.print(f"disk: {used}    blocks: {len(cat.metas)}    entries: {result['entries']}")
+    out.print(f"disk: {used}    blocks: {len(cat.records)}    entries: {result['entries']}")
     out.print(f"lifetime: {counters.get('hits', 0)} hits, {counters.get('misses', 0)} misses, "
               f"token hit rate {100 * result['token_hit_rate']:.1f}%, tokens served from cache {served} "
               f"(RAM {counters.get('tokens_ram', 0)}, SSD {counters.get('tokens_ssd', 0)})")
@@ -176,24 +176,24 @@ def verify(path: Path = PathArg,
         cat = Catalog.read(disk)
         bad: dict[bytes, str] = {}
         with disk.reader() as txn:
-            for key in track(list(cat.metas), description="verifying", console=err, transient=True):
-                why = check_block(disk, txn, key, cat.metas[key])
+            for rec in track(list(cat.records.values()), description="verifying", console=err, transient=True):
+                why = check_block(disk, txn, rec)
                 if why:
-                    bad[key] = why
+                    bad[rec.key] = why
         for key in cat.orphans():
             bad.setdefault(key, "parent block missing (orphan)")
         for key in cat.bad:
             bad[key] = "index record unreadable"
         for key, why in bad.items():
-            m = cat.metas.get(key)
-            where = f"tokens {m['s']}-{m['s'] + m['n']}" if m else "tokens ?"
+            r = cat.records.get(key)
+            where = f"tokens {r.start}-{r.end}" if r else "tokens ?"
             out.print(f"[red]bad[/red] {key.hex()[:16]} {where}: {why}")
         if bad and repair:
-            n = len(disk.delete(cat.with_descendants(bad)))
+            n = len(disk.remove(cat.with_descendants(bad)))
             out.print(f"removed {n} blocks")
     finally:
         disk.close()
-    out.print(f"{len(cat.metas) + len(cat.bad)} blocks checked, {len(bad)} bad")
+    out.print(f"{len(cat.records) + len(cat.bad)} blocks checked, {len(bad)} bad")
     raise typer.Exit(1 if bad else 0)
 
 
@@ -221,14 +221,14 @@ def clear(
     try:
         cat = Catalog.read(disk)
         keys = select(cat, model=model, older_than=age)
-        nbytes = sum(cat.metas[k]["b"] for k in keys)
+        nbytes = sum(cat.records[k].nbytes for k in keys if k in cat.records)
         if not keys:
             out.print("nothing matches")
             return
         if not yes and not typer.confirm(f"Delete {len(keys)} blocks ({_size(nbytes)}) from {path}?", default=False):
             out.print("nothing deleted")
             raise typer.Exit(1)
-        n = len(disk.delete(keys))
+        n = len(disk.remove(keys))
         out.print(f"deleted {n} blocks ({_size(nbytes)})")
     finally:
         disk.close()

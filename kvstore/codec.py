@@ -36,7 +36,7 @@ import msgpack
 import numpy as np
 import xxhash
 
-from .errors import BlockDecodeError
+from .errors import BlockDecodeError, ConfigError
 from .layers import KVLayer, Layer, Quantized, StateLayer, Tensor, tensor_rows
 
 MAGIC = b"KVSB"
@@ -111,9 +111,9 @@ class Codec:
     def __post_init__(self):
         for b in (self.key_bits, self.value_bits):
             if b is not None and b not in BITS:
-                raise ValueError(f"kv_bits must be one of {BITS} or None, got {b}")
+                raise ConfigError(f"kv_bits must be one of {BITS} or None, got {b}")
         if self.group_size not in GROUP_SIZES:
-            raise ValueError(f"kv_group_size must be one of {GROUP_SIZES}, got {self.group_size}")
+            raise ConfigError(f"kv_group_size must be one of {GROUP_SIZES}, got {self.group_size}")
 
     @classmethod
     def from_bits(cls, kv_bits: Union[None, int, tuple], group_size: int = 64) -> "Codec":

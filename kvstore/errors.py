@@ -18,3 +18,22 @@ class BlockDecodeError(KVStoreError):
 
 class LayoutError(KVStoreError, ValueError):
     """Arrays handed to ``put`` do not fit together (shapes, dtypes, lengths)."""
+
+
+class ConfigError(KVStoreError, ValueError):
+    """A setting is out of range (a budget that is negative, NaN or infinite,
+    unsupported bits or group size, a bad block size). Raised at construction."""
+
+
+class StoreClosedError(KVStoreError):
+    """The store was used after ``close()``. Open a new ``PrefixStore``."""
+
+
+class ReadOnlyError(KVStoreError):
+    """A write (``put``, ``clear``) on a store opened with ``readonly=True``."""
+
+
+class StorageError(KVStoreError):
+    """The LMDB environment could not complete an operation (its map could not
+    grow, another process kept resizing it). The store turns these into misses
+    and skipped writes on the engine's path; maintenance commands report them."""

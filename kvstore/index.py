@@ -32,7 +32,7 @@ class Node:
     """
 
     __slots__ = ("key", "parent", "children", "start", "length", "first", "snap", "gap", "rows_from",
-                 "in_ram", "on_disk", "pins", "job")
+                 "in_ram", "on_disk", "pins", "job", "nbytes", "used", "disk_kids")
 
     def __init__(self, key: bytes, parent: Optional["Node"], start: int, length: int,
                  first: int = -1, snap: Optional[bool] = None, gap: int = NO_GAP,
@@ -49,7 +49,10 @@ class Node:
         self.in_ram = False
         self.on_disk = False
         self.pins = 0
-        self.job = None  # the background job still encoding this block, if any
+        self.job = None  # the background job that has not yet made this block durable, if any
+        self.nbytes = 0  # payload bytes on disk (disk eviction frees about this much)
+        self.used = 0.0  # last use, for disk LRU order
+        self.disk_kids = 0  # children on disk: only a block with none may leave the disk
 
     @property
     def end(self) -> int:

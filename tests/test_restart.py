@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 
+from kvstore.errors import StoreClosedError
 from kvstore.store import PrefixStore
 
 from . import _restart_child as child
@@ -73,9 +74,9 @@ def test_reopen_in_process_after_close(tmp_path):
         store.put(child.MODEL, p, child.layers(p))
     store.close()
     store.close()
-    with pytest.raises(RuntimeError):
+    with pytest.raises(StoreClosedError, match="closed"):
         store.fetch(child.MODEL, child.prompts()[0])
-    with pytest.raises(RuntimeError):
+    with pytest.raises(StoreClosedError):
         store.put(child.MODEL, [1], kv_layers([1]))
     with PrefixStore(budget_gb=1, ssd_path=path, block_size=child.BS) as again:
         assert len(again) == expected_blocks()

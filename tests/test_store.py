@@ -10,7 +10,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from kvstore.errors import LayoutError, StoreOpenError
+from kvstore.errors import ConfigError, KVStoreError, LayoutError, ReadOnlyError, StoreOpenError
 from kvstore.hashing import KeyChain, as_tokens, root_key
 from kvstore.layers import KVLayer, Quantized, StateLayer
 from kvstore.store import GB, PrefixStore
@@ -390,8 +390,10 @@ def test_readonly_store_serves_but_refuses_writes(ssd, tmp_path):
     s.close()
     ro = ssd(readonly=True)
     assert_hit_is(ro.fetch(M, p), p, 20)
-    with pytest.raises(RuntimeError):
+    with pytest.raises(ReadOnlyError, match="read-only"):
         put(ro, p)
+    with pytest.raises(ReadOnlyError):
+        ro.clear()
     with pytest.raises(StoreOpenError):
         PrefixStore(ssd_path=tmp_path / "missing", readonly=True)
 
@@ -567,19 +569,19 @@ def test_blocks_of_other_shapes_under_one_model_key_are_a_miss_not_an_error(stor
 def test_put_runs_in_the_caller_when_the_background_thread_is_far_behind(ssd, monkeypatch):
     """Queued work is bounded: a put that would pass the bound is done in the
     caller (counted as ``puts_inline``), and both puts are stored."""
-    import kvstore.store as S
+    import kvstore.writer as W
 
     gate = threading.Event()
-    real = S._encode
+    real = W.encode
 
     def encode(*a):
         if threading.current_thread().name == "kvstore-writer":
             gate.wait(30)  # the background thread is stuck behind the first put
         return real(*a)
 
-    monkeypatch.setattr(S, "_encode", encode)
+    monkeypatch.setattr(W, "encode", encode)
     s = ssd()
-    s._max_pending = 1
+    s._writer.max_pending = 1
     a, b = toks(20), toks(20, start=5000)
     put(s, a)
     put(s, b)  # pending work is over the bound: done here, while the writer waits
@@ -589,3 +591,22 @@ def test_put_runs_in_the_caller_when_the_background_thread_is_far_behind(ssd, mo
     s.flush()
     assert_hit_is(s.fetch(M, a), a, 20)
     assert s.stats()["puts_inline"] == 1
+
+
+@pytest.mark.parametrize("kwargs", [dict(budget_gb=float("nan")), dict(budget_gb=float("inf")), dict(budget_gb=-1),
+                                    dict(disk_budget_gb=float("nan")), dict(block_size=0), dict(block_size=2.5),
+                                    dict(kv_bits=7), dict(kv_group_size=48)])
+def test_settings_out_of_range_raise_config_error(tmp_path, kwargs):
+    """Every setting the store cannot use is a ConfigError (a KVStoreError and
+    a ValueError) naming the setting; nothing is created on disk."""
+    path = tmp_path / "store"
+    with pytest.raises(ConfigError) as e:
+        PrefixStore(ssd_path=path, **kwargs)
+    assert isinstance(e.value, KVStoreError) and isinstance(e.value, ValueError)
+    assert next(iter(kwargs)).replace("kv_", "") in str(e.value).replace("kv_", "")
+    assert not path.exists()
+
+
+def test_set_budget_refuses_nan(store):
+    with pytest.raises(ConfigError, match="budget_gb"):
+        store.set_budget(float("nan"))

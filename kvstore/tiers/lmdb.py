@@ -3,16 +3,18 @@
 One environment (a directory) with sub-databases:
 
 - ``blocks``:   block key -> serialized block (see ``codec``)
-- ``nodes``:    block key -> msgpack meta (parent key, start, length, tokens,
+- ``nodes``:    block key -> its ``BlockRecord`` (parent, position, tokens,
                 first/last use, hits, payload bytes)
 - ``children``: parent key -> child keys (dupsort), to find blocks other
                 processes wrote and to evict leaves only
 - ``models``:   root key -> what the model is (for ``kvstore inspect``)
 - ``meta``:     format name and version, lifetime counters
 
-A block and its meta commit in one transaction, so a reader never sees one
+A block and its record commit in one transaction, so a reader never sees one
 without the other, and a crash leaves either both or neither. Map size grows on
 ``MapFullError``; another process growing it is adopted on ``MapResizedError``.
+The tier keeps the protocol of ``tiers.base``; which blocks to write or evict
+is the store's decision (``persist``).
 """
 
 from __future__ import annotations
@@ -24,19 +26,22 @@ import shutil
 import threading
 import time
 from contextlib import contextmanager
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Iterator, Optional
+from typing import Callable, Iterator, Mapping, Optional, Sequence
 
 import lmdb
 import msgpack
 
-from ..errors import StoreOpenError
+from ..codec import Block, deserialize
+from ..errors import BlockDecodeError, StorageError, StoreOpenError
+from ..record import BlockRecord
+from .base import Entry, Loaded, Use
 
 log = logging.getLogger("kvstore")
 
 FORMAT_NAME = "kvstore"
-FORMAT_VERSION = 2  # 2: blocks carry their key (codec format 2)
+FORMAT_VERSION = 3  # 2: blocks carry their key (codec format 2); 3: typed index records (record.py)
+_READS = (2, 3)  # format 2 stores are read, and marked 3 at their first writable open
 _DBS = (b"blocks", b"nodes", b"children", b"models", b"meta")
 _MIN_MAP = 64 << 20
 
@@ -47,29 +52,6 @@ def pack(obj) -> bytes:
 
 def unpack(buf) -> dict:
     return msgpack.unpackb(buf, raw=False)
-
-
-_NUM = (int, float)
-_META_TYPES = {"p": bytes, "r": bytes, "s": int, "n": int, "b": int, "t": bytes, "f": int, "g": int,
-               "c": _NUM, "u": _NUM, "h": int, "sn": (bool, type(None)), "kv": str, "dt": str}
-_META_REQUIRED = ("p", "r", "s", "n", "b", "t")
-
-
-def read_meta(raw) -> Optional[dict]:
-    """A block's index record, or ``None`` when it is not a well-formed one
-    (torn or flipped bytes): such a block is treated as absent, never trusted."""
-    try:
-        meta = unpack(raw)
-    except Exception:
-        return None
-    if not isinstance(meta, dict) or any(k not in meta for k in _META_REQUIRED):
-        return None
-    for k, t in _META_TYPES.items():
-        if k in meta and (not isinstance(meta[k], t) or (t is int and isinstance(meta[k], bool))):
-            return None
-    if meta["s"] < 0 or meta["n"] < 0 or len(meta["t"]) != 4 * meta["n"]:
-        return None
-    return meta
 
 
 class _Gate:
@@ -114,16 +96,6 @@ class _Gate:
             with self._cond:
                 self._excl = False
                 self._cond.notify_all()
-
-
-@dataclass
-class Record:
-    """One block to write: its key, meta (see module doc) and payload."""
-
-    key: bytes
-    parent: bytes
-    meta: dict
-    payload: bytes
 
 
 def is_disk_full(e: BaseException) -> bool:
@@ -281,13 +253,17 @@ class LmdbTier:
             env.close()
             raise StoreOpenError(f"{self.path}: kvstore metadata is unreadable ({e}). Delete the store "
                                  f"directory to start over.") from None
-        if fmt.get("name") != FORMAT_NAME or fmt.get("version") != FORMAT_VERSION:
+        if fmt.get("name") != FORMAT_NAME or fmt.get("version") not in _READS:
             env.close()
             raise StoreOpenError(
                 f"{self.path} was written by kvstore format {fmt.get('name')}/{fmt.get('version')}, this "
                 f"kvstore reads {FORMAT_NAME}/{FORMAT_VERSION}. Use a new ssd_path, open it with the kvstore "
                 f"version that wrote it, or delete the directory {self.path} to start over (it is a cache); "
                 f"nothing was written.")
+        if fmt["version"] != FORMAT_VERSION and not self.readonly:
+            # records of both formats are read; once this kvstore writes, an older one must not open it
+            # (it would take the new records for damaged ones)
+            self.set_info("format", dict(fmt, version=FORMAT_VERSION, upgraded=time.time()))
 
     def close(self) -> None:
         with self._gate.exclusive():
@@ -310,7 +286,7 @@ class LmdbTier:
                 self._gate.release_shared()
                 raise
         else:
-            raise lmdb.MapResizedError("map resized repeatedly by another process")
+            raise StorageError(f"{self.path}: the map was resized repeatedly by another process")
         try:
             yield txn
         finally:
@@ -336,17 +312,90 @@ class LmdbTier:
                     self.env.set_mapsize(new)
             except lmdb.MapResizedError:
                 self._adopt_map_size()
-        raise lmdb.MapFullError("map could not grow enough")
+        raise StorageError(f"{self.path}: the LMDB map could not grow enough for one write")
+
+    # ------------------------------------------------------------ protocol
+
+    def load(self, wanted: Sequence[tuple[bytes, int]]) -> Loaded:
+        """Decoded, checked blocks, in one read transaction. Bad ones are
+        reported, not removed: deleting from inside a read transaction could
+        deadlock with a thread waiting to resize the map."""
+        out = Loaded()
+        with self.reader() as txn:
+            for key, start in wanted:
+                buf = self.payload(txn, key)
+                if buf is None:
+                    break
+                try:
+                    out.blocks[key] = deserialize(buf, start, key=key)
+                except BlockDecodeError as e:
+                    out.bad[key] = str(e)
+                    break
+        return out
+
+    def store(self, entries: Sequence[Entry]) -> None:
+        """Each payload and its record in one transaction."""
+        dbs = self.dbs
+
+        def fn(txn):
+            for e in entries:
+                txn.put(e.key, e.payload, db=dbs[b"blocks"])
+                txn.put(e.key, e.record.pack(), db=dbs[b"nodes"])
+                txn.put(e.record.parent, e.key, db=dbs[b"children"], dupdata=True)
+        self.write(fn)
+
+    def remove(self, keys: Sequence[bytes]) -> list[bytes]:
+        """Remove blocks and their records; returns the keys that were there."""
+        done: list[bytes] = []
+        dbs = self.dbs
+
+        def fn(txn):
+            done.clear()
+            for key in keys:
+                raw = txn.get(key, db=dbs[b"nodes"])
+                if raw is None and txn.get(key, db=dbs[b"blocks"]) is None:
+                    continue
+                rec = None if raw is None else BlockRecord.unpack(key, raw)
+                txn.delete(key, db=dbs[b"blocks"])
+                txn.delete(key, db=dbs[b"nodes"])
+                txn.delete(key, db=dbs[b"children"])
+                if rec is not None:
+                    txn.delete(rec.parent, key, db=dbs[b"children"])
+                done.append(key)
+        self.write(fn)
+        return done
+
+    def touch(self, uses: Mapping[bytes, Use]) -> None:
+        """Record last-use times and hit counts."""
+        nodes = self.dbs[b"nodes"]
+
+        def fn(txn):
+            for key, use in uses.items():
+                raw = txn.get(key, db=nodes)
+                rec = None if raw is None else BlockRecord.unpack(key, raw)
+                if rec is not None:
+                    txn.put(key, rec.used_now(use.when, use.hits).pack(), db=nodes)
+        if uses:
+            self.write(fn)
+
+    def usage(self) -> int:
+        """Bytes in use by every database, from LMDB's own page counts."""
+        with self.reader() as txn:
+            total = _pages(self.env.stat())
+            for db in self.dbs.values():
+                total += _pages(txn.stat(db))
+        return total
 
     # ------------------------------------------------------------------ reads
 
-    def get_block(self, txn: lmdb.Transaction, key: bytes):
+    def payload(self, txn: lmdb.Transaction, key: bytes):
+        """A block's bytes: a view of the map, valid inside ``txn`` only."""
         return txn.get(key, db=self.dbs[b"blocks"])
 
-    def get_meta(self, txn: lmdb.Transaction, key: bytes) -> Optional[dict]:
+    def record(self, txn: lmdb.Transaction, key: bytes) -> Optional[BlockRecord]:
         """The block's index record; ``None`` when missing or malformed."""
         raw = txn.get(key, db=self.dbs[b"nodes"])
-        return None if raw is None else read_meta(raw)
+        return None if raw is None else BlockRecord.unpack(key, raw)
 
     def children(self, txn: lmdb.Transaction, key: bytes) -> list[bytes]:
         cur = txn.cursor(db=self.dbs[b"children"])
@@ -354,15 +403,15 @@ class LmdbTier:
             return []
         return [bytes(k) for k in cur.iternext_dup()]
 
-    def iter_meta(self, txn: lmdb.Transaction, bad: Optional[list] = None) -> Iterator[tuple[bytes, dict]]:
+    def records(self, txn: lmdb.Transaction, bad: Optional[list] = None) -> Iterator[BlockRecord]:
         """Every well-formed index record; keys of malformed ones go to ``bad``."""
         for k, v in txn.cursor(db=self.dbs[b"nodes"]):
-            meta = read_meta(v)
-            if meta is None:
+            rec = BlockRecord.unpack(bytes(k), v)
+            if rec is None:
                 if bad is not None:
                     bad.append(bytes(k))
                 continue
-            yield bytes(k), meta
+            yield rec
 
     def models(self) -> dict[bytes, dict]:
         with self.reader() as txn:
@@ -379,25 +428,7 @@ class LmdbTier:
     def set_info(self, name: str, value) -> None:
         self.write(lambda txn: txn.put(name.encode(), pack(value), db=self.dbs[b"meta"]))
 
-    def usage(self) -> int:
-        """Bytes in use by every database, from LMDB's own page counts."""
-        with self.reader() as txn:
-            total = _pages(self.env.stat())
-            for db in self.dbs.values():
-                total += _pages(txn.stat(db))
-        return total
-
     # ----------------------------------------------------------------- writes
-
-    def put_records(self, records: list[Record]) -> None:
-        dbs = self.dbs
-
-        def fn(txn):
-            for r in records:
-                txn.put(r.key, r.payload, db=dbs[b"blocks"])
-                txn.put(r.key, pack(r.meta), db=dbs[b"nodes"])
-                txn.put(r.parent, r.key, db=dbs[b"children"], dupdata=True)
-        self.write(fn)
 
     def register_model(self, root: bytes, info: dict) -> None:
         def fn(txn):
@@ -405,75 +436,23 @@ class LmdbTier:
                 txn.put(root, pack(info), db=self.dbs[b"models"])
         self.write(fn)
 
-    def touch(self, uses: dict[bytes, tuple[float, int]], counters: dict[str, int]) -> None:
-        """Record last-use times and hit counts; add to lifetime counters."""
-        nodes = self.dbs[b"nodes"]
-
+    def add_counters(self, counters: Mapping[str, int]) -> None:
+        """Add to the store's lifetime counters."""
         def fn(txn):
-            for key, (when, hits) in uses.items():
-                meta = read_meta(raw) if (raw := txn.get(key, db=nodes)) is not None else None
-                if meta is None:
-                    continue
-                meta["u"] = max(meta.get("u", 0), when)
-                meta["h"] = meta.get("h", 0) + hits
-                txn.put(key, pack(meta), db=nodes)
-            if counters:
-                raw = txn.get(b"counters", db=self.dbs[b"meta"])
-                total = unpack(raw) if raw is not None else {}
-                for k, v in counters.items():
-                    total[k] = total.get(k, 0) + v
-                txn.put(b"counters", pack(total), db=self.dbs[b"meta"])
-        self.write(fn)
-
-    def delete(self, keys) -> list[bytes]:
-        """Remove blocks and their meta; returns the keys that were there."""
-        done = []
-
-        def fn(txn):
-            done.clear()
-            for key in keys:
-                raw = txn.get(key, db=self.dbs[b"nodes"])
-                if raw is None and txn.get(key, db=self.dbs[b"blocks"]) is None:
-                    continue
-                meta = None if raw is None else read_meta(raw)
-                parent = None if meta is None else meta["p"]
-                txn.delete(key, db=self.dbs[b"blocks"])
-                txn.delete(key, db=self.dbs[b"nodes"])
-                txn.delete(key, db=self.dbs[b"children"])
-                if parent is not None:
-                    txn.delete(parent, key, db=self.dbs[b"children"])
-                done.append(key)
-        self.write(fn)
-        return done
-
-    def evict_to(self, target: int, protect: set[bytes]) -> list[bytes]:
-        """Delete least recently used leaf blocks until usage <= ``target``."""
-        evicted: list[bytes] = []
-        for _ in range(64):
-            over = self.usage() - target
-            if over <= 0:
-                break
-            with self.reader() as txn:
-                metas = dict(self.iter_meta(txn))
-            parents = {m.get("p") for m in metas.values()}
-            leaves = sorted((m.get("u", 0), k) for k, m in metas.items() if k not in parents and k not in protect)
-            if not leaves:
-                break
-            batch, freed = [], 0
-            for _, k in leaves:
-                batch.append(k)
-                freed += metas[k].get("b", 0)
-                if freed >= over:
-                    break
-            evicted += self.delete(batch)
-        return evicted
+            raw = txn.get(b"counters", db=self.dbs[b"meta"])
+            total = unpack(raw) if raw is not None else {}
+            for k, v in counters.items():
+                total[k] = total.get(k, 0) + v
+            txn.put(b"counters", pack(total), db=self.dbs[b"meta"])
+        if counters:
+            self.write(fn)
 
     def remove_all(self, root: Optional[bytes] = None) -> int:
         """Delete every block (of one root key, if given). Returns how many."""
         bad: list[bytes] = []
         with self.reader() as txn:
-            keys = [k for k, m in self.iter_meta(txn, bad) if root is None or m.get("r") == root]
-        return len(self.delete(keys + (bad if root is None else [])))
+            keys = [r.key for r in self.records(txn, bad) if root is None or r.root == root]
+        return len(self.remove(keys + (bad if root is None else [])))
 
 
 def _pages(stat: dict) -> int:

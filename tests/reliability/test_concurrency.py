@@ -198,18 +198,18 @@ def test_bad_block_while_the_map_is_being_resized_does_not_deadlock(tmp_path, ca
     key = D.block_key(MODEL, toks, 32)
     D.rewrite(path, key, lambda v: v[:-1] + bytes([v[-1] ^ 1]))
     store = PrefixStore(budget_gb=0, ssd_path=path, block_size=D.BLOCK)
-    disk = store._disk
-    real_get = disk.get_block
+    disk = store._persist.disk
+    real_get = disk.payload
     resizer = threading.Thread(target=disk._adopt_map_size, daemon=True)
 
-    def get_block(txn, k):
+    def payload(txn, k):
         if k == key and not resizer.is_alive():
             resizer.start()  # as on MapResizedError in another thread
             while not disk._gate._excl:
                 time.sleep(0.001)
         return real_get(txn, k)
 
-    disk.get_block = get_block
+    disk.payload = payload
     result = {}
     fetcher = threading.Thread(target=lambda: result.update(hit=store.fetch(MODEL, toks)), daemon=True)
     fetcher.start()

@@ -18,6 +18,7 @@ import sys
 from pathlib import Path
 
 import numpy as np
+import msgpack
 import pytest
 
 from kvstore import PrefixStore
@@ -135,11 +136,17 @@ def test_verify_reports_and_repair_removes_a_bad_block(tmp_path, caplog, kind):
     assert not _bad_logs(caplog)
 
 
+def _replace_once(v: bytes, old: bytes, new: bytes) -> bytes:
+    assert v.count(old) == 1, "the mutation must change the record"
+    return v.replace(old, new)
+
+
 META_MUTATIONS = {
     "truncated": lambda v: v[: len(v) // 2],
     "garbage": lambda v: random.Random(7).randbytes(len(v)),
     "not_a_map": lambda v: b"\x93\x01\x02\x03",
-    "flipped_type": lambda v: v.replace(b"\xa1s", b"\xa1S", 1),  # the "s" (start) field renamed
+    "renamed_field": lambda v: _replace_once(v, b"\xa5start", b"\xa5START"),  # a required field's name damaged
+    "flipped_type": lambda v: msgpack.packb({**msgpack.unpackb(v), "start": "16"}),  # a field of the wrong type
     "empty": lambda v: b"",
 }
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import re
+import subprocess
 import time
 from pathlib import Path
 
@@ -115,7 +116,7 @@ def _store_with_format(path: Path, fmt: dict) -> None:
 
 
 @pytest.mark.parametrize("fmt", [{"name": "kvstore", "version": FORMAT_VERSION + 1},
-                                 {"name": "kvstore", "version": FORMAT_VERSION - 1},
+                                 {"name": "kvstore", "version": 1},
                                  {"name": "other-cache", "version": FORMAT_VERSION}, {}])
 def test_store_of_another_format_version(tmp_path, fmt):
     path = tmp_path / "store"
@@ -145,3 +146,58 @@ def test_store_of_another_format_version(tmp_path, fmt):
         with PrefixStore(ssd_path=fresh, block_size=D.BLOCK) as store:
             hit = store.fetch("m", toks)
             assert hit.length == len(toks) and D.hit_problem(hit, toks) is None
+
+
+_LETTERS = {"parent": "p", "root": "r", "start": "s", "length": "n", "tokens": "t", "nbytes": "b", "first": "f",
+            "snap": "sn", "gap": "g", "rows_from": "wf", "created": "c", "used": "u", "hits": "h", "kv": "kv",
+            "dtype": "dt"}
+
+
+def _as_format2(path) -> int:
+    """Rewrite a store as kvstore 0.1 wrote it: format 2, single-letter records."""
+    env = lmdb.open(str(path), max_dbs=8)
+    nodes, meta = env.open_db(b"nodes", create=False), env.open_db(b"meta", create=False)
+    n = 0
+    with env.begin(write=True) as txn:
+        for k, v in list(txn.cursor(db=nodes)):
+            rec = msgpack.unpackb(v)
+            old = {_LETTERS[f]: x for f, x in rec.items() if f in _LETTERS and not (f == "rows_from" and x < 0)}
+            txn.put(k, msgpack.packb(old), db=nodes)
+            n += 1
+        fmt = msgpack.unpackb(txn.get(b"format", db=meta))
+        txn.put(b"format", msgpack.packb(dict(fmt, version=2)), db=meta)
+    env.close()
+    return n
+
+
+def _format_version(path) -> int:
+    env = lmdb.open(str(path), max_dbs=8, readonly=True)
+    with env.begin() as txn:
+        v = msgpack.unpackb(txn.get(b"format", db=env.open_db(b"meta", create=False, txn=txn)))["version"]
+    env.close()
+    return v
+
+
+def test_format2_store_is_read_then_marked_as_this_format(tmp_path):
+    """Stores of the previous format (single-letter index records) keep
+    working: read-only opens leave them as they are; the first writable open
+    serves every prompt exactly and marks the store as this format, so an older
+    kvstore refuses it rather than misread new records."""
+    path = tmp_path / "store"
+    prompts = [D.tokens(i, 40 + 17 * i) for i in range(3)]
+    with PrefixStore(ssd_path=path, block_size=D.BLOCK) as store:
+        for p in prompts:
+            store.put("m", p, D.layers_for(p))
+    assert _as_format2(path) == sum(-(-len(p) // D.BLOCK) for p in prompts)
+    with PrefixStore(ssd_path=path, block_size=D.BLOCK, readonly=True) as ro:
+        assert all(D.hit_problem(ro.fetch("m", p), p) is None for p in prompts)
+    assert _format_version(path) == 2
+    with PrefixStore(ssd_path=path, block_size=D.BLOCK) as store:
+        for p in prompts:
+            hit = store.fetch("m", p)
+            assert hit.length == len(p) and D.hit_problem(hit, p) is None
+        more = D.tokens(9, 50)
+        store.put("m", more, D.layers_for(more))
+    assert _format_version(path) == FORMAT_VERSION
+    res = subprocess.run(D.kvstore_cli() + ["verify", str(path)], capture_output=True, text=True, timeout=120)
+    assert res.returncode == 0, res.stdout + res.stderr

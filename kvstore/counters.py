@@ -1,0 +1,58 @@
+"""What a store counts: this process's counters, the part of them not yet
+added to the store's lifetime totals on disk, and block uses not yet saved."""
+
+from __future__ import annotations
+
+import threading
+from typing import Iterable
+
+from .index import Node
+from .tiers.base import Use
+
+NAMES = ("hits", "misses", "tokens_requested", "tokens_ram", "tokens_ssd", "puts", "blocks_written",
+         "evictions_ram", "evictions_ssd", "corrupt_blocks", "write_errors", "blocks_stored",
+         "puts_inline",  # puts done in the caller because the background writer was far behind
+         "evicted_unwritten")  # blocks evicted from RAM before their write to disk finished (the writer holds them)
+
+
+class Counters:
+    """Thread-safe counters (a small lock of their own, never held across I/O)."""
+
+    def __init__(self):
+        self._lock = threading.Lock()
+        self.now = dict.fromkeys(NAMES, 0)
+        self._unsaved = dict.fromkeys(NAMES, 0)
+        self._uses: dict[bytes, Use] = {}
+
+    def count(self, name: str, k: int = 1) -> None:
+        with self._lock:
+            self.now[name] += k
+            self._unsaved[name] += k
+
+    def used(self, nodes: Iterable[Node], when: float) -> None:
+        """Blocks with a disk copy were served at ``when``."""
+        with self._lock:
+            for p in nodes:
+                old = self._uses.get(p.key)
+                self._uses[p.key] = Use(when, 1 + (old.hits if old else 0))
+
+    def snapshot(self) -> dict:
+        with self._lock:
+            return dict(self.now)
+
+    def drain(self) -> tuple[dict[bytes, Use], dict[str, int]]:
+        """Uses and lifetime deltas not saved yet (and forget them)."""
+        with self._lock:
+            uses, self._uses = self._uses, {}
+            deltas = {k: v for k, v in self._unsaved.items() if v}
+            self._unsaved = dict.fromkeys(NAMES, 0)
+        return uses, deltas
+
+    def restore(self, uses: dict[bytes, Use], deltas: dict[str, int]) -> None:
+        """Put back what a failed save drained (newer uses win)."""
+        with self._lock:
+            for k, u in uses.items():
+                new = self._uses.get(k)
+                self._uses[k] = u if new is None else Use(max(u.when, new.when), u.hits + new.hits)
+            for k, v in deltas.items():
+                self._unsaved[k] += v

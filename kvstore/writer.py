@@ -1,0 +1,217 @@
+"""The background writer: encodes the blocks a ``put`` queued (slice,
+quantize, copy out of the engine's buffers), admits them to RAM and writes
+them through to disk in large transactions.
+
+``put`` only hashes, indexes and queues, so the engine waits well under a
+millisecond. The queue is bounded by bytes: past the bound a put is done in
+the caller rather than queued without limit. A block's ``job`` stays set until
+the block is durable where it is going (RAM for a RAM-only store, disk
+otherwise): a fetch that needs a block not in RAM waits for its job.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from dataclasses import dataclass, field, replace
+from typing import Callable, Optional
+
+import mlx.core as mx
+import numpy as np
+
+from .codec import Block, Codec, block_arrays
+from .counters import Counters
+from .index import Node
+from .layers import KVLayer, Layer, Quantized, StateLayer, Tensor, take_rows
+from .persist import Persist
+from .placement import Placement
+from .record import BlockRecord
+from .tiers.base import Entry
+
+log = logging.getLogger("kvstore")
+
+WRITE_BATCH = 64 << 20  # bytes per disk write transaction
+
+
+@dataclass
+class Job:
+    """Blocks of one ``put`` waiting for the writer."""
+
+    nodes: list[Node]
+    root: bytes
+    tokens: np.ndarray
+    layers: list[Layer]
+    nbytes: int
+    done: threading.Event = field(default_factory=threading.Event)
+
+
+class Writer:
+    def __init__(self, placement: Placement, persist: Optional[Persist], codec: Codec, lock, counters: Counters,
+                 max_pending: int, on_idle: Callable[[], None]):
+        self.placement = placement
+        self.persist = persist
+        self.codec = codec
+        self.lock = lock
+        self.counters = counters
+        self.max_pending = max_pending
+        self.on_idle = on_idle  # after each job (saves use times)
+        self.pending_bytes = 0
+        self._queue: "queue.Queue[Optional[Job]]" = queue.Queue()
+        self._thread: Optional[threading.Thread] = None
+
+    @property
+    def pending_jobs(self) -> int:
+        return self._queue.qsize()
+
+    def submit(self, job: Job) -> None:
+        """Queue a job, or run it here when the queue is full (its bytes
+        already over the bound). Call without the store lock."""
+        with self.lock:
+            inline = self.pending_bytes > 0 and self.pending_bytes + job.nbytes > self.max_pending
+            if not inline:
+                self.pending_bytes += job.nbytes
+        if inline:
+            self.counters.count("puts_inline")
+            self.run(job)
+            return
+        self._ensure_thread()
+        self._queue.put(job)
+
+    def flush(self, timeout: Optional[float] = None) -> None:
+        """Wait until every queued job is done."""
+        if self._thread is None or not self._thread.is_alive():
+            return
+        if timeout is None:
+            self._queue.join()
+            return
+        deadline = time.monotonic() + timeout
+        while self._queue.unfinished_tasks and time.monotonic() < deadline:
+            time.sleep(0.01)
+
+    def stop(self) -> None:
+        if self._thread is not None:
+            self._queue.put(None)
+            self._thread.join(timeout=60)
+
+    def _ensure_thread(self) -> None:
+        with self.lock:
+            if self._thread is None or not self._thread.is_alive():
+                self._thread = threading.Thread(target=self._loop, name="kvstore-writer", daemon=True)
+                self._thread.start()
+
+    def _loop(self) -> None:
+        while True:
+            job = self._queue.get()
+            try:
+                if job is None:
+                    return
+                self.run(job)
+                with self.lock:
+                    self.pending_bytes -= job.nbytes
+            finally:
+                self._queue.task_done()
+
+    # ------------------------------------------------------------- one job
+
+    def run(self, job: Job) -> None:
+        """Encode the job's blocks into RAM and write them through."""
+        batch: list[tuple[Node, Entry]] = []
+        batch_bytes = 0
+        to_disk = self.persist is not None and self.placement.writable
+        pl = self.placement
+        try:
+            for node in job.nodes:
+                if not self._current(node, job):
+                    continue  # dropped meanwhile (evicted parent, clear) or re-encoded by a later put
+                block = encode(job, node, self.codec)
+                with self.lock:
+                    if not self._current(node, job):
+                        continue
+                    if pl.admit_locked(node, block) and not to_disk:
+                        node.job = None  # durable where it goes: servable without waiting
+                    elif not to_disk:
+                        pl.forget_locked(node)  # fits in neither tier
+                        continue
+                    self.counters.count("blocks_stored")
+                if to_disk:
+                    entry = Entry(self._record(job, node, block), block)
+                    entry.record = replace(entry.record, nbytes=len(entry.payload))  # serialized here, once
+                    batch.append((node, entry))
+                    batch_bytes += block.nbytes
+                    if batch_bytes >= WRITE_BATCH:
+                        self._write(batch, job)
+                        batch, batch_bytes = [], 0
+            self._write(batch, job)
+        except Exception:
+            log.exception("kvstore: storing %d blocks failed; they are dropped", len(job.nodes))
+            with self.lock:
+                for node in job.nodes:
+                    if self._current(node, job) and not node.in_ram and not node.on_disk:
+                        pl.forget_locked(node)
+        finally:
+            with self.lock:
+                for node in job.nodes:
+                    if node.job is job:
+                        node.job = None
+            job.done.set()
+            self.on_idle()
+
+    def _current(self, node: Node, job: Job) -> bool:
+        return self.placement.index.get(node.key) is node and node.job is job
+
+    def _record(self, job: Job, node: Node, block: Block) -> BlockRecord:
+        kv, dtype = block.describe()
+        now = time.time()
+        has_state = any(isinstance(l, StateLayer) for l in block.layers)
+        return BlockRecord(key=node.key, parent=node.parent.key, root=job.root, start=node.start,
+                           length=node.length, tokens=block.tokens, nbytes=0, first=node.first,
+                           snap=None if node.snap is None else has_state, gap=node.gap,
+                           rows_from=node.rows_from if node.gap else -1, created=now, used=now, kv=kv, dtype=dtype)
+
+    def _write(self, batch: list[tuple[Node, Entry]], job: Job) -> None:
+        """Write a batch (blocks already on disk are skipped, unless re-encoded
+        with a state snapshot); then blocks in neither tier leave the index."""
+        todo = [(n, e) for n, e in batch
+                if not n.on_disk or any(isinstance(l, StateLayer) for l in e.block.layers)]
+        if todo:
+            self.persist.write(todo)
+        with self.lock:
+            for node, _ in batch:
+                if self.placement.index.get(node.key) is not node:
+                    continue
+                if node.job is job:
+                    node.job = None
+                if not node.in_ram and not node.on_disk:
+                    self.placement.forget_locked(node)  # the write failed and RAM could not hold it
+
+
+def encode(job: Job, node: Node, codec: Codec) -> Block:
+    """The block's rows of every layer, compressed and copied out of the
+    engine's buffers (slices are views that would keep them alive)."""
+    s, e = node.start, node.end
+    out: list[Optional[Layer]] = []
+    for l in job.layers:
+        if isinstance(l, KVLayer):
+            # a sliding-window layer may hold only the block's last rows
+            first = s if l.start <= s else (l.start if l.window is not None and l.start < e else None)
+            if first is None:
+                out.append(None)
+                continue
+            k = take_rows(l.keys, first - l.start, e - l.start)
+            v = take_rows(l.values, first - l.start, e - l.start)
+            out.append(KVLayer(own(codec.compress_keys(k)), own(codec.compress_values(v)), first, l.window))
+        else:
+            out.append(StateLayer([None if a is None else mx.contiguous(a) for a in l.arrays])
+                       if e == len(job.tokens) else None)
+    block = Block(job.tokens[s:e].copy(), out)
+    mx.eval(block_arrays(block))
+    return block
+
+
+def own(t: Tensor) -> Tensor:
+    """A copy that does not keep the engine's whole buffer alive."""
+    if isinstance(t, Quantized):
+        return Quantized(*(mx.contiguous(a) for a in t.arrays()), t.bits, t.group_size)
+    return mx.contiguous(t)
