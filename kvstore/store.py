@@ -253,6 +253,15 @@ class PrefixStore:
             if n_bytes < self._ram.nbytes:
                 self._placement.make_room_locked(self._ram.budget - n_bytes)
 
+    def trim_disk(self, n_bytes: int) -> int:
+        """Evict least recently used disk blocks (leaves first) until the disk
+        tier uses at most ``n_bytes``; returns how many blocks left. The disk
+        budget stays. A RAM-only or read-only store has nothing to trim."""
+        self._check_open()
+        if self._persist is None or self.readonly:
+            return 0
+        return self._persist.evict_to(int(n_bytes))
+
     def flush(self, timeout: Optional[float] = None) -> None:
         """Wait until every queued block is encoded and written."""
         self._writer.flush(timeout)

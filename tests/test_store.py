@@ -610,3 +610,23 @@ def test_settings_out_of_range_raise_config_error(tmp_path, kwargs):
 def test_set_budget_refuses_nan(store):
     with pytest.raises(ConfigError, match="budget_gb"):
         store.set_budget(float("nan"))
+
+
+def test_trim_disk_evicts_least_recently_used_leaves_first(ssd):
+    """Disk eviction takes a leaf before the prefix it hangs from, and the
+    least recently used leaf first; blocks still in RAM stay servable."""
+    s = ssd()
+    shared = toks(16)
+    a, b = shared + toks(8, start=5000), shared + toks(8, start=6000)
+    put(s, a)
+    put(s, b)
+    s.flush()
+    assert s.stats()["ssd_blocks"] == 4  # 2 shared + one leaf each
+    assert_hit_is(s.fetch(M, a), a, 24)  # b's leaf is now the least recently used
+    assert s.trim_disk(s.stats()["ssd_bytes"] - 1) == 1
+    s.trim_ram(0)
+    assert s.fetch(M, b).length == 16 and s.fetch(M, a).length == 24
+    assert s.trim_disk(0) == 3  # then a's leaf, then the shared prefix, child before parent
+    assert s.stats()["ssd_blocks"] == 0
+    s.close()
+    assert ssd().fetch(M, a).length == 0
