@@ -40,6 +40,7 @@ import numpy as np
 from . import lookup
 from .assemble import assemble
 from .codec import Codec, layer_arrays
+from .cost import CostModel, Plan, machine_id
 from .counters import Counters
 from .errors import ConfigError, LayoutError, ReadOnlyError, StoreClosedError
 from .hashing import KeyChain, as_tokens, root_key
@@ -64,6 +65,9 @@ class Hit:
     layers: Optional[list[Layer]] = None
     ram_tokens: int = 0  # of ``length``, tokens whose blocks came from RAM
     ssd_tokens: int = 0  # ... and from the LMDB tier
+    skipped_tokens: int = 0  # stored tokens not served because recomputing them is faster
+    skip_reason: str = ""
+    predicted_s: float = 0.0  # what the cost model expected loading ``length`` to take
 
     def __bool__(self) -> bool:
         return self.length > 0
@@ -84,6 +88,9 @@ class PrefixStore:
     ``None`` keeps the engine's dtype. Entries remember their own settings, so
     a store reopened with other settings reads old entries correctly.
     ``namespace`` salts every key: tenants never share or see blocks.
+    ``fetch_policy``: ``"auto"`` serves the part of a hit that loads faster
+    than the engine recomputes it (rates measured here, see ``cost``),
+    ``"always"`` serves every stored token, ``"never"`` none.
     Raises ``ConfigError`` for settings out of range and ``StoreOpenError``
     for an ``ssd_path`` it cannot use.
     """
@@ -91,7 +98,7 @@ class PrefixStore:
     def __init__(self, budget_gb: float = 4.0, ssd_path=None, block_size: int = 256,
                  kv_bits: Union[None, int, tuple[Optional[int], Optional[int]]] = None,
                  kv_group_size: int = 64, namespace: Optional[str] = None,
-                 disk_budget_gb: Optional[float] = None, *, readonly: bool = False):
+                 disk_budget_gb: Optional[float] = None, *, readonly: bool = False, fetch_policy: str = "auto"):
         if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < 1:
             raise ConfigError(f"block_size must be an int >= 1, got {block_size!r}")
         self.block_size = block_size
@@ -100,6 +107,7 @@ class PrefixStore:
         self.readonly = readonly
         self._lock = threading.RLock()
         self._counters = Counters()
+        self._cost = CostModel(fetch_policy)
         self._warned: set[str] = set()
         self._registered: set[bytes] = set()
         self._index = RadixIndex()
@@ -116,6 +124,7 @@ class PrefixStore:
         self._closed = False
         if self._persist is not None:
             self._persist.load_index(self._index.root)
+            self._load_rates()
         _OPEN.add(self)
 
     # ------------------------------------------------------------ public API
@@ -170,33 +179,49 @@ class PrefixStore:
         match = self._match(root, KeyChain(root.key, toks, self.block_size), n)
         with self._lock:
             length = lookup.servable(match.path, match.matched)
-            path = [p for p in match.path if p.start < length]
-            RadixIndex.pin(path)
+            pinned = [p for p in match.path if p.start < length]
+            RadixIndex.pin(pinned)
         try:
-            for job in {id(p.job): p.job for p in path if p.job is not None and not p.in_ram}.values():
+            for job in {id(p.job): p.job for p in pinned if p.job is not None and not p.in_ram}.values():
                 job.done.wait()
-            blocks, length, from_ram = self._placement.load(path, toks, length)
+            plan = self._plan(root.key, len(toks), pinned, length)
+            path = [p for p in pinned if p.start < plan.length]
+            t0 = time.perf_counter()
+            blocks, length, from_ram = self._placement.load(path, toks, plan.length)
+            t_load = time.perf_counter() - t0
         finally:
             with self._lock:
-                RadixIndex.unpin(path)
+                RadixIndex.unpin(pinned)
                 self._placement.make_room_locked(0)  # blocks promoted while pinned may have left RAM over budget
         self._counters.count("tokens_requested", len(toks))
+        self._counters.count("tokens_skipped_cost", plan.skipped)
         if length == 0:
             self._counters.count("misses")
-            return Hit()
+            return Hit(skipped_tokens=plan.skipped, skip_reason=plan.reason)
         try:
+            t1 = time.perf_counter()
             layers = assemble([b for b in blocks if b is not None], length, quantized)
+            mx.eval([a for l in layers if l is not None for a in layer_arrays(l)])
+            t_asm = time.perf_counter() - t1
         except Exception as e:  # blocks that do not fit together (a reused model key, a bad index record)
             self._warn("assemble", f"kvstore: stored blocks for this prompt do not fit together ({e}); "
                                    f"serving a miss")
             self._counters.count("misses")
             return Hit()
         ram_tokens = sum(min(p.end, length) - p.start for p, r in zip(path, from_ram) if r and p.start < length)
-        hit = Hit(length, layers, ram_tokens, length - ram_tokens)
+        hit = Hit(length, layers, ram_tokens, length - ram_tokens, plan.skipped, plan.reason,
+                  plan.load_s if length == plan.length else 0.0)
+        self._observe(path, blocks, from_ram, length, plan, t_load, t_asm)
         self._counters.count("hits")
         self._counters.count("tokens_ram", hit.ram_tokens)
         self._counters.count("tokens_ssd", hit.ssd_tokens)
         return hit
+
+    def observe_prefill(self, model_key: Union[str, bytes], start: int, stop: int, seconds: float) -> None:
+        """The engine computed tokens ``[start, stop)`` after a cached prefix of
+        ``start`` in ``seconds`` (the adapters report this after each request):
+        what ``fetch_policy="auto"`` weighs loading against."""
+        self._cost.observe_prefill(root_key(model_key, self.namespace).hex(), start, stop, seconds)
 
     def contains(self, model_key: Union[str, bytes], tokens) -> int:
         """Length ``fetch`` would serve, without loading anything (ignores
@@ -227,6 +252,7 @@ class PrefixStore:
                        ssd_path=str(disk.path))
         req = out["tokens_requested"]
         out["token_hit_rate"] = (out["tokens_ram"] + out["tokens_ssd"]) / req if req else 0.0
+        out["cost"] = self._cost.describe()
         return out
 
     @property
@@ -337,9 +363,73 @@ class PrefixStore:
 
     # ------------------------------------------------------------- helpers
 
+    # ------------------------------------------------------------- cost
+
+    def _plan(self, root: bytes, n_prompt: int, path: list[Node], servable: int) -> Plan:
+        """How much of the servable prefix to load (``cost``): per block its
+        tier and, on disk, whether its pages are cached (read outside the lock)."""
+        if not path:
+            return Plan(servable, servable)
+        with self._lock:
+            on_disk = [p.key for p in path if not p.in_ram]
+            sizes = [self._ram.get(p.key).nbytes if p.in_ram and self._ram.get(p.key) is not None
+                     else p.nbytes for p in path]
+            constrained = any(p.snap is not None or p.gap for p in path)
+        resident = {}
+        if on_disk and self._persist is not None:
+            try:
+                resident = self._persist.disk.resident(on_disk)
+            except Exception:
+                resident = {}
+        states = [_state(resident, p.key) if p.key in resident or not p.in_ram else "ram" for p in path]
+        limit_to = (lambda n: lookup.servable([p for p in path if p.start < n], n)) if constrained else None
+        plan = self._cost.plan(root.hex(), n_prompt, [p.start for p in path], [p.end for p in path], sizes,
+                               states, servable, limit_to)
+        plan.states = dict(zip((p.key for p in path), states))
+        return plan
+
+    def _observe(self, path: list[Node], blocks, from_ram: list[bool], length: int, plan: Plan,
+                 t_load: float, t_asm: float) -> None:
+        """Rates of this fetch, per state: RAM bytes cost their share of the
+        assembly; disk bytes the read too."""
+        states = plan.states
+        by_state: dict[str, int] = {}
+        for p, b, r in zip(path, blocks, from_ram):
+            if b is None or p.start >= length:
+                continue
+            share = b.nbytes * (min(p.end, length) - p.start) // max(1, p.length)
+            state = "ram" if r else states.get(p.key, "ssd_cold")
+            by_state[state] = by_state.get(state, 0) + share
+        total = sum(by_state.values())
+        disk = total - by_state.get("ram", 0)
+        for state, nbytes in by_state.items():
+            secs = t_asm * nbytes / max(1, total)
+            if state != "ram":
+                secs += t_load * nbytes / max(1, disk)
+            self._cost.observe_load(state, nbytes, secs)
+        if plan.load_s:
+            self._counters.count("predicted_us", int(plan.load_s * 1e6))
+            self._counters.count("actual_us", int((t_load + t_asm) * 1e6))
+
+    def _load_rates(self) -> None:
+        try:
+            saved = (self._persist.disk.get_info("rates") or {}).get(machine_id())
+        except Exception:
+            saved = None
+        if saved:
+            self._cost.merge_saved(saved)
+
     def _save(self) -> None:
-        if self._persist is not None and not self.readonly:
-            self._persist.save()
+        if self._persist is None or self.readonly:
+            return
+        self._persist.save()
+        if self._cost.dirty:
+            try:
+                rates = self._persist.disk.get_info("rates") or {}
+                rates[machine_id()] = self._cost.to_dict()
+                self._persist.disk.set_info("rates", rates)
+            except Exception as e:
+                self._persist.failed("saving measured rates to", e)
 
     def _warn(self, what: str, msg: str) -> None:
         if what not in self._warned:
@@ -351,6 +441,11 @@ class PrefixStore:
             raise StoreClosedError("this PrefixStore is closed; open a new one")
         if write and self.readonly:
             raise ReadOnlyError("this PrefixStore was opened read-only; open it without readonly=True to write")
+
+
+def _state(resident: dict, key: bytes) -> str:
+    frac = resident.get(key)
+    return "ssd_cached" if frac is not None and frac >= 0.9 else "ssd_cold"
 
 
 def _budget_bytes(gb: float, name: str) -> int:

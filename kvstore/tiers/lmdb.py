@@ -19,7 +19,9 @@ is the store's decision (``persist``).
 
 from __future__ import annotations
 
+import ctypes
 import errno
+import mmap
 import logging
 import os
 import shutil
@@ -31,6 +33,7 @@ from typing import Callable, Iterator, Mapping, Optional, Sequence
 
 import lmdb
 import msgpack
+import numpy as np
 
 from ..codec import Block, deserialize
 from ..errors import BlockDecodeError, StorageError, StoreOpenError
@@ -403,6 +406,18 @@ class LmdbTier:
             return []
         return [bytes(k) for k in cur.iternext_dup()]
 
+    def resident(self, keys: Sequence[bytes]) -> dict[bytes, Optional[float]]:
+        """Per block, the fraction of its pages in the page cache (``None``
+        where that cannot be told): a page-cached read and a cold one differ
+        several-fold, and the cost model needs to know which it faces."""
+        out: dict[bytes, Optional[float]] = {}
+        with self.reader() as txn:
+            for key in keys:
+                buf = self.payload(txn, key)
+                if buf is not None:
+                    out[key] = _resident_fraction(buf)
+        return out
+
     def records(self, txn: lmdb.Transaction, bad: Optional[list] = None) -> Iterator[BlockRecord]:
         """Every well-formed index record; keys of malformed ones go to ``bad``."""
         for k, v in txn.cursor(db=self.dbs[b"nodes"]):
@@ -453,6 +468,29 @@ class LmdbTier:
         with self.reader() as txn:
             keys = [r.key for r in self.records(txn, bad) if root is None or r.root == root]
         return len(self.remove(keys + (bad if root is None else [])))
+
+
+_PAGE = mmap.PAGESIZE
+try:
+    _libc = ctypes.CDLL(None, use_errno=True)
+    _mincore = _libc.mincore
+    _mincore.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.POINTER(ctypes.c_ubyte))
+except (OSError, AttributeError):
+    _mincore = None
+
+
+def _resident_fraction(buf) -> Optional[float]:
+    """mincore(2) over the mapped pages of ``buf`` (a view of LMDB's map)."""
+    if _mincore is None or len(buf) == 0:
+        return None
+    addr = np.frombuffer(buf, dtype=np.uint8).ctypes.data
+    start = addr - addr % _PAGE
+    length = addr + len(buf) - start
+    pages = -(-length // _PAGE)
+    vec = (ctypes.c_ubyte * pages)()
+    if _mincore(start, length, vec) != 0:
+        return None
+    return int(np.count_nonzero(np.frombuffer(vec, dtype=np.uint8) & 1)) / pages
 
 
 def _pages(stat: dict) -> int:

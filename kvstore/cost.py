@@ -1,0 +1,232 @@
+"""Cost-aware fetch: serve the stored prefix only where loading it beats
+recomputing it.
+
+The physics differ by machine: an 8B model on an H100 prefills faster than a
+cold SSD reads fp16 KV, Apple silicon prefills 10-100x slower than it loads,
+and a page-cached file flips the answer again. So nothing here is assumed for
+long: the store measures what its fetches cost per tier and state (bytes/s to
+ready arrays: ``ram``, ``ssd_cached``, ``ssd_cold``), the adapter reports
+what the engine's prefills cost, and each fetch picks the prefix length that
+minimizes load + prefill of the rest.
+
+Prefill of tokens ``[s, e)`` after a cached prefix of ``s`` is modelled as
+``a + b (e - s) + c (e^2 - s^2) / 2``: a fixed part, a per-token part, and
+attention whose cost grows with the context (each new token attends to all
+before it). The three are fitted by least squares to recent observations.
+Until a model has been observed, and while a tier has no measured rate,
+fetches serve everything (the old behaviour), so the store learns the rates
+it then relies on.
+
+Estimates are kept per machine in the store's LMDB meta, so a restart starts
+from what was learned.
+"""
+
+from __future__ import annotations
+
+import math
+import platform
+import threading
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Callable, Optional, Sequence
+
+import numpy as np
+
+POLICIES = ("auto", "always", "never")
+STATES = ("ram", "ssd_cached", "ssd_cold")
+# what a fetch costs before any byte moves (walk, assemble set-up), seconds; measured values replace it
+_FIXED_LOAD_S = 0.5e-3
+_MIN_OBS = 3  # prefill observations before the model is trusted
+_KEEP_OBS = 64
+_EWMA = 0.3
+
+
+def machine_id() -> str:
+    """What the measured rates belong to: this host and its default device."""
+    import mlx.core as mx
+    return f"{platform.node()}|{platform.machine()}|{mx.default_device()}"
+
+
+@dataclass
+class PrefillModel:
+    """Seconds to prefill ``[start, stop)`` after a cached prefix of ``start``."""
+
+    a: float
+    b: float
+    c: float
+
+    def seconds(self, start: int, stop: int) -> float:
+        if stop <= start:
+            return 0.0
+        return self.a + self.b * (stop - start) + self.c * (stop * stop - start * start) / 2
+
+    @classmethod
+    def fit(cls, obs: Sequence[tuple[int, int, float]]) -> "PrefillModel":
+        """Least squares over ``(start, stop, seconds)``, every coefficient >= 0."""
+        X = np.array([[1.0, e - s, (e * e - s * s) / 2] for s, e, _ in obs])
+        y = np.array([t for _, _, t in obs])
+        cols = [0, 1, 2]
+        while True:  # drop coefficients that come out negative and refit (a tiny NNLS)
+            coef, *_ = np.linalg.lstsq(X[:, cols], y, rcond=None)
+            if (coef >= 0).all() or len(cols) == 1:
+                break
+            cols = [c for c, v in zip(cols, coef) if v >= 0] or [1]
+        full = [0.0, 0.0, 0.0]
+        for c, v in zip(cols, coef):
+            full[c] = max(0.0, float(v))
+        return cls(*full)
+
+
+@dataclass
+class Plan:
+    """What a fetch will serve and why."""
+
+    length: int  # tokens to load
+    servable: int  # tokens the store could have served
+    load_s: float = 0.0  # predicted seconds to load ``length``
+    prefill_s: float = 0.0  # predicted seconds to prefill the rest
+    reason: str = ""
+    states: dict = field(default_factory=dict)  # block key -> where it loads from (``STATES``)
+
+    @property
+    def skipped(self) -> int:
+        return self.servable - self.length
+
+
+@dataclass
+class _Rate:
+    bytes_per_s: float
+    observed: int = 0
+
+
+@dataclass
+class CostModel:
+    """Rates of this machine and the fetch policy. Thread-safe."""
+
+    policy: str = "auto"
+    rates: dict[str, _Rate] = field(default_factory=dict)
+    prefill_obs: dict[str, deque] = field(default_factory=dict)
+    fixed_s: float = _FIXED_LOAD_S
+    dirty: bool = False  # observed since last saved
+    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+    _models: dict[str, PrefillModel] = field(default_factory=dict, repr=False)
+
+    def __post_init__(self):
+        if self.policy not in POLICIES:
+            from .errors import ConfigError
+            raise ConfigError(f"fetch_policy must be one of {POLICIES}, got {self.policy!r}")
+
+    # ------------------------------------------------------------ observing
+
+    def observe_load(self, state: str, nbytes: int, seconds: float) -> None:
+        if nbytes <= 0 or seconds <= 0:
+            return
+        rate = nbytes / seconds
+        with self._lock:
+            self.dirty = True
+            r = self.rates.get(state)
+            if r is None or r.observed == 0:
+                self.rates[state] = _Rate(rate, 1)
+            else:
+                r.bytes_per_s = (1 - _EWMA) * r.bytes_per_s + _EWMA * rate
+                r.observed += 1
+
+    def observe_prefill(self, model: str, start: int, stop: int, seconds: float) -> None:
+        if stop <= start or seconds <= 0 or not math.isfinite(seconds):
+            return
+        with self._lock:
+            obs = self.prefill_obs.setdefault(model, deque(maxlen=_KEEP_OBS))
+            obs.append((int(start), int(stop), float(seconds)))
+            self._models.pop(model, None)
+            self.dirty = True
+
+    def prefill_model(self, model: str) -> Optional[PrefillModel]:
+        with self._lock:
+            obs = self.prefill_obs.get(model)
+            if not obs or len(obs) < _MIN_OBS:
+                return None
+            m = self._models.get(model)
+            if m is None:
+                m = self._models[model] = PrefillModel.fit(list(obs))
+            return m
+
+    # ------------------------------------------------------------- deciding
+
+    def plan(self, model: str, n_prompt: int, starts: Sequence[int], ends: Sequence[int], nbytes: Sequence[int],
+             states: Sequence[str], servable: int, limit_to: Optional[Callable[[int], int]] = None) -> Plan:
+        """The prefix length to load. ``starts``/``ends``/``nbytes``/``states``:
+        each block on the path, in order; ``servable``: the longest length the
+        store can serve; ``limit_to(L)``: the longest servable length <= L,
+        where not every length is (state snapshots, sliding windows)."""
+        if self.policy == "always" or servable == 0:
+            return Plan(servable, servable, reason="policy always" if servable else "")
+        if self.policy == "never":
+            return Plan(0, servable, reason="policy never")
+        pm = self.prefill_model(model)
+        with self._lock:
+            rates = {s: r.bytes_per_s for s, r in self.rates.items() if r.observed}
+        unknown = {s for s in states if s not in rates}
+        if pm is None or unknown:
+            why = "prefill rate not measured yet" if pm is None else f"no rate for {', '.join(sorted(unknown))} yet"
+            return Plan(servable, servable, reason=f"serving all: {why}")
+        starts_a, ends_a = np.asarray(starts, dtype=np.float64), np.asarray(ends, dtype=np.float64)
+        secs = np.array([b / rates[s] for b, s in zip(nbytes, states)])  # each whole block
+        done = np.concatenate([[0.0], np.cumsum(secs)])
+
+        def load_s(length: int) -> float:
+            if length <= 0:
+                return 0.0
+            i = int(np.searchsorted(ends_a, length, side="left"))  # block holding token length-1
+            i = min(i, len(secs) - 1)
+            part = (length - starts_a[i]) / max(1.0, ends_a[i] - starts_a[i])
+            return float(self.fixed_s + done[i] + secs[i] * min(1.0, part))
+
+        cuts = {0, servable} | {min(int(e), servable) for e in ends}
+        if limit_to is not None:
+            cuts = {limit_to(c) if c else 0 for c in cuts}
+        best: Optional[Plan] = None
+        for length in sorted(cuts, reverse=True):  # ties go to the longer prefix
+            p = Plan(length, servable, load_s(length), pm.seconds(length, n_prompt))
+            if best is None or p.load_s + p.prefill_s < best.load_s + best.prefill_s:
+                best = p
+        if best.length < servable:
+            best.reason = ("recomputing is faster than loading" if best.length == 0 else
+                           f"loading past token {best.length} is slower than recomputing")
+        return best
+
+    # --------------------------------------------------------------- saving
+
+    def describe(self, model: Optional[str] = None) -> dict:
+        """Rates and prefill models, for ``stats()``."""
+        with self._lock:
+            rates = {s: {"gb_per_s": r.bytes_per_s / 1e9, "observed": r.observed} for s, r in self.rates.items()}
+            keys = list(self.prefill_obs)
+        models = {}
+        for k in keys if model is None else [model]:
+            pm = self.prefill_model(k)
+            n = len(self.prefill_obs.get(k, ()))
+            models[k] = {"observed": n, **({} if pm is None else
+                                           {"a_s": pm.a, "s_per_token": pm.b, "s_per_token_context": pm.c,
+                                            "tokens_per_s_at_8k": 8192 / pm.seconds(0, 8192)
+                                            if pm.seconds(0, 8192) > 0 else None})}
+        return {"policy": self.policy, "rates": rates, "prefill": models}
+
+    def to_dict(self) -> dict:
+        with self._lock:
+            self.dirty = False
+            return {"rates": {s: [r.bytes_per_s, r.observed] for s, r in self.rates.items()},
+                    "prefill": {k: [list(o) for o in v] for k, v in self.prefill_obs.items()}}
+
+    def merge_saved(self, saved: dict) -> None:
+        """Start from estimates a previous run of this machine saved."""
+        try:
+            with self._lock:
+                for s, (rate, n) in saved.get("rates", {}).items():
+                    if s in STATES and s not in self.rates and rate > 0:
+                        self.rates[s] = _Rate(float(rate), int(n))
+                for k, obs in saved.get("prefill", {}).items():
+                    if k not in self.prefill_obs:
+                        self.prefill_obs[k] = deque(((int(a), int(b), float(t)) for a, b, t in obs),
+                                                    maxlen=_KEEP_OBS)
+        except (TypeError, ValueError, AttributeError):
+            pass  # a damaged record of estimates: start from the defaults

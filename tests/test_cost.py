@@ -1,0 +1,120 @@
+"""Cost-aware fetch: a hit is served only as far as loading beats recomputing.
+
+Rates here are made up on purpose (fed through the same ``observe_*`` calls
+the store and the adapters make), so each case pins one decision."""
+
+import pytest
+
+from kvstore import ConfigError, PrefixStore
+from kvstore.cost import CostModel, PrefillModel
+
+from ._helpers import kv_layers
+
+GB = 1e9
+M = "cost-model"
+BS = 8
+
+
+def _fast_prefill(cost: CostModel, model: str = "m", tok_per_s: float = 1e6) -> None:
+    for n in (100, 1000, 4000, 8000):
+        cost.observe_prefill(model, 0, n, 1e-4 + n / tok_per_s)
+
+
+def test_prefill_model_fit_recovers_fixed_linear_and_context_terms():
+    truth = PrefillModel(0.01, 1e-4, 2e-9)
+    obs = [(s, e, truth.seconds(s, e)) for s, e in ((0, 100), (0, 2000), (1000, 5000), (0, 8000), (4000, 4100))]
+    fit = PrefillModel.fit(obs)
+    for s, e, t in obs:
+        assert fit.seconds(s, e) == pytest.approx(t, rel=1e-6)
+    assert fit.c == pytest.approx(2e-9, rel=1e-3)
+
+
+def test_prefill_fit_never_goes_negative():
+    """Noisy observations that a plain least-squares fit would explain with a
+    negative term still give a model that never predicts negative time."""
+    fit = PrefillModel.fit([(0, 100, 0.05), (0, 200, 0.04), (0, 4000, 0.5), (0, 8000, 0.9)])
+    assert min(fit.a, fit.b, fit.c) >= 0
+    assert all(fit.seconds(0, n) > 0 for n in (1, 100, 10_000))
+
+
+def test_a_slow_tier_is_skipped():
+    cost = CostModel()
+    _fast_prefill(cost)  # 1M tokens/s
+    cost.observe_load("ssd_cold", 1 * GB, 10.0)  # 0.1 GB/s
+    plan = cost.plan("m", 4000, [0, 2000], [2000, 3999], [int(0.5 * GB), int(0.5 * GB)],
+                     ["ssd_cold", "ssd_cold"], 3999)
+    assert plan.length == 0 and plan.skipped == 3999
+    assert "recomputing is faster" in plan.reason
+
+
+def test_a_fast_tier_is_served():
+    cost = CostModel()
+    _fast_prefill(cost, tok_per_s=1e4)
+    cost.observe_load("ram", 10 * GB, 1.0)
+    plan = cost.plan("m", 4000, [0, 2000], [2000, 3999], [10_000_000] * 2, ["ram", "ram"], 3999)
+    assert plan.length == 3999 and plan.skipped == 0 and plan.reason == ""
+    assert plan.load_s < cost.prefill_model("m").seconds(0, 4000)
+
+
+def test_a_mixed_path_splits_where_the_slow_tier_starts():
+    cost = CostModel()
+    _fast_prefill(cost, tok_per_s=1e5)
+    cost.observe_load("ram", 10 * GB, 1.0)
+    cost.observe_load("ssd_cold", 1 * GB, 20.0)
+    plan = cost.plan("m", 4000, [0, 2000], [2000, 3999], [100_000_000] * 2, ["ram", "ssd_cold"], 3999)
+    assert plan.length == 2000 and plan.skipped == 1999
+    assert "past token 2000" in plan.reason
+
+
+def test_policies_always_and_never_and_unmeasured_rates():
+    cost = CostModel("always")
+    assert cost.plan("m", 100, [0], [99], [1], ["ssd_cold"], 99).length == 99
+    cost = CostModel("never")
+    assert cost.plan("m", 100, [0], [99], [1], ["ram"], 99).length == 0
+    cost = CostModel()  # nothing measured: serve everything, and say why
+    plan = cost.plan("m", 100, [0], [99], [1], ["ram"], 99)
+    assert plan.length == 99 and "not measured" in plan.reason
+    with pytest.raises(ConfigError, match="fetch_policy"):
+        CostModel("sometimes")
+
+
+def test_a_servable_limit_is_respected():
+    """Where only some lengths are servable (a state snapshot at block ends), the
+    plan cuts where the store can serve."""
+    cost = CostModel()
+    _fast_prefill(cost, tok_per_s=1e5)
+    cost.observe_load("ram", 10 * GB, 1.0)
+    cost.observe_load("ssd_cold", 1 * GB, 20.0)
+    plan = cost.plan("m", 4000, [0, 2000], [2000, 3999], [100_000_000] * 2, ["ram", "ssd_cold"], 3999,
+                     limit_to=lambda n: 0 if n < 3999 else 3999)  # e.g. the only snapshot is at the end
+    assert plan.length in (0, 3999)
+
+
+def _prompt(n, start=10):
+    return list(range(start, start + n))
+
+
+def test_store_skips_by_cost_reports_it_and_keeps_rates_across_restart(tmp_path):
+    path = tmp_path / "store"
+    p = _prompt(64)
+    with PrefixStore(ssd_path=path, block_size=BS) as store:
+        store.put(M, p, kv_layers(p))
+        store.flush()
+        assert store.fetch(M, p).length == 64  # nothing measured about prefill: served
+        for n in (100, 1000, 4000, 8000):  # an engine that prefills 1e9 tokens/s
+            store.observe_prefill(M, 0, n, n * 1e-9)
+        hit = store.fetch(M, p)
+        assert hit.length == 0 and hit.skipped_tokens == 64 and "recomputing" in hit.skip_reason
+        st = store.stats()
+        assert st["tokens_skipped_cost"] == 64
+        assert st["cost"]["rates"]["ram"]["observed"] >= 1
+        assert next(iter(st["cost"]["prefill"].values()))["observed"] == 4
+    with PrefixStore(ssd_path=path, block_size=BS) as again:
+        learned = again.stats()["cost"]  # before any fetch: what the last run measured came back from disk
+        assert learned["rates"]["ram"]["observed"] >= 1
+        assert next(iter(learned["prefill"].values()))["observed"] == 4
+        first = again.fetch(M, p)  # from SSD, a tier not measured yet on this machine: served, and measured
+        assert first.length == 64 and "no rate for ssd_" in first.skip_reason
+        assert again.fetch(M, p).skipped_tokens == 64  # now in RAM: the learned rates decide
+    with PrefixStore(ssd_path=path, block_size=BS, fetch_policy="always") as forced:
+        assert forced.fetch(M, p).length == 64
