@@ -5,6 +5,7 @@ allocation."""
 from __future__ import annotations
 
 import copy
+import struct
 import time
 import tracemalloc
 
@@ -55,10 +56,11 @@ def repack(buf: bytes, fields) -> bytes:
     writer, not random corruption."""
     h = read_header(buf)
     header = msgpack.packb(fields, use_bin_type=True)
-    prefix = codec._PREFIX.pack(codec.MAGIC, codec.FORMAT_VERSION, 0, len(header),
-                                xxhash.xxh3_64_intdigest(header))
+    # the wire format's prefix: magic, version, reserved, header length, header hash
+    prefix = struct.pack("<4sHHIQ", codec.MAGIC, codec.FORMAT_VERSION, 0, len(header),
+                         xxhash.xxh3_64_intdigest(header))
     head = prefix + header
-    return head + bytes(codec._align(len(head)) - len(head)) + bytes(buf[h.payload_start:])
+    return head + bytes(-len(head) % codec.ALIGN) + bytes(buf[h.payload_start:])
 
 
 def check_well_formed(block: Block) -> None:
