@@ -33,7 +33,7 @@ def demo(
 
 @app.command(context_settings={"allow_extra_args": True, "ignore_unknown_options": True})
 def bench(ctx: typer.Context):
-    """Benchmarks (same options as [bold]python tools/bench.py[/bold]: --quick, --only PART, --out DIR).
+    """Benchmarks (same options as [bold]python -m kvstore.tools.bench[/bold]: --quick, --only PART, --out DIR).
 
     Example: [bold]kvstore bench --quick --only lookup[/bold]
     """

@@ -31,17 +31,22 @@ from .mlx_lm import cache_offset, cache_to_layers, layers_to_cache, layout_signa
 
 __all__ = ["model_key", "fetch_cache", "prefill", "store_cache", "stream_generate", "generate", "Generation"]
 
-_KEYS: dict[int, str] = {}  # id(model) -> key; modules are dicts, hence unhashable
+# id(model) -> {resolved model folder or None: key}; modules are dicts, hence unhashable
+_KEYS: dict[int, dict[Optional[str], str]] = {}
 
 
 def model_key(model: nn.Module, model_path: Union[str, Path, None] = None, extra: str = "") -> str:
     """The store key of a loaded model: its folder's fingerprint when the
     folder is known, else a digest of the loaded weights (config, every
-    parameter's name, shape, dtype and first and last 64 KiB) — never a name."""
-    if extra == "" and id(model) in _KEYS:
-        return _KEYS[id(model)]
-    if model_path is not None and Path(model_path, "config.json").is_file():
-        key = model_fingerprint(model_path, model, extra)
+    parameter's name, shape, dtype and first and last 64 KiB) — never a name.
+    Remembered per model and folder, so the answer never depends on which
+    call came first."""
+    folder = str(Path(model_path).resolve()) if model_path is not None else None
+    known = _KEYS.get(id(model), {})
+    if extra == "" and folder in known:
+        return known[folder]
+    if folder is not None and Path(folder, "config.json").is_file():
+        key = model_fingerprint(folder, model, extra)
     else:
         h = xxhash.xxh3_128(b"kvstore-loaded-model-v1")
         args = getattr(model, "args", None)
@@ -55,8 +60,10 @@ def model_key(model: nn.Module, model_path: Union[str, Path, None] = None, extra
         h.update(extra.encode())
         key = h.hexdigest()
     if extra == "":
-        _KEYS[id(model)] = key
-        weakref.finalize(model, _KEYS.pop, id(model), None)
+        if id(model) not in _KEYS:
+            _KEYS[id(model)] = {}
+            weakref.finalize(model, _KEYS.pop, id(model), None)
+        _KEYS[id(model)][folder] = key
     return key
 
 

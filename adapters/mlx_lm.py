@@ -52,8 +52,8 @@ import mlx.nn as nn
 import xxhash
 from mlx_lm.models import cache as C
 
-from kvstore.codec import layer_arrays
-from kvstore.layers import KVLayer, Layer, Quantized, StateLayer, Tensor, take_rows
+from kvstore.codec import convert, densify, layer_arrays
+from kvstore.layers import KVLayer, Layer, Quantized, StateLayer, Tensor, own, take_rows
 
 __all__ = [
     "cache_to_layers",
@@ -81,19 +81,10 @@ _BATCHED = tuple(
 # ---------------------------------------------------------------------------
 
 
-def _rows(x: mx.array, n: int) -> mx.array:
-    """First ``n`` rows of the token axis as a new, compact array object.
-
-    A plain slice would share (and keep alive) the engine's over-allocated
-    buffer; ``mx.contiguous`` copies whenever the slice is a strict sub-range
-    and only shares the buffer when it already is the whole thing.
-    """
-    return mx.contiguous(x[..., :n, :])
-
-
-def _fresh(x: mx.array) -> mx.array:
-    """A new array object with ``x``'s contents (no Python-level alias)."""
-    return mx.contiguous(x)
+def _rows(t: Tensor, n: int) -> Tensor:
+    """First ``n`` rows of the token axis as new, compact arrays: a plain slice
+    would share (and keep alive) the engine's over-allocated buffer."""
+    return own(take_rows(t, 0, n))
 
 
 def _batch(t: Tensor) -> int:
@@ -201,8 +192,8 @@ def _kv_entry(c: Any, where: str) -> KVLayer:
     if isinstance(c, C.QuantizedKVCache):
         _check_batch(c.keys[0], where)
         n = c.offset
-        k = Quantized(*(_rows(a, n) for a in c.keys), c.bits, c.group_size)
-        v = Quantized(*(_rows(a, n) for a in c.values), c.bits, c.group_size)
+        k = _rows(Quantized(*c.keys, c.bits, c.group_size), n)
+        v = _rows(Quantized(*c.values, c.bits, c.group_size), n)
         return KVLayer(k, v, start=0, window=None)
 
     _check_batch(c.keys, where)
@@ -218,7 +209,7 @@ def _kv_entry(c: Any, where: str) -> KVLayer:
         v = c._temporal_order(c.values)
         held = k.shape[2]
         if c.keep == 0:
-            return KVLayer(_fresh(k), _fresh(v), start=c.offset - held, window=c.max_size)
+            return KVLayer(own(k), own(v), start=c.offset - held, window=c.max_size)
         if held >= c.offset:
             # Nothing evicted yet: rows are exactly tokens [0, offset).
             n = c.offset
@@ -227,8 +218,8 @@ def _kv_entry(c: Any, where: str) -> KVLayer:
         # rows [0, keep) can't share an entry with them (gap in between).
         tail = held - c.keep
         return KVLayer(
-            _fresh(k[..., c.keep :, :]),
-            _fresh(v[..., c.keep :, :]),
+            own(k[..., c.keep :, :]),
+            own(v[..., c.keep :, :]),
             start=c.offset - tail,
             window=None,
         )
@@ -260,7 +251,7 @@ def _flatten(c: Any, where: str, out: list[Layer]) -> None:
         for a in c.cache:
             if a is not None:
                 _check_batch(a, where)
-        out.append(StateLayer([None if a is None else _fresh(a) for a in c.cache]))
+        out.append(StateLayer([None if a is None else own(a) for a in c.cache]))
     else:
         out.append(_kv_entry(c, where))
 
@@ -288,23 +279,16 @@ def cache_to_layers(prompt_cache: Sequence[Any]) -> list[Layer]:
 # ---------------------------------------------------------------------------
 
 
-def _dense(t: Tensor) -> mx.array:
-    return t.dequantize() if isinstance(t, Quantized) else t
-
-
 def _quantize(t: Tensor, bits: int, group_size: int) -> Quantized:
-    """``t`` as a ``Quantized`` with the given settings, requantizing if needed.
-
-    Same settings: used as is (no fp16 intermediate). Other settings: goes
-    through the dequantized values, the best that can be done. Dense: the same
-    ``mx.quantize`` call mlx-lm's ``to_quantized`` makes, so the result is
-    bit-identical to the engine quantizing its own cache.
-    """
-    if isinstance(t, Quantized):
-        if t.bits == bits and t.group_size == group_size:
-            return t
-        t = t.dequantize()
-    return Quantized(*mx.quantize(t, group_size=group_size, bits=bits), bits, group_size)
+    """``t`` as a ``Quantized`` with exactly the engine's settings
+    (``codec.convert``: same settings pass through, others are requantized from
+    the dequantized values, dense goes through the same ``mx.quantize`` call as
+    mlx-lm's ``to_quantized``, so the result is bit-identical to the engine
+    quantizing its own cache)."""
+    q = convert(t, bits, group_size)
+    if not isinstance(q, Quantized) or q.group_size != group_size:
+        raise ValueError(f"a head dim of {t.shape[-1]} cannot be quantized in groups of {group_size}")
+    return q
 
 
 def _engine_alloc(x: mx.array, length: int) -> mx.array:
@@ -314,7 +298,7 @@ def _engine_alloc(x: mx.array, length: int) -> mx.array:
     first decode steps write in place instead of reallocating."""
     cap = -(-length // _STEP) * _STEP
     if cap == length:
-        return _fresh(x)
+        return own(x)
     buf = mx.zeros((*x.shape[:-2], cap, x.shape[-1]), dtype=x.dtype)
     buf[..., :length, :] = x
     return buf
@@ -380,7 +364,7 @@ def _rebuild(
         for a in l.arrays:
             if a is not None:
                 _check_batch(a, where)
-        c.cache = [None if a is None else _fresh(a) for a in l.arrays]
+        c.cache = [None if a is None else own(a) for a in l.arrays]
         return c
 
     l = cur.next(KVLayer, f"{where} ({name})")
@@ -397,8 +381,8 @@ def _rebuild(
             c.values = tuple(_engine_alloc(a, length) for a in qv.arrays())
         else:
             c = C.KVCache()
-            c.keys = _engine_alloc(_dense(k), length)
-            c.values = _engine_alloc(_dense(v), length)
+            c.keys = _engine_alloc(densify(k), length)
+            c.values = _engine_alloc(densify(v), length)
         c.offset = length
         return c
 
@@ -415,7 +399,7 @@ def _rebuild(
             lo = 0  # sink rows + tail are needed; see the module docstring
         k, v = _span(l, lo, length, where)
         c = C.RotatingKVCache(max_size=t.max_size, keep=t.keep)
-        c.keys, c.values = _fresh(_dense(k)), _fresh(_dense(v))
+        c.keys, c.values = own(densify(k)), own(densify(v))
         c.offset = length
         c._idx = length - lo
         return c
@@ -427,7 +411,7 @@ def _rebuild(
         lo = max(0, length - t.chunk_size)
         k, v = _span(l, lo, length, where)
         c = C.ChunkedKVCache(t.chunk_size)
-        c.keys, c.values = _fresh(_dense(k)), _fresh(_dense(v))
+        c.keys, c.values = own(densify(k)), own(densify(v))
         c.offset = length
         c.start_position = lo
         return c
@@ -435,7 +419,7 @@ def _rebuild(
     if isinstance(t, C.ConcatenateKVCache):
         k, v = _span(l, 0, length, where)
         c = C.ConcatenateKVCache()
-        c.keys, c.values = _fresh(_dense(k)), _fresh(_dense(v))
+        c.keys, c.values = own(densify(k)), own(densify(v))
         c.offset = length
         return c
 

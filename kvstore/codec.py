@@ -61,6 +61,11 @@ _DTYPES: dict[str, tuple[mx.Dtype, np.dtype]] = {
 _NAME_OF = {mx_t: name for name, (mx_t, _) in _DTYPES.items()}
 
 
+def np_dtype(name: str) -> np.dtype:
+    """The numpy dtype of an array a block header names ``name`` (bfloat16: raw uint16)."""
+    return _DTYPES[name][1]
+
+
 @dataclass
 class Block:
     """A run of tokens and, per model layer, its rows of KV (or a state

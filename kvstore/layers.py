@@ -102,6 +102,14 @@ def take_rows(t: Tensor, start: int, stop: int) -> Tensor:
     return t[..., start:stop, :]
 
 
+def own(t: Tensor) -> Tensor:
+    """A copy that owns its memory: a slice (a view) would keep the engine's
+    whole buffer alive, and an alias would see the engine's in-place writes."""
+    if isinstance(t, Quantized):
+        return Quantized(*(mx.contiguous(a) for a in t.arrays()), t.bits, t.group_size)
+    return mx.contiguous(t)
+
+
 @dataclass
 class KVLayer:
     """Keys and values of one attention layer for tokens ``[start, start + T)``."""

@@ -26,10 +26,19 @@ T = TypeVar("T")
 _MAX_WORKERS = 8
 _lock = threading.Lock()
 _pool: Optional[ThreadPoolExecutor] = None
+_cap = _MAX_WORKERS
 
 
 def workers() -> int:
-    return max(1, min(os.cpu_count() or 1, _MAX_WORKERS))
+    return max(1, min(os.cpu_count() or 1, _cap))
+
+
+def set_max_workers(n: int) -> int:
+    """Use at most ``n`` threads from now on (1: all work in the caller), for
+    A/B measurements; returns the previous cap."""
+    global _cap
+    prev, _cap = _cap, max(1, min(int(n), _MAX_WORKERS))
+    return prev
 
 
 def _executor() -> ThreadPoolExecutor:

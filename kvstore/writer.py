@@ -24,7 +24,7 @@ import numpy as np
 from .codec import Block, Codec, block_arrays
 from .counters import Counters
 from .index import Node
-from .layers import KVLayer, Layer, Quantized, StateLayer, Tensor, take_rows
+from .layers import KVLayer, Layer, StateLayer, own, take_rows
 from .persist import Persist
 from .placement import Placement
 from .record import BlockRecord
@@ -208,10 +208,3 @@ def encode(job: Job, node: Node, codec: Codec) -> Block:
     block = Block(job.tokens[s:e].copy(), out)
     mx.eval(block_arrays(block))
     return block
-
-
-def own(t: Tensor) -> Tensor:
-    """A copy that does not keep the engine's whole buffer alive."""
-    if isinstance(t, Quantized):
-        return Quantized(*(mx.contiguous(a) for a in t.arrays()), t.bits, t.group_size)
-    return mx.contiguous(t)

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 import threading
@@ -64,6 +65,9 @@ _COMMON = dict(
     tie_word_embeddings=False,
 )
 
+_GEMMA3 = dict(_COMMON, model_type="gemma3_text", num_hidden_layers=4, sliding_window=32,
+               sliding_window_pattern=2, query_pre_attn_scalar=64)
+
 CONFIGS = {
     "llama": (
         llama,
@@ -78,12 +82,7 @@ CONFIGS = {
              max_position_embeddings=4096),
         mx.float16,
     ),
-    "gemma3_text": (
-        gemma3_text,
-        dict(_COMMON, model_type="gemma3_text", num_hidden_layers=4, sliding_window=32,
-             sliding_window_pattern=2, query_pre_attn_scalar=64),
-        mx.float16,
-    ),
+    "gemma3_text": (gemma3_text, _GEMMA3, mx.float16),
     "qwen3_next": (
         qwen3_next,
         dict(_COMMON, model_type="qwen3_next", num_hidden_layers=4,
@@ -95,12 +94,7 @@ CONFIGS = {
              shared_expert_intermediate_size=64, mlp_only_layers=[], norm_topk_prob=True),
         mx.float16,
     ),
-    "gemma3_text_f32": (
-        gemma3_text,
-        dict(_COMMON, model_type="gemma3_text", num_hidden_layers=4, sliding_window=32,
-             sliding_window_pattern=2, query_pre_attn_scalar=64),
-        mx.float32,
-    ),
+    "gemma3_text_f32": (gemma3_text, _GEMMA3, mx.float32),
     # CacheList(ArraysCache, RotatingKVCache | KVCache) per layer.
     "baichuan_m1": (
         baichuan_m1,
@@ -185,6 +179,18 @@ def assert_same_logits(a: list[mx.array], b: list[mx.array]):
     for x, y in zip(a, b):
         assert x.shape == y.shape
         assert mx.array_equal(x, y).item(), float(mx.abs(x - y).max())
+
+
+def assert_same_state(a, b):
+    """Two caches hold the same ``state`` (arrays bit for bit, counters equal):
+    the same thing to continue from, as ``save_prompt_cache`` would write it."""
+    sa, sb = a.state, b.state
+    assert len(sa) == len(sb)
+    for x, y in zip(sa, sb):
+        if isinstance(x, mx.array):
+            assert x.shape == y.shape and mx.array_equal(x, y).item()
+        else:
+            assert x == y
 
 
 def assert_close_logits(a: list[mx.array], b: list[mx.array]):
@@ -318,11 +324,7 @@ def test_batch_merge_of_rebuilt_cache():
     merged_n = [C.KVCache.merge([new[0][i], new[1][i]]) for i in range(2)]
     for a, b in zip(merged_o, merged_n):
         assert type(b) is C.BatchKVCache
-        for x, y in zip(a.state, b.state):
-            if isinstance(x, mx.array):
-                assert mx.array_equal(x, y).item()
-            else:
-                assert x == y
+        assert_same_state(a, b)
     step = mx.array([[11], [12]])
     lo, ln = m(step, cache=merged_o), m(step, cache=merged_n)
     assert mx.array_equal(lo, ln).item()
@@ -441,7 +443,7 @@ def test_rotating_one_shot_prefill_longer_than_window():
     new = layers_to_cache(served, m, length=n)
     for a, b in zip(orig, new):
         assert type(a) is type(b) and b.offset == a.offset and b.size() == a.size()
-    assert new[0]._idx == 32 and new[0].keys.shape[2] == 32
+    assert new[0].keys.shape[2] == 32  # the window, not the engine's 100 rows
     for N in (1, 5):
         for ws in (None, 32):
             ma = orig[0].make_mask(N, window_size=ws)
@@ -450,6 +452,10 @@ def test_rotating_one_shot_prefill_longer_than_window():
                 assert mx.array_equal(ma, mb).item()
             else:
                 assert ma == mb
+    # the engine's first decode step trims its buffer to the window: from
+    # there on both rings hold the same rows at the same write position
+    assert_same_logits(feed(m, orig, [[3]]), feed(m, new, [[3]]))
+    assert_same_state(orig[0], new[0])
     chunks = NEXT + [[t] for t in toks(40, seed=11)] + [toks(4, seed=12)]
     assert_same_logits(feed(m, orig, chunks), feed(m, new, chunks))
 
@@ -458,7 +464,7 @@ def test_rotating_shorter_than_window_grows_in_place():
     m = model("gemma3_text")
     orig = prefill(m, toks(20))
     new = layers_to_cache(serve(cache_to_layers(orig), 20), m, length=20)
-    assert new[0].keys.shape[2] == 20 and new[0]._idx == 20
+    assert_same_state(orig[0], new[0])
     chunks = [[t] for t in toks(30, seed=5)] + [toks(6, seed=6)] + [[1], [2]]
     assert_same_logits(feed(m, orig, chunks), feed(m, new, chunks))
 
@@ -483,8 +489,9 @@ def test_rotating_ring_rotated_while_decoding():
     m = model("gemma3_text_f32")
     orig = prefill(m, toks(40))
     feed(m, orig, [[x] for x in toks(13, seed=4)])
-    assert 0 < orig[0]._idx < orig[0].keys.shape[2] == 32  # mid-ring
     layers = cache_to_layers(orig)
+    assert orig[0].keys.shape[2] == 32  # a full ring written past its end:
+    assert not mx.array_equal(layers[0].keys, orig[0].keys).item()  # buffer order is not temporal order
     assert (layers[0].start, layers[0].stop) == (53 - 32, 53)
     new = layers_to_cache(serve(layers, 53), m, length=53)
     chunks = [[x] for x in toks(40, seed=5)] + NEXT
@@ -541,7 +548,7 @@ def test_rotating_keep_sink_tokens():
     # Nothing evicted yet (one-shot prefill keeps all rows): full-attention entry.
     assert (layers[0].start, layers[0].stop, layers[0].window) == (0, 100, None)
     new = layers_to_cache(serve(layers, 100), m, length=100, max_kv_size=64)
-    assert (new[0].keep, new[0].max_size, new[0]._idx) == (4, 64, 100)
+    assert_same_state(orig[0], new[0])  # keep 4, max_size 64, all 100 rows, write position
     chunks = NEXT + [[t] for t in toks(70, seed=13)] + [toks(3, seed=14)]
     assert_same_logits(feed(m, orig, chunks), feed(m, new, chunks))
 
@@ -649,7 +656,7 @@ def test_model_fingerprint(tmp_path):
     cfg = CONFIGS["llama"][1]
     p = _write_model(tmp_path / "m", m, cfg)
     fp = model_fingerprint(p, extra="x")
-    assert len(fp) == 32 and int(fp, 16) >= 0
+    assert re.fullmatch(r"[0-9a-f]{32}", fp)  # an xxh3-128 hex digest
 
     # stable across processes (no salted hash())
     env = dict(os.environ, PYTHONHASHSEED="123")

@@ -19,6 +19,7 @@ from mlx_lm import stream_generate as mlx_stream_generate
 from mlx_lm.models.cache import make_prompt_cache
 
 from kvstore.adapters.generate import fetch_cache, generate, model_key, prefill, store_cache
+from kvstore.adapters.mlx_lm import model_fingerprint
 from kvstore import PrefixStore
 from kvstore.adapters.tiny_models import make_tiny_model
 
@@ -145,3 +146,16 @@ def test_wrong_model_never_hits(tmp_path):
         fill(store, ma, model_key(ma, a), tokens)
         assert store.fetch(model_key(mb, b), tokens).length == 0
         assert store.fetch(model_key(ma, a), tokens).length == 200
+
+
+def test_model_key_does_not_depend_on_which_call_came_first(tmp_path):
+    """One model's key with its folder is the folder's fingerprint, and
+    without it the weights' digest, in whichever order the two are asked."""
+    path = make_tiny_model("llama", tmp_path / "m")
+    a, _ = load(str(path))
+    b, _ = load(str(path))
+    a_folder, a_loaded = model_key(a, path), model_key(a)
+    b_loaded, b_folder = model_key(b), model_key(b, path)
+    assert a_folder == b_folder == model_fingerprint(path, a)
+    assert a_loaded == b_loaded != a_folder
+    assert model_key(a, tmp_path / "." / "m") == a_folder  # the same folder spelled another way

@@ -1,57 +1,105 @@
-"""tools/bench.py runs end to end at smoke sizes and writes the JSON it promises.
+"""The benchmarks run end to end at smoke sizes (``python -m kvstore.tools.bench``
+and ``kvstore bench``), write the JSON they promise, and the docs page takes
+its figures from the results.
 
 Only structure is checked: timings on a shared CI machine mean nothing.
 """
 
 from __future__ import annotations
 
+import copy
 import json
 import subprocess
 import sys
-from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+import pytest
+
+from kvstore.tools.bench import PARTS, report
+from kvstore.tools.bench.restore import SHIPPED
 
 
-def test_bench_smoke_lookup_and_put(tmp_path):
-    out = tmp_path / "bench"
-    proc = subprocess.run(
-        [sys.executable, str(ROOT / "tools" / "bench.py"), "--smoke", "--only", "lookup", "put",
-         "--out", str(out), "--tmp", str(tmp_path)],
-        cwd=ROOT, capture_output=True, text=True, timeout=300,
-    )
+@pytest.fixture(scope="module")
+def smoke(tmp_path_factory):
+    """Every part at smoke sizes, one repeat, with the docs page written to a scratch folder."""
+    d = tmp_path_factory.mktemp("bench")
+    args = ["--smoke", "--repeats", "1", "--out", d / "out", "--tmp", d, "--write-docs", "--docs", d / "docs"]
+    proc = subprocess.run([sys.executable, "-m", "kvstore.tools.bench", *map(str, args)], cwd=d, capture_output=True,
+                          text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
+    return d, proc, json.loads((d / "out" / "results.json").read_text())
 
-    results = json.loads((out / "results.json").read_text())
-    assert results["meta"]["mode"] == "smoke"
-    assert results["meta"]["parts"] == ["lookup", "put"]
-    assert set(results["parts"]) == {"lookup", "put"}
 
-    lookup = json.loads((out / "lookup.json").read_text())
-    for key in ("hash_only_np", "walk_only", "contains_np", "contains_list", "fetch_full"):
+def test_every_part_writes_its_json(smoke):
+    d, proc, results = smoke
+    assert results["meta"]["mode"] == "smoke" and results["meta"]["parts"] == list(PARTS)
+    assert set(results["parts"]) == set(PARTS)
+    for part in PARTS:
+        assert json.loads((d / "out" / f"{part}.json").read_text()) == results["parts"][part]
+    assert sorted(results["meta"]["plots"]) == ["replay.png", "restore.png", "ttft.png"]
+
+    restore = results["parts"]["restore"]
+    assert set(restore["entries"]) == {"fp16", "q8", "q4"}
+    for e in restore["entries"].values():
+        assert e["ram"]["gbps"] > 0 and e["ssd_cold"]["gbps"] > 0 and e["baselines"]["read_cold"]["gbps"] > 0
+    assert restore["entries"]["fp16"]["ssd_page_cached_numpy_assemble"]["median_s"] > 0
+    assert restore["entries"]["q8"]["dequant_paths"][SHIPPED]["max_abs_diff_vs_mx_dequantize"] == 0
+
+    lookup = results["parts"]["lookup"]
+    for key in ("hash_only_np", "walk_only", "walk_only_prompt_index", "contains_np", "contains_list", "fetch_full"):
         assert lookup[key]["median_s"] > 0
-    assert lookup["blocks_indexed"] > lookup["prompt_blocks"] > 0
+    assert lookup["blocks_indexed"] > lookup["store_blocks"] == lookup["prompt_blocks"] > 0
     assert isinstance(lookup["met"], bool)
 
-    put = json.loads((out / "put.json").read_text())
+    put = results["parts"]["put"]
     for key in ("blocking_ssd_store", "blocking_ram_store", "blocking_already_stored", "background_to_ssd",
                 "plain_write_fsync"):
         assert put[key]["median_s"] > 0
-    assert put["background_to_ssd"]["gbps"] > 0
-    assert put["q8"]["blocking"]["median_s"] > 0
-    assert isinstance(put["met"], bool)
+    assert put["q8"]["blocking"]["median_s"] > 0 and isinstance(put["met"], bool)
 
-    # nothing but a run without --write-docs: docs/benchmarks.md is not touched
-    assert "wrote" not in proc.stderr
+    for e in results["parts"]["ttft"]["lengths"].values():
+        assert e["kvstore_ram"]["cached_tokens"] > 0 and e["cold"]["median_s"] > 0
+    replay = results["parts"]["replay"]
+    assert replay["ideal"]["recomputed_tokens"] <= replay["systems"]["kvstore_q8_ssd"]["recomputed_tokens"]
+    assert set(results["parts"]["fidelity"]["models"]["llama"]) == {"fp16", "8-bit"}
 
 
-def test_bench_is_importable():
-    sys.path.insert(0, str(ROOT))
-    try:
-        from kvstore.tools import bench
-    finally:
-        sys.path.remove(str(ROOT))
-    assert callable(bench.main)
-    assert set(bench.PARTS) == {"restore", "lookup", "put", "ttft", "replay", "fidelity"}
-    args = bench.parse_args(["--quick", "--only", "lookup", "--out", "x"])
-    assert args.quick and args.only == ["lookup"] and args.out == "x"
+def test_docs_page_takes_its_figures_from_the_results(smoke):
+    d, proc, results = smoke
+    page = (d / "docs" / "benchmarks.md").read_text()
+    assert sorted(p.name for p in (d / "docs" / "bench").iterdir()) == ["replay.png", "restore.png", "ttft.png"]
+    assert "python -m kvstore.tools.bench" in page and "tools/bench.py" not in page
+    lookup = results["parts"]["lookup"]
+    ms = lookup["contains_np"]["median_s"] * 1e3
+    assert f"takes {ms:.3f} ms for an int32 array" in page
+    assert f"{lookup['blocks_indexed']:,} blocks" in page
+    speed = results["meta"]["mlx_speed"]
+    assert f"an fp16 add at {speed['fp16_add_gbps']:.2f} GB/s" in page
+
+    # other figures, another page: nothing in it was typed in
+    slower = copy.deepcopy(results)
+    slower["parts"]["lookup"]["contains_np"]["median_s"] = 2 * lookup["target_ms"] / 1e3
+    slower["parts"]["lookup"]["met"] = False
+    slower["meta"]["mlx_speed"]["fp16_add_gbps"] = 123.45
+    other = report.write_docs(slower["parts"], slower["meta"], d / "out", d / "other-docs").read_text()
+    assert f"takes {2 * lookup['target_ms']:.3f} ms for an int32 array (over the" in other
+    assert "an fp16 add at 123.45 GB/s" in other
+    assert f"takes {ms:.3f} ms for an int32 array" not in other
+
+
+def test_kvstore_bench_command_runs_a_part_and_merges_the_rest(smoke, tmp_path):
+    from typer.testing import CliRunner
+
+    from kvstore.adapters.cli import app
+
+    d, _, first = smoke
+    args = ["bench", "--smoke", "--repeats", "1", "--only", "lookup", "--out", tmp_path / "out", "--tmp", tmp_path,
+            "--merge", d / "out" / "results.json"]
+    proc = CliRunner().invoke(app, list(map(str, args)))
+    assert proc.exit_code == 0, proc.output[-3000:]
+    merged = json.loads((tmp_path / "out" / "results.json").read_text())
+    assert list(merged["parts"]) == list(PARTS)
+    assert merged["meta"]["parts"] == ["lookup"] and merged["meta"]["merged_from"] == str(d / "out" / "results.json")
+    assert merged["parts"]["lookup"]["contains_np"] != first["parts"]["lookup"]["contains_np"]  # run again
+    assert merged["parts"]["put"] == first["parts"]["put"]  # taken over
+    assert sorted(p.name for p in (tmp_path / "out").glob("*.png")) == ["replay.png", "restore.png", "ttft.png"]
+    assert "results in" in proc.output and "wrote" not in proc.output  # no --write-docs: no docs page

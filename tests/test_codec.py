@@ -5,6 +5,7 @@ allocation."""
 from __future__ import annotations
 
 import copy
+import struct
 import time
 import tracemalloc
 
@@ -50,15 +51,20 @@ def small_block() -> Block:
     return Block(tokens(3), [KVLayer(convert(x, 4, 32), x, 0, None), StateLayer([x[0, 0], None]), None])
 
 
+def wire_prefix(header: bytes) -> bytes:
+    """A block's prefix as the format spells it: magic, version, reserved 0,
+    header length, xxh3_64 of the header."""
+    return struct.pack("<4sHHIQ", codec.MAGIC, codec.FORMAT_VERSION, 0, len(header),
+                       xxhash.xxh3_64_intdigest(header))
+
+
 def repack(buf: bytes, fields) -> bytes:
     """``buf``'s payload under a new header, with valid checksums: a hostile
     writer, not random corruption."""
     h = read_header(buf)
     header = msgpack.packb(fields, use_bin_type=True)
-    prefix = codec._PREFIX.pack(codec.MAGIC, codec.FORMAT_VERSION, 0, len(header),
-                                xxhash.xxh3_64_intdigest(header))
-    head = prefix + header
-    return head + bytes(codec._align(len(head)) - len(head)) + bytes(buf[h.payload_start:])
+    head = wire_prefix(header) + header
+    return head + bytes(-len(head) % codec.ALIGN) + bytes(buf[h.payload_start:])
 
 
 def check_well_formed(block: Block) -> None:
@@ -395,9 +401,8 @@ def test_random_bytes_are_rejected(data):
 def test_valid_prefix_with_random_header_is_rejected(data):
     """A correct prefix (magic, version, checksum of the garbage) over a
     random header never gets further than BlockDecodeError."""
-    prefix = codec._PREFIX.pack(codec.MAGIC, codec.FORMAT_VERSION, 0, len(data), xxhash.xxh3_64_intdigest(data))
     with pytest.raises(BlockDecodeError):
-        deserialize(prefix + data + bytes(200))
+        deserialize(wire_prefix(data) + data + bytes(200))
 
 
 msgpack_values = st.recursive(

@@ -45,8 +45,18 @@ def built(tmp_path_factory):
     return {kind: make_tiny_model(kind, root / kind) for kind in KINDS}
 
 
-def test_required_kinds_present():
-    assert set(REQUIRED) <= set(KINDS)
+def test_required_kinds_cover_every_cache_family(built):
+    """The three kinds the adapter and bench rely on give, between them, full
+    attention, a sliding window and recurrent state."""
+    classes = {}
+    for kind in REQUIRED:
+        model, _ = mlx_lm.load(str(built[kind]))
+        classes[kind] = {type(c).__name__ for c in make_prompt_cache(model)}
+    assert classes == {
+        "llama": {"KVCache"},
+        "gemma3_text": {"KVCache", "RotatingKVCache"},
+        "qwen3_next": {"KVCache", "ArraysCache"},
+    }
 
 
 @pytest.mark.parametrize("kind", KINDS)

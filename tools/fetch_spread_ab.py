@@ -15,9 +15,7 @@ import time
 import mlx.core as mx
 import numpy as np
 
-import kvstore.store as store_mod
-from kvstore import KVLayer, PrefixStore
-from kvstore.spread import _run as one_thread
+from kvstore import KVLayer, PrefixStore, spread
 
 
 def main() -> None:
@@ -37,10 +35,10 @@ def main() -> None:
     store.put("m", toks, layers)
     store.flush()
     del layers
-    paths = {"spread": store_mod.spread, "one thread": one_thread}
+    paths = {"spread": spread.workers(), "one thread": 1}  # threads a fetch may use
 
     def fetch(name):
-        store_mod.spread = paths[name]
+        spread.set_max_workers(paths[name])
         t = time.perf_counter()
         hit = store.fetch("m", toks)
         dt = time.perf_counter() - t
@@ -53,7 +51,7 @@ def main() -> None:
         for name in (paths if r % 2 == 0 else reversed(list(paths))):
             times[name].append(fetch(name))
             print(f"{name}: {times[name][-1]:.2f} s", flush=True)
-    store_mod.spread = paths["spread"]
+    spread.set_max_workers(paths["spread"])
     for name, ts in times.items():
         m = statistics.median(ts)
         print(f"median {name}: {m:.2f} s = {nbytes / m / 1e9:.2f} GB/s ({nbytes / 2**30:.1f} GiB)")

@@ -133,6 +133,22 @@ def run_verify(path, repair: bool = False, timeout: float = 60):
     return p.returncode, p.stdout + p.stderr
 
 
+def open_in_child(path, model: str, prompt_id: int, n: int, budget_gb: float,
+                  put_prompt_id: Optional[int] = None) -> str:
+    """Output of ``child_open_fetch.py`` on ``path`` (see there); the child must
+    exit normally (a negative code is a signal, -7 SIGBUS)."""
+    import subprocess
+
+    args = [str(path), model, str(prompt_id), str(n), str(budget_gb)]
+    if put_prompt_id is not None:
+        args.append(str(put_prompt_id))
+    child = os.path.join(os.path.dirname(os.path.abspath(__file__)), "child_open_fetch.py")
+    p = subprocess.run([sys.executable, child, *args], capture_output=True, text=True, timeout=60)
+    assert p.returncode == 0, f"opening {path} ended with {p.returncode} (negative: killed by a signal)\n" \
+                              f"{p.stdout}{p.stderr[-3000:]}"
+    return p.stdout
+
+
 # ------------------------------------------------------------ raw LMDB access
 
 

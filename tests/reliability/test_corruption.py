@@ -13,8 +13,6 @@ from __future__ import annotations
 import logging
 import os
 import random
-import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -255,29 +253,8 @@ def test_random_corruptions_soak(tmp_path, figures):
 
 # ----------------------------------------------------------- the data file
 
-OPEN_AND_FETCH = r"""
-import sys
-sys.path.insert(0, sys.argv[2])
-import kvdata as D
-from kvstore import PrefixStore, StoreOpenError
-try:
-    store = PrefixStore(budget_gb=0, ssd_path=sys.argv[1], block_size=D.BLOCK)
-except StoreOpenError as e:
-    print("StoreOpenError:", e)
-    sys.exit(0)
-toks = D.tokens(900, 70)
-hit = store.fetch("corrupt-model", toks)
-print("opened; hit", hit.length, D.hit_problem(hit, toks))
-store.close()
-"""
-
-
 def _open_in_child(path: Path) -> str:
-    p = subprocess.run([sys.executable, "-c", OPEN_AND_FETCH, str(path), str(Path(D.__file__).parent)],
-                       capture_output=True, text=True, timeout=60)
-    assert p.returncode == 0, f"opening {path} ended with {p.returncode} (negative: killed by a signal)\n" \
-                              f"{p.stdout}{p.stderr[-3000:]}"
-    return p.stdout
+    return D.open_in_child(path, MODEL, 900, 70, budget_gb=0)
 
 
 def _truncate(n_of_size):

@@ -123,30 +123,9 @@ def test_full_filesystem_keeps_working_in_ram(small_fs, caplog):
         assert served > 0
 
 
-OPEN = r"""
-import sys
-sys.path.insert(0, sys.argv[2])
-import kvdata as D
-from kvstore import PrefixStore, StoreOpenError
-try:
-    store = PrefixStore(budget_gb=0.1, ssd_path=sys.argv[1], block_size=D.BLOCK)
-except StoreOpenError as e:
-    print("StoreOpenError:", e)
-    sys.exit(0)
-toks = D.tokens(5000, 100)
-hit = store.fetch("disk-model", toks)
-print("opened; hit", hit.length, D.hit_problem(hit, toks))
-store.put("disk-model", D.tokens(5001, 100), D.layers_for(D.tokens(5001, 100)))
-store.close()
-print("closed")
-"""
-
-
 def _open_in_child(path: Path) -> str:
-    p = subprocess.run([sys.executable, "-c", OPEN, str(path), str(Path(D.__file__).parent)],
-                       capture_output=True, text=True, timeout=60)
-    assert p.returncode == 0, f"exit {p.returncode} (-7: SIGBUS)\n{p.stdout}{p.stderr[-3000:]}"
-    return p.stdout
+    """Open, fetch prompt 5000 (100 tokens), put prompt 5001, close."""
+    return D.open_in_child(path, MODEL, 5000, 100, budget_gb=0.1, put_prompt_id=5001)
 
 
 def test_opening_on_a_full_filesystem(small_fs):
