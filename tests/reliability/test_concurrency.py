@@ -200,11 +200,14 @@ def test_bad_block_while_the_map_is_being_resized_does_not_deadlock(tmp_path, ca
     store = PrefixStore(budget_gb=0, ssd_path=path, block_size=D.BLOCK)
     disk = store._persist.disk
     real_get = disk.payload
-    resizer = threading.Thread(target=disk._adopt_map_size, daemon=True)
+    resizers: list[threading.Thread] = []
 
     def payload(txn, k):
-        if k == key and not resizer.is_alive():
-            resizer.start()  # as on MapResizedError in another thread
+        if k == key and not (resizers and resizers[-1].is_alive()):
+            # every read of the bad block (the cost model's residency check, then the load) meets a
+            # resize another thread is waiting to make, as on MapResizedError there
+            resizers.append(threading.Thread(target=disk._adopt_map_size, daemon=True))
+            resizers[-1].start()
             while not disk._gate._excl:
                 time.sleep(0.001)
         return real_get(txn, k)
@@ -218,6 +221,8 @@ def test_bad_block_while_the_map_is_being_resized_does_not_deadlock(tmp_path, ca
         import kvstore.store
         kvstore.store._OPEN.discard(store)  # its lock is held forever: closing it at exit would hang too
         pytest.fail("fetch deadlocked between the bad block's removal and the map resize")
-    resizer.join(timeout=20)
+    for r in resizers:
+        r.join(timeout=20)
+    assert len(resizers) >= 1
     assert result["hit"].length == 32 and D.hit_problem(result["hit"], toks) is None
     store.close()
