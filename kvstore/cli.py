@@ -18,6 +18,7 @@ from rich.console import Console
 from rich.table import Table
 
 from .catalog import Catalog, check_block, parse_age, select
+from .cost import CostModel
 from .errors import StoreOpenError
 from .tiers.lmdb import LmdbTier
 
@@ -135,6 +136,7 @@ def stats(path: Path = PathArg, as_json: bool = typer.Option(False, "--json", he
         cat = Catalog.read(disk)
         counters = disk.get_counters()
         usage, budget = disk.usage(), disk.get_info("budget")
+        measured = _measured_rates(disk.get_info("rates") or {}, cat)
     finally:
         disk.close()
     requested = counters.get("tokens_requested", 0)
@@ -144,6 +146,7 @@ def stats(path: Path = PathArg, as_json: bool = typer.Option(False, "--json", he
         "bytes_used": usage, "disk_budget": budget, "orphans": len(cat.orphans()),
         "models": cat.per_model(), "lifetime": counters,
         "token_hit_rate": served / requested if requested else 0.0, "tokens_saved": served,
+        "tokens_skipped_cost": counters.get("tokens_skipped_cost", 0), "rates": measured,
     }
     if as_json:
         print(json.dumps(result))
@@ -160,6 +163,34 @@ def stats(path: Path = PathArg, as_json: bool = typer.Option(False, "--json", he
     out.print(f"lifetime: {counters.get('hits', 0)} hits, {counters.get('misses', 0)} misses, "
               f"token hit rate {100 * result['token_hit_rate']:.1f}%, tokens served from cache {served} "
               f"(RAM {counters.get('tokens_ram', 0)}, SSD {counters.get('tokens_ssd', 0)})")
+    pred, act = counters.get("predicted_us", 0), counters.get("actual_us", 0)
+    out.print(f"cost: {result['tokens_skipped_cost']} stored tokens recomputed because that was faster"
+              + (f"; served hits took {act / 1e3:.1f} ms against {pred / 1e3:.1f} ms predicted" if pred else ""))
+    for machine, d in measured.items():
+        rates = ", ".join(f"{s} {r['gb_per_s']:.2f} GB/s ({r['observed']}x)" for s, r in d["rates"].items())
+        out.print(f"measured on {machine}: {rates or 'no fetch yet'}")
+        for model, m in d["prefill"].items():
+            rate = m.get("tokens_per_s_at_8k")
+            out.print(f"  prefill of {model[:24]}: " + (f"{rate:,.0f} tokens/s at 8K ({m['observed']} requests)"
+                                                         if rate else f"{m['observed']} requests, not fitted yet"))
+
+
+def _measured_rates(saved: dict, cat: Catalog) -> dict:
+    """The cost model's estimates per machine, with model names for root keys."""
+    out = {}
+    for machine, d in saved.items():
+        cm = CostModel()
+        cm.merge_saved(d if isinstance(d, dict) else {})
+        desc = cm.describe()
+        prefill = {}
+        for root_hex, m in desc["prefill"].items():
+            try:
+                name = cat.model_name(bytes.fromhex(root_hex))
+            except ValueError:
+                name = root_hex
+            prefill[name] = m
+        out[machine] = {"rates": desc["rates"], "prefill": prefill}
+    return out
 
 
 @app.command()

@@ -112,3 +112,23 @@ def test_demo_runs_end_to_end_and_hits_from_ssd_after_restart(tmp_path):
     # from the store but its last token (blocks read from SSD are promoted to RAM)
     assert cells[0][4] == cells[0][2] - 1
     assert all(c[5] == 1 and c[3] + c[4] == c[2] - 1 for c in cells)
+
+
+def test_stats_shows_the_measured_rates_and_prefill_model(tmp_path):
+    """What the cost model learned is kept in the store and shown by stats."""
+    path = tmp_path / "store"
+    with PrefixStore(budget_gb=0.1, ssd_path=path, block_size=16) as store:
+        store.register_model(MODEL, {"name": "tiny-llama"})
+        tokens = list(range(48))
+        store.put(MODEL, tokens, layers(48, 0))
+        store.flush()
+        assert store.fetch(MODEL, tokens).length == 48
+        for n in (100, 1000, 4000):
+            store.observe_prefill(MODEL, 0, n, n / 50_000)
+    res = kvstore("stats", path, "--json")
+    assert res.returncode == 0, res.stderr
+    (machine, measured), = json.loads(res.stdout)["rates"].items()
+    assert measured["rates"]["ram"]["observed"] == 1 and measured["rates"]["ram"]["gb_per_s"] > 0
+    assert measured["prefill"]["tiny-llama"]["tokens_per_s_at_8k"] == pytest.approx(50_000, rel=1e-6)
+    text = kvstore("stats", path).stdout
+    assert "prefill of tiny-llama: 50,000 tokens/s" in text and "measured on" in text
