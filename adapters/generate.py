@@ -173,6 +173,7 @@ def stream_generate(model: nn.Module, tokenizer, prompt: Union[str, Sequence[int
         store.register_model(key, {"path": str(Path(model_path).resolve()), "name": Path(model_path).name})
     qkw = dict(kv_bits=kv_bits, kv_group_size=kv_group_size, quantized_kv_start=quantized_kv_start)
     got = fetch_cache(store, model, key, tokens, max_kv_size=max_kv_size, **qkw)
+    t_fetched = time.perf_counter()
     cache = got.cache
     res.prompt_tokens, res.cached_tokens = len(tokens), got.cached_tokens
     res.ram_tokens, res.ssd_tokens = got.ram_tokens, got.ssd_tokens
@@ -186,7 +187,10 @@ def stream_generate(model: nn.Module, tokenizer, prompt: Union[str, Sequence[int
         for resp in _mlx_stream_generate(model, tokenizer, tokens[pos:], max_tokens=max_tokens, prompt_cache=cache,
                                          prefill_step_size=prefill_step_size, **qkw, **kwargs):
             if not generated:
-                res.ttft_s = time.perf_counter() - t0
+                now = time.perf_counter()
+                res.ttft_s = now - t0
+                # what the engine's prefill of the uncached part cost: the store weighs loading against it
+                store.observe_prefill(key, got.cached_tokens, len(tokens), now - t_fetched)
             generated.append(resp.token)
             res.text += resp.text
             res.finish_reason = resp.finish_reason

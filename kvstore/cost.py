@@ -32,6 +32,8 @@ from typing import Callable, Optional, Sequence
 
 import numpy as np
 
+from .errors import ConfigError
+
 POLICIES = ("auto", "always", "never")
 STATES = ("ram", "ssd_cached", "ssd_cold")
 # what a fetch costs before any byte moves (walk, assemble set-up), seconds; measured values replace it
@@ -112,9 +114,12 @@ class CostModel:
     _models: dict[str, PrefillModel] = field(default_factory=dict, repr=False)
 
     def __post_init__(self):
-        if self.policy not in POLICIES:
-            from .errors import ConfigError
-            raise ConfigError(f"fetch_policy must be one of {POLICIES}, got {self.policy!r}")
+        self.set_policy(self.policy)
+
+    def set_policy(self, policy: str) -> None:
+        if policy not in POLICIES:
+            raise ConfigError(f"fetch_policy must be one of {POLICIES}, got {policy!r}")
+        self.policy = policy
 
     # ------------------------------------------------------------ observing
 

@@ -83,6 +83,18 @@ class Persist:
     def _push(self, node: Node) -> None:
         if node.on_disk and node.disk_kids == 0:
             heapq.heappush(self._lru, (node.used, next(self._seq), node))
+            if len(self._lru) > 2 * self.blocks + 1024:
+                self._compact()
+
+    def _compact(self) -> None:
+        """Drop stale heap entries (every use pushes one): amortized O(1) per push."""
+        live = {}
+        for used, seq, node in self._lru:
+            if (used == node.used and node.on_disk and not node.disk_kids
+                    and self.index.get(node.key) is node):
+                live[id(node)] = (used, seq, node)
+        self._lru = list(live.values())
+        heapq.heapify(self._lru)
 
     def _pop_victims_locked(self, nbytes: int) -> list[Node]:
         """Least recently used disk leaves, unpinned, about ``nbytes`` of them."""

@@ -256,6 +256,15 @@ class PrefixStore:
         return out
 
     @property
+    def fetch_policy(self) -> str:
+        """``"auto"``, ``"always"`` or ``"never"`` (see the class docstring); settable."""
+        return self._cost.policy
+
+    @fetch_policy.setter
+    def fetch_policy(self, policy: str) -> None:
+        self._cost.set_policy(policy)
+
+    @property
     def orphans(self) -> int:
         """Blocks found on disk at open whose parent is missing (ignored)."""
         return 0 if self._persist is None else self._persist.orphans
