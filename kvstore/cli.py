@@ -75,8 +75,21 @@ def _decoder(catalog: Catalog):
                 except Exception:
                     pass
         tok = cache[root_hex]
-        return None if tok is None else tok.decode(ids)
+        return None if tok is None else _decode_runs(tok, ids)
     return decode
+
+
+def _decode_runs(tok, ids: list[int]) -> str:
+    """Text of ``ids``; a run of negative ids (mlx-lm's key for an image's
+    patch tokens) reads ``<image>``."""
+    out, run = [], []
+    for i, t in enumerate(ids):
+        if t >= 0:
+            run.append(t)
+        elif i == 0 or ids[i - 1] != t:
+            out += [tok.decode(run), "<image>"]
+            run = []
+    return "".join(out + [tok.decode(run)])
 
 
 @app.command()

@@ -10,7 +10,8 @@ Wire format of a block (little-endian)::
     20  H  msgpack header: the block's own key, token count, payload size and
            xxh3_64, array table
     ..     zero padding to a multiple of 64
-    P      payload: token ids (int32) then every array, each 64-byte aligned
+    P      payload: token ids (int32, or int64 when an id needs it) then every
+           array, each 64-byte aligned
 
 The header is validated (checksum, dtypes, shapes against byte counts, every
 array inside the buffer) before anything is allocated, so a hostile or torn
@@ -37,6 +38,7 @@ import numpy as np
 import xxhash
 
 from .errors import BlockDecodeError, ConfigError
+from .hashing import TOKEN_DTYPES, narrowest
 from .layers import KVLayer, Layer, Quantized, StateLayer, Tensor, tensor_rows
 
 MAGIC = b"KVSB"
@@ -55,6 +57,7 @@ _DTYPES: dict[str, tuple[mx.Dtype, np.dtype]] = {
     "float32": (mx.float32, np.dtype("<f4")),
     "uint32": (mx.uint32, np.dtype("<u4")),
     "int32": (mx.int32, np.dtype("<i4")),
+    "int64": (mx.int64, np.dtype("<i8")),  # token ids outside int32 (mlx-lm's image ids)
     "uint8": (mx.uint8, np.dtype("u1")),
     "int8": (mx.int8, np.dtype("i1")),
 }
@@ -71,8 +74,12 @@ class Block:
     """A run of tokens and, per model layer, its rows of KV (or a state
     snapshot taken at the block's end, or ``None`` where it is absent)."""
 
-    tokens: np.ndarray  # int32
+    tokens: np.ndarray  # int32, or int64 when an id needs it
     layers: list[Optional[Layer]]
+
+    def __post_init__(self):
+        # the width this block's own ids need: text blocks of an image prompt stay int32
+        self.tokens = narrowest(self.tokens)
 
     @property
     def nbytes(self) -> int:
@@ -327,7 +334,7 @@ def _validate(f, size: int) -> None:
     _check(f.get("size") == size, "payload size does not match the value size (truncated?)")
     _check(_is_int(f.get("sum")), "payload checksum")
     name, shape = _validate_array(f.get("tok"), size)
-    _check(name == "int32" and shape == [f["n"]], "token array")
+    _check(_DTYPES[name][1] in TOKEN_DTYPES and shape == [f["n"]], "token array")
     _check(isinstance(f.get("L"), list) and len(f["L"]) <= 4096, "layer table")
     for entry in f["L"]:
         if entry is None:
@@ -377,7 +384,7 @@ def deserialize(buf: Union[bytes, memoryview], start: int = 0, verify: bool = Tr
     if verify and xxhash.xxh3_64_intdigest(payload) != h.fields["sum"]:
         raise BlockDecodeError("payload checksum mismatch")
     name, shape, off, n = h.fields["tok"]
-    tokens = np.frombuffer(payload, dtype="<i4", count=h.ntokens, offset=off).copy()
+    tokens = np.frombuffer(payload, dtype=_DTYPES[name][1], count=h.ntokens, offset=off).copy()
     layers: list[Optional[Layer]] = []
     for entry in h.layers:
         if entry is None:

@@ -1,10 +1,18 @@
-"""Block keys: a chain of xxh3-128 digests over int32 token bytes.
+"""Block keys: a chain of xxh3-128 digests over each block's token bytes.
 
-Key of block i = xxh3_128(key of block i-1 || tokens of block i as little-endian
-int32). The chain starts at a root key that fingerprints the model and the
-namespace, so equal prefixes of one model give equal keys (dedup) and nothing
-crosses models or tenants. Only explicit bytes are hashed: keys are the same in
-every process (Python's ``hash()`` is salted per process).
+Key of block i = xxh3_128(key of block i-1 || token bytes of block i). The
+chain starts at a root key that fingerprints the model and the namespace, so
+equal prefixes of one model give equal keys (dedup) and nothing crosses models
+or tenants. Only explicit bytes are hashed: keys are the same in every process
+(Python's ``hash()`` is salted per process).
+
+Token ids are signed 64-bit (mlx-lm's server keys an image's patch tokens by a
+~60-bit negative id). A block's tokens are hashed as little-endian int32 when
+every id of *that block* fits int32 -- so the text blocks before an image have
+the same keys in a text-only prompt and in an image prompt, and keys of text
+prompts are what they always were -- else as a tag byte and little-endian
+int64. The two encodings cannot give the same bytes for different runs: int32
+runs are 4n bytes long, tagged int64 runs 8n + 1 (odd).
 """
 
 from __future__ import annotations
@@ -16,6 +24,10 @@ import xxhash
 
 KEY_BYTES = 16
 _ROOT_TAG = b"kvstore-root-v1\x00"
+_WIDE_TAG = b"\x01"  # precedes the int64 bytes of a block with an id outside int32
+_I32 = np.iinfo(np.int32)
+_I64 = np.iinfo(np.int64)
+TOKEN_DTYPES = (np.dtype("<i4"), np.dtype("<i8"))  # the widths a token array may have
 
 
 def root_key(model_key: Union[str, bytes], namespace: Optional[str] = None) -> bytes:
@@ -26,23 +38,63 @@ def root_key(model_key: Union[str, bytes], namespace: Optional[str] = None) -> b
     return xxhash.xxh3_128_digest(_ROOT_TAG + len(model_key).to_bytes(4, "little") + model_key + ns)
 
 
+def _fits_int32(arr: np.ndarray) -> bool:
+    return arr.size == 0 or (int(arr.min()) >= _I32.min and int(arr.max()) <= _I32.max)
+
+
 def as_tokens(tokens: Union[Sequence[int], np.ndarray]) -> np.ndarray:
-    """Tokens as a contiguous little-endian int32 array; rejects what int32 can't hold."""
+    """Tokens as a contiguous little-endian array: int32 when every id fits
+    (the fast path, and every text prompt), else int64. Raises ``ValueError``
+    for anything but a flat sequence of integers within signed 64 bits."""
     if isinstance(tokens, np.ndarray) and tokens.dtype == np.int32 and tokens.ndim == 1:
-        return np.ascontiguousarray(tokens)
-    arr = np.asarray(tokens)
+        return np.ascontiguousarray(tokens, dtype="<i4")
+    try:
+        arr = np.asarray(tokens)
+    except OverflowError:
+        raise ValueError("token ids must fit in signed 64 bits") from None
     if arr.ndim != 1:
         raise ValueError(f"tokens must be a flat sequence of ints, got shape {arr.shape}")
-    if arr.size and not np.issubdtype(arr.dtype, np.integer):
+    if arr.size == 0:
+        return np.zeros(0, dtype="<i4")
+    if arr.dtype == object:  # Python ints numpy could not hold in int64 (or not ints at all)
+        if not all(isinstance(t, (int, np.integer)) and not isinstance(t, bool) for t in arr.tolist()):
+            raise ValueError("tokens must be integers")
+        raise ValueError("token ids must fit in signed 64 bits")
+    if not np.issubdtype(arr.dtype, np.integer):
         raise ValueError(f"tokens must be integers, got dtype {arr.dtype}")
-    if arr.size and (arr.min() < 0 or arr.max() > np.iinfo(np.int32).max):
-        raise ValueError("token ids must lie in [0, 2**31)")
-    return np.ascontiguousarray(arr, dtype="<i4")
+    if arr.dtype == np.uint64 and int(arr.max()) > _I64.max:
+        raise ValueError("token ids must fit in signed 64 bits")
+    return np.ascontiguousarray(arr, dtype="<i4" if _fits_int32(arr) else "<i8")
+
+
+def narrowest(tokens: np.ndarray) -> np.ndarray:
+    """``tokens`` as int32 when every id fits, else as they are (int64): a
+    stored block carries the width its own ids need."""
+    if tokens.dtype != np.int32 and _fits_int32(tokens):
+        return tokens.astype("<i4")
+    return tokens
+
+
+def tokens_from_bytes(raw: Union[bytes, memoryview], n: int) -> np.ndarray:
+    """``n`` token ids stored as little-endian int32 (4n bytes) or int64 (8n)."""
+    for dt in TOKEN_DTYPES:
+        if len(raw) == n * dt.itemsize:
+            return np.frombuffer(raw, dtype=dt)
+    raise ValueError(f"{len(raw)} bytes are not {n} int32 or int64 token ids")
+
+
+def token_bytes(block_tokens: np.ndarray) -> bytes:
+    """The bytes a block's tokens are hashed as (see the module docstring)."""
+    if block_tokens.dtype == np.int32:
+        return block_tokens.tobytes()
+    if _fits_int32(block_tokens):
+        return block_tokens.astype("<i4").tobytes()
+    return _WIDE_TAG + block_tokens.astype("<i8").tobytes()
 
 
 def chain_key(parent: bytes, block_tokens: np.ndarray) -> bytes:
     """Key of a block (full or partial) whose parent key is ``parent``."""
-    return xxhash.xxh3_128_digest(parent + block_tokens.tobytes())
+    return xxhash.xxh3_128_digest(parent + token_bytes(block_tokens))
 
 
 class KeyChain:

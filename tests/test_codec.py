@@ -69,7 +69,7 @@ def repack(buf: bytes, fields) -> bytes:
 
 def check_well_formed(block: Block) -> None:
     """What a successful decode promises: every tensor usable as it claims."""
-    assert block.tokens.dtype == np.int32
+    assert block.tokens.dtype in (np.int32, np.int64)
     n = len(block.tokens)
     for layer in block.layers:
         if layer is None:
@@ -184,6 +184,23 @@ def test_state_snapshots_and_absent_layers_roundtrip():
     assert out.layers[4].arrays == [None, None]
     assert same(out.layers[5].arrays[0], s3)
     assert out.nbytes == block.nbytes
+
+
+@SETTINGS
+@given(ids=st.lists(st.integers(-(2**63), 2**63 - 1) | st.integers(-5, 2**31 - 1), min_size=1, max_size=9),
+       wide=st.booleans())
+def test_token_ids_keep_their_value_at_the_width_they_need(ids, wide):
+    """Token ids are signed 64-bit (mlx-lm keys image patches by ~60-bit
+    negative ids): they come back exactly, stored as int32 when every id of
+    the block fits, else int64, whatever width the block was built with."""
+    toks = np.array(ids, np.int64 if wide or not all(-(2**31) <= i < 2**31 for i in ids) else np.int32)
+    x = mx.zeros((1, 1, len(ids), 32), mx.float16)
+    block = Block(toks, [KVLayer(x, x)])
+    fits = all(-(2**31) <= i < 2**31 for i in ids)
+    assert read_header(serialize(block)).fields["tok"][0] == ("int32" if fits else "int64")
+    out = roundtrip(block)
+    assert out.tokens.tolist() == ids and out.tokens.dtype == (np.int32 if fits else np.int64)
+    assert block.tokens.dtype == out.tokens.dtype  # what the index records is what the payload holds
 
 
 def test_empty_block_roundtrips():
@@ -354,6 +371,8 @@ HOSTILE = {
     "payload checksum wrong": lambda f: f.update(sum=f["sum"] ^ 1),
     "payload checksum missing": lambda f: f.pop("sum"),
     "token array of floats": lambda f: f["tok"].__setitem__(0, "float32"),
+    "token array of uint32": lambda f: f["tok"].__setitem__(0, "uint32"),
+    "int64 token array of int32 size": lambda f: f["tok"].__setitem__(0, "int64"),
     "header not a map": lambda f: [1, 2, 3],
 }
 

@@ -233,13 +233,58 @@ def test_keys_of_other_models_and_namespaces_differ():
 
 
 def test_as_tokens_normalizes_and_validates():
-    """Lists and any integer array give the same int32 tokens; what int32
-    cannot hold, floats and nested sequences are refused."""
+    """Lists and any integer array give the same tokens: int32 when every id
+    fits (negative ones too), else int64; what signed 64 bits cannot hold,
+    floats, bools and nested sequences are refused."""
     ref = as_tokens([1, 2, 3])
     assert ref.dtype == np.dtype("<i4")
     for same in (np.array([1, 2, 3], np.int64), np.array([1, 2, 3], np.uint16), (1, 2, 3)):
         assert np.array_equal(as_tokens(same), ref) and as_tokens(same).dtype == np.dtype("<i4")
     assert len(as_tokens([])) == 0
-    for bad in ([-1], [2**31], [1.5], [[1, 2]]):
+    assert as_tokens([-1, 2**31 - 1, -(2**31)]).dtype == np.dtype("<i4")
+    for wide in ([2**31], [-(2**31) - 1], [5, IMAGE_ID], [2**63 - 1], np.array([2**40], np.uint64)):
+        got = as_tokens(wide)
+        assert got.dtype == np.dtype("<i8") and got.tolist() == list(map(int, wide))
+    for bad in ([2**63], [-(2**63) - 1], [1, 2**70], [1.5], [True, False], [[1, 2]], ["a"]):
         with pytest.raises(ValueError):
             as_tokens(bad)
+
+
+# an image id as mlx-lm's server makes them: -1 - int(sha256(url).hexdigest()[:15], 16)
+IMAGE_ID = -1 - int("9f86d081884c7d6", 16)
+
+
+@SETTINGS
+@given(text=st.lists(st.integers(0, 2**31 - 1), min_size=8, max_size=24),
+       ids=st.lists(st.integers(-(2**63), 2**63 - 1), min_size=1, max_size=8), bs=st.integers(1, 8))
+def test_block_keys_do_not_depend_on_the_prompts_width(text, ids, bs):
+    """The blocks of a prompt hash the same in a text-only prompt (int32) and
+    in a prompt that goes on with 64-bit ids (int64): a system prompt before
+    an image has the keys it has without the image."""
+    assume(any(not -(2**31) <= i < 2**31 for i in ids))
+    narrow = KeyChain(root_key("m"), as_tokens(text), bs)
+    wide = KeyChain(root_key("m"), as_tokens(text + ids), bs)
+    assert wide.tokens.dtype == np.dtype("<i8")
+    for i in range(narrow.n_full):
+        assert wide.key(i) == narrow.key(i)
+    n = len(text) % bs
+    if n:
+        assert wide.tail_key(narrow.n_full, n) == narrow.tail_key(narrow.n_full, n)
+
+
+def test_wide_blocks_hash_tagged_int64_bytes():
+    """A block with an id outside int32 hashes as a tag byte then little-endian
+    int64 (pinned: part of the on-disk format), so it never shares bytes with a
+    block of int32 ids: here two int32 ids whose bytes equal one int64 id."""
+    import struct
+
+    import xxhash
+
+    parent = root_key("m")
+    wide = as_tokens([IMAGE_ID, 7])
+    assert chain_key(parent, wide) == xxhash.xxh3_128_digest(parent + b"\x01" + struct.pack("<2q", IMAGE_ID, 7))
+    lo, hi = 5, 1 << 20
+    one = as_tokens([(hi << 32) | lo])
+    two = as_tokens([lo, hi])
+    assert one.tobytes() == two.tobytes() and one.dtype != two.dtype
+    assert chain_key(parent, one) != chain_key(parent, two)
