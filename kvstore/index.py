@@ -96,6 +96,7 @@ class RadixIndex:
     def __init__(self):
         self._nodes: dict[bytes, Node] = {}
         self._roots: dict[bytes, Node] = {}
+        self.leaves = 0  # blocks with no children: the stored sequences no other one extends
 
     def __len__(self) -> int:
         """Number of blocks (root sentinels excluded)."""
@@ -132,6 +133,9 @@ class RadixIndex:
         if start != parent.end:
             raise ValueError(f"block starts at {start} but its parent ends at {parent.end}")
         node = Node(key, parent, start, length, first, snap, gap, rows_from)
+        if not parent.children and not parent.is_root:
+            self.leaves -= 1  # the parent was a leaf
+        self.leaves += 1
         if parent.children is None:
             parent.children = {}
         parent.children[key] = node
@@ -158,10 +162,13 @@ class RadixIndex:
             n = stack.pop()
             if n.children:
                 stack.extend(n.children.values())
-            self._nodes.pop(n.key, None)
+            if self._nodes.pop(n.key, None) is not None and not n.children:
+                self.leaves -= 1
             dropped.append(n)
-        if node.parent is not None and node.parent.children:
-            node.parent.children.pop(node.key, None)
+        parent = node.parent
+        if parent is not None and parent.children and parent.children.pop(node.key, None) is not None:
+            if not parent.children and not parent.is_root:
+                self.leaves += 1  # the parent is a leaf again
         return dropped
 
     @staticmethod

@@ -322,6 +322,11 @@ class PrefixStore:
     def __len__(self) -> int:
         return len(self._index)
 
+    @property
+    def sequences(self) -> int:
+        """Stored entries: chains of blocks from a model's root to a leaf (what ``kvstore inspect`` lists)."""
+        return self._index.leaves
+
     def clear(self) -> None:
         """Drop everything, in RAM and on disk."""
         self._check_open(write=True)
