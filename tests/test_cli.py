@@ -77,6 +77,24 @@ def test_verify_good_store_then_corrupted_block(store_path):
     assert kvstore("verify", store_path).returncode == 0
 
 
+def test_image_prompt_entries_are_listed_and_verified(tmp_path):
+    """A store holding a prompt with mlx-lm's 64-bit image ids: inspect shows
+    its first tokens as they are, its text with the image as ``<image>``, and
+    verify finds every block intact."""
+    from kvstore.adapters.tiny_models import ensure_tiny_model
+
+    path, image = tmp_path / "store", -1 - int("9f86d081884c7d6", 16)
+    tokens = [40, 41, 42] + [image] * 8 + list(range(50, 69))
+    with PrefixStore(budget_gb=0.1, ssd_path=path, block_size=16) as store:
+        store.register_model(MODEL, {"name": "tiny-vlm", "path": str(ensure_tiny_model("llama"))})
+        store.put(MODEL, tokens, layers(len(tokens), 0))
+    (row,) = [json.loads(line) for line in kvstore("inspect", path, "--json").stdout.splitlines()]
+    assert row["tokens"] == 30 and row["first_tokens"] == tokens[:16]
+    assert row["text"].count("<image>") == 1 and len(row["text"]) > len("<image>")
+    check = kvstore("verify", path)
+    assert check.returncode == 0, check.stdout + check.stderr
+
+
 def test_clear_asks_first_unless_yes(store_path):
     no = kvstore("clear", store_path, "--all", input="n\n")
     assert no.returncode == 1 and "nothing deleted" in no.stdout

@@ -117,6 +117,9 @@ class IndexModel(RuleBasedStateMachine):
             assert node.end == len(p)
             assert RadixIndex.is_leaf(node) == (not any(q[: len(p)] == p and len(q) > len(p) for q in self.model[m]))
             assert node.pins == self.pins.get((m, p), 0)
+        leaves = sum(1 for m in MODELS for p in self.model[m]
+                     if not any(q[: len(p)] == p and len(q) > len(p) for q in self.model[m]))
+        assert self.index.leaves == leaves
 
 
 TestIndexAgreesWithModel = IndexModel.TestCase

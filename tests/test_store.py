@@ -349,10 +349,46 @@ def test_put_of_mismatched_arrays_raises_layout_error(store, make, match):
 
 
 def test_bad_tokens_raise_value_error(store):
-    """Token ids must be flat non-negative int32."""
-    for bad in ([-1] * 8, [2**31] * 8, [[1] * 8]):
+    """Token ids must be a flat sequence of signed 64-bit integers."""
+    for bad in ([2**63] * 8, [-(2**63) - 1] * 8, [1.5] * 8, [[1] * 8]):
         with pytest.raises(ValueError):
             store.put(M, bad, kv_layers(toks(8)))
+
+
+# mlx-lm's server keys every patch token of an image by -1 - int(sha256(url).hexdigest()[:15], 16)
+IMAGE = -1 - int("9f86d081884c7d6", 16)
+
+
+def test_image_prompts_with_64_bit_ids_are_stored_and_share_their_text(ssd):
+    """A prompt whose image tokens carry a ~60-bit negative id is stored and
+    served like any other, from RAM and after a restart from SSD; a text-only
+    prompt sharing the text before the image hits that text, also where the
+    two diverge inside the block holding the image (compared against the
+    block's 64-bit tokens in its index record once RAM is empty)."""
+    text = toks(13)  # block [0, 8) is text; block [8, 16) is text, then the image
+    image = text + [IMAGE] * 6 + toks(7, 4000)
+    other = text + toks(5, 9000)
+    s = ssd()
+    assert put(s, image) == 4
+    s.flush()
+    assert_hit_is(s.fetch(M, image), image, 26)
+    assert_hit_is(s.fetch(M, other), other, 13)
+    s.close()
+    s = ssd()
+    assert_hit_is(s.fetch(M, other), other, 13)
+    assert_hit_is(s.fetch(M, image), image, 26)
+
+
+def test_text_blocks_have_one_key_in_text_and_image_prompts(store):
+    """Blocks before an image hash as they do in a text-only prompt: a stored
+    text prompt serves an image prompt that starts with it, and the other way round."""
+    text = toks(16)
+    put(store, text)
+    image = text + [IMAGE] * 4 + [5]
+    assert_hit_is(store.fetch(M, image), image, 16)
+    put(store, image)
+    again = text + [IMAGE] * 4 + [6]
+    assert_hit_is(store.fetch(M, again), again, 20)
 
 
 # --------------------------------------------------------------- disk tier
