@@ -42,6 +42,7 @@ direction: rebuilt caches never alias the arrays the store handed over.
 
 from __future__ import annotations
 
+import copy
 import json
 import os
 from pathlib import Path
@@ -61,6 +62,10 @@ __all__ = [
     "cache_layout",
     "layout_signature",
     "cache_offset",
+    "layer_count",
+    "caches_to_layers",
+    "layers_to_caches",
+    "snapshot",
     "model_fingerprint",
 ]
 
@@ -85,6 +90,17 @@ def _rows(t: Tensor, n: int) -> Tensor:
     """First ``n`` rows of the token axis as new, compact arrays: a plain slice
     would share (and keep alive) the engine's over-allocated buffer."""
     return own(take_rows(t, 0, n))
+
+
+def _view(t: Tensor, n: int) -> Tensor:
+    """First ``n`` rows of the token axis as lazy views: new array objects
+    sharing the engine's buffer (no copy)."""
+    return take_rows(t, 0, n)
+
+
+def _alias(x: mx.array) -> mx.array:
+    """``x`` as a new array object sharing its buffer (no copy)."""
+    return x[...]
 
 
 def _batch(t: Tensor) -> int:
@@ -185,22 +201,27 @@ def cache_offset(prompt_cache: Sequence[Any]) -> int:
     return offsets.pop()
 
 
-def _kv_entry(c: Any, where: str) -> KVLayer:
+def _kv_entry(c: Any, where: str, length: Optional[int], copy: bool) -> KVLayer:
     if c.keys is None:
         raise ValueError(f"{where}: {type(c).__name__} holds no tokens")
+    rows = _rows if copy else _view
+    fresh = own if copy else _alias
+    n = c.offset if length is None else length
+    if n > c.offset:
+        raise ValueError(f"{where}: asked for {n} tokens but the cache holds {c.offset}")
+    if n < c.offset and not isinstance(c, (C.KVCache, C.QuantizedKVCache, C.ConcatenateKVCache)):
+        raise ValueError(f"{where}: a {type(c).__name__} cannot be cut back from {c.offset} to {n} tokens")
 
     if isinstance(c, C.QuantizedKVCache):
         _check_batch(c.keys[0], where)
-        n = c.offset
-        k = _rows(Quantized(*c.keys, c.bits, c.group_size), n)
-        v = _rows(Quantized(*c.values, c.bits, c.group_size), n)
+        k = rows(Quantized(*c.keys, c.bits, c.group_size), n)
+        v = rows(Quantized(*c.values, c.bits, c.group_size), n)
         return KVLayer(k, v, start=0, window=None)
 
     _check_batch(c.keys, where)
 
     if isinstance(c, (C.KVCache, C.ConcatenateKVCache)):
-        n = c.offset
-        return KVLayer(_rows(c.keys, n), _rows(c.values, n), start=0, window=None)
+        return KVLayer(rows(c.keys, n), rows(c.values, n), start=0, window=None)
 
     if isinstance(c, C.RotatingKVCache):
         # mlx-lm's own reordering: sink rows [0, keep), then the ring from the
@@ -209,39 +230,38 @@ def _kv_entry(c: Any, where: str) -> KVLayer:
         v = c._temporal_order(c.values)
         held = k.shape[2]
         if c.keep == 0:
-            return KVLayer(own(k), own(v), start=c.offset - held, window=c.max_size)
+            return KVLayer(fresh(k), fresh(v), start=c.offset - held, window=c.max_size)
         if held >= c.offset:
             # Nothing evicted yet: rows are exactly tokens [0, offset).
-            n = c.offset
-            return KVLayer(_rows(k, n), _rows(v, n), start=0, window=None)
+            return KVLayer(rows(k, n), rows(v, n), start=0, window=None)
         # Rows [keep, held) are the contiguous tail ending at offset; the sink
         # rows [0, keep) can't share an entry with them (gap in between).
         tail = held - c.keep
         return KVLayer(
-            own(k[..., c.keep :, :]),
-            own(v[..., c.keep :, :]),
+            fresh(k[..., c.keep :, :]),
+            fresh(v[..., c.keep :, :]),
             start=c.offset - tail,
             window=None,
         )
 
     if isinstance(c, C.ChunkedKVCache):
-        n = c.offset - c.start_position
+        m = c.offset - c.start_position
         return KVLayer(
-            _rows(c.keys, n), _rows(c.values, n), start=c.start_position,
+            rows(c.keys, m), rows(c.values, m), start=c.start_position,
             window=c.chunk_size,
         )
 
     raise TypeError(f"{where}: unsupported mlx-lm cache class {type(c).__name__}")
 
 
-def _flatten(c: Any, where: str, out: list[Layer]) -> None:
+def _flatten(c: Any, where: str, out: list[Layer], length: Optional[int], copy: bool) -> None:
     if isinstance(c, _BATCHED):
         raise ValueError(
             f"{where}: {type(c).__name__} holds a batch; extract(i) one sequence first"
         )
     if isinstance(c, C.CacheList):
         for j, s in enumerate(c.caches):
-            _flatten(s, f"{where}.{j}", out)
+            _flatten(s, f"{where}.{j}", out, length, copy)
     elif isinstance(c, C.ArraysCache):
         if c.left_padding is not None or c.lengths is not None:
             raise ValueError(
@@ -251,27 +271,88 @@ def _flatten(c: Any, where: str, out: list[Layer]) -> None:
         for a in c.cache:
             if a is not None:
                 _check_batch(a, where)
-        out.append(StateLayer([None if a is None else own(a) for a in c.cache]))
+        # a new array object either way: the engine may assign into its own
+        out.append(StateLayer([None if a is None else (own(a) if copy else _alias(a)) for a in c.cache]))
     else:
-        out.append(_kv_entry(c, where))
+        out.append(_kv_entry(c, where, length, copy))
 
 
-def cache_to_layers(prompt_cache: Sequence[Any]) -> list[Layer]:
+def cache_to_layers(prompt_cache: Sequence[Any], *, length: Optional[int] = None,
+                    copy: bool = True) -> list[Layer]:
     """Flatten an mlx-lm prompt cache (batch size 1) into store layers.
 
     One entry per leaf cache, ``CacheList`` children inline. Buffers are trimmed
-    to what the cache really holds and evaluated here, on the engine's thread,
-    because the store consumes them on its own thread. The attention caches
-    must agree on the token count (see :func:`cache_offset`).
+    to what the cache really holds -- or to its first ``length`` tokens, which
+    only full-attention caches can be cut back to (``ValueError`` otherwise,
+    and for recurrent state, valid only where it was taken). The attention
+    caches must agree on the token count (see :func:`cache_offset`).
+
+    ``copy=True`` returns compact, evaluated copies, evaluated here, on the
+    engine's thread, because the store consumes them on its own thread.
+    ``copy=False`` returns lazy views (new array objects, so the engine's own
+    slice assignments never reach them, and mlx never writes in place into a
+    buffer a view still shares), for a caller that evaluates them itself.
     """
     out: list[Layer] = []
     for i, c in enumerate(prompt_cache):
-        _flatten(c, f"layer {i}", out)
+        _flatten(c, f"layer {i}", out, length, copy)
     offsets = {l.stop for l in out if isinstance(l, KVLayer)}
     if len(offsets) > 1:
         raise ValueError(f"cache layers disagree on the token count: {sorted(offsets)}")
-    mx.eval([a for l in out for a in layer_arrays(l)])
+    if length is not None and any(isinstance(l, StateLayer) for l in out) and length != cache_offset(prompt_cache):
+        raise ValueError(f"recurrent state is valid only at {cache_offset(prompt_cache)} tokens, not {length}")
+    if copy:
+        mx.eval([a for l in out for a in layer_arrays(l)])
     return out
+
+
+def _alias_all(v: Any, arrays: list[mx.array]) -> Any:
+    if isinstance(v, mx.array):
+        a = mx.array(v)  # a new array object on the same (possibly still computing) data: no op, no copy
+        arrays.append(a)
+        return a
+    if isinstance(v, (list, tuple)) and any(isinstance(x, mx.array) for x in v):
+        return type(v)(_alias_all(x, arrays) for x in v)
+    return v
+
+
+def _snapshot(c: Any, arrays: list[mx.array]) -> Any:
+    s = copy.copy(c)
+    for name, v in vars(c).items():
+        if name == "caches" and isinstance(c, C.CacheList):
+            v = type(v)(_snapshot(x, arrays) for x in v)
+        setattr(s, name, _alias_all(v, arrays))
+    return s
+
+
+def snapshot(prompt_cache: Sequence[Any]) -> tuple[list[Any], list[mx.array]]:
+    """The prompt cache as it is now, for another thread, in microseconds.
+
+    New cache objects of the same classes and settings whose arrays are new
+    array objects on the engine's data: no op is built and nothing is copied
+    or waited for. The engine's later updates never reach them (they rebind
+    or slice-assign its own objects, and mlx never writes in place into data
+    another array still shares). Returns the copies and their arrays: call
+    ``mx.async_eval(arrays)`` on this thread (arrays an engine left unevaluated
+    can only be evaluated from the thread that built them); another thread
+    may then ``mx.eval`` them, which waits, and take the layers with
+    ``cache_to_layers``.
+    """
+    arrays: list[mx.array] = []
+    return [_snapshot(c, arrays) for c in prompt_cache], arrays
+
+
+def layer_count(model: nn.Module) -> int:
+    """How many store layers the model's prompt cache flattens to."""
+    return sum(1 for _ in _leaves(C.make_prompt_cache(model)))
+
+
+def caches_to_layers(parts: Sequence[Sequence[Any]], *, copy: bool = True) -> tuple[int, list[Layer]]:
+    """The layers of several models' prompt caches as one list, and the
+    tokens they cover: a main model's and its draft's (speculative decoding),
+    cut to the tokens every part holds (a draft can be one token behind)."""
+    n = min(cache_offset(p) for p in parts)
+    return n, ([l for p in parts for l in cache_to_layers(p, length=n, copy=copy)] if n else [])
 
 
 # ---------------------------------------------------------------------------
@@ -473,6 +554,20 @@ def layers_to_cache(
             f"got {len(cur.layers)} layers but the model's cache layout has {cur.i}"
         )
     mx.eval([a for c in out for a in _cache_arrays(c)])
+    return out
+
+
+def layers_to_caches(layers: Sequence[Layer], models: Sequence[nn.Module], *, length: int, **kwargs) -> list[Any]:
+    """The inverse of :func:`caches_to_layers`: one prompt-cache list, each
+    model's caches (``layers_to_cache(..., **kwargs)``) after the previous one's."""
+    out: list[Any] = []
+    i = 0
+    for model in models:
+        n = layer_count(model)
+        out += layers_to_cache(layers[i : i + n], model, length=length, **kwargs)
+        i += n
+    if i != len(layers):
+        raise ValueError(f"got {len(layers)} layers but the models' cache layouts have {i}")
     return out
 
 

@@ -4,7 +4,11 @@
 ``LRUPromptCache`` (``fetch_nearest_cache``, ``insert_cache``, ``trim_to``,
 ``nbytes``, ``__len__``, ``stats_by_type``), so the server, continuous batching
 included, runs unchanged on a ``PrefixStore``: caches survive restarts, are
-kept quantized and spill to SSD. ``serve`` starts mlx-lm's own server with it.
+kept quantized and spill to SSD. Every request the server caches is cached
+here too: text, prompts with images (keyed by mlx-lm's ``Vision.cache_key``,
+whose patch tokens are negative 64-bit ids) and speculative decoding (main and
+draft model cached together). ``start`` builds mlx-lm's own server on a store;
+``serve`` runs it (``kvstore serve``).
 """
 
 from __future__ import annotations
@@ -12,27 +16,136 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import queue
 import signal
+import socket
 import sys
+import threading
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional, Sequence
 
+import mlx.core as mx
+import mlx.nn as nn
+from mlx_lm.models import cache as C
 
-from kvstore import PrefixStore
+from kvstore import Hit, PrefixStore
+from kvstore.codec import layer_arrays
 
 from .generate import model_key
-from .mlx_lm import cache_offset, cache_to_layers, layers_to_cache
+from .mlx_lm import cache_offset, cache_to_layers, layer_count, layers_to_cache
 
 log = logging.getLogger("kvstore")
 
-_TYPES = ("assistant", "user", "system")
+GB = 1 << 30  # PrefixStore's budget unit
+
+
+@dataclass
+class _Models:
+    """What the server runs under one of its model keys: the store key, and
+    the models whose caches make up its prompt cache, main model first.
+
+    With a draft model (speculative decoding) mlx-lm's prompt cache is the
+    main model's cache list followed by the draft's, and it is stored the same
+    way: one chain of blocks whose layers are the main model's, then the
+    draft's, under a key fingerprinting both. One block thus holds both
+    models' rows for its tokens, so a hit always restores the two caches at
+    the same length, and eviction can never leave one without the other.
+    """
+
+    key: str
+    models: list[nn.Module]
+    top: list[int]  # top-level cache entries of each model (how mlx-lm splits the list)
+    flat: list[int]  # store layers of each model
+
+    def split(self, prompt_cache: Sequence[Any]) -> list[Sequence[Any]]:
+        if len(prompt_cache) != sum(self.top):
+            raise ValueError(f"the prompt cache has {len(prompt_cache)} entries; the models make {sum(self.top)}")
+        out, i = [], 0
+        for n in self.top:
+            out.append(prompt_cache[i : i + n])
+            i += n
+        return out
+
+    def restore(self, hit: Hit, **quant) -> list:
+        out, i = [], 0
+        for model, n in zip(self.models, self.flat):
+            out += layers_to_cache(hit.layers[i : i + n], model, length=hit.length, **quant)
+            i += n
+        return out
+
+
+class _Inserts:
+    """Puts run on a thread of their own, so an insert costs the server's
+    generation thread only building views of its cache (no copy, no wait for
+    the step still computing). A fetch first waits for the inserts of its
+    model in flight: a follow-up sent the moment a response ends (mlx-lm
+    sends the end before it inserts) still finds its prefix."""
+
+    def __init__(self, store: PrefixStore):
+        self.store = store
+        self._queue: "queue.Queue[Optional[tuple]]" = queue.Queue()
+        self._pending: dict[str, int] = {}
+        self._cond = threading.Condition()
+        self._thread: Optional[threading.Thread] = None
+
+    def submit(self, key: str, tokens: list[int], layers: list, arrays: list[mx.array]) -> None:
+        with self._cond:
+            self._pending[key] = self._pending.get(key, 0) + 1
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._run, name="kvstore-inserts", daemon=True)
+                self._thread.start()
+        self._queue.put((key, tokens, layers, arrays))
+
+    def wait(self, key: Optional[str] = None) -> None:
+        """Until no insert (of ``key``, or of any model) is in flight."""
+        with self._cond:
+            while self._pending.get(key) if key is not None else self._pending:
+                self._cond.wait()
+
+    def close(self) -> None:
+        with self._cond:
+            thread, self._thread = self._thread, None
+        if thread is not None:
+            self._queue.put(None)
+            thread.join()
+
+    def _run(self) -> None:
+        while (item := self._queue.get()) is not None:
+            key, tokens, layers, arrays = item
+            try:
+                mx.eval(arrays)  # scheduled on the engine's stream: this waits for them, it computes nothing
+                self.store.put(key, tokens, layers)
+            except Exception:
+                log.exception("kvstore: storing a cache failed; it is skipped")
+            finally:
+                del item, layers, arrays  # let go of the engine's buffers before waiting for the next one
+                with self._cond:
+                    self._pending[key] -= 1
+                    if not self._pending[key]:
+                        del self._pending[key]
+                    self._cond.notify_all()
+
+
+def _whole_images(tokens: Sequence[int], n: int) -> int:
+    """``n``, or the start of the image whose patch tokens it ends inside.
+
+    mlx-lm's server gives every patch token of one image the same negative id
+    and feeds an image's pixels only when its first patch token is past the
+    cached prefix: a prefix ending mid-image would leave the image's other
+    patch tokens without pixels."""
+    if 0 < n < len(tokens) and tokens[n] < 0 and tokens[n - 1] == tokens[n]:
+        image = tokens[n]
+        while n > 0 and tokens[n - 1] == image:
+            n -= 1
+    return n
 
 
 class StorePromptCache:
     """``LRUPromptCache``'s interface over a ``PrefixStore``.
 
     ``model_provider`` is mlx-lm's ``ModelProvider``: the store needs the
-    loaded model to rebuild its cache classes and to fingerprint it (the
+    loaded models to rebuild their cache classes and to fingerprint them (the
     server's own key is a path or a hub name, which says nothing of the
     weights behind it).
     """
@@ -40,123 +153,261 @@ class StorePromptCache:
     def __init__(self, store: PrefixStore, model_provider: Any):
         self.store = store
         self.provider = model_provider
-        self._keys: dict[Any, str] = {}
-        self._by_type = {t: {"n_sequences": 0, "n_bytes": 0} for t in _TYPES}
+        self._models: dict[Any, Optional[_Models]] = {}
+        self._inserts = _Inserts(store)
 
     # -- the server's interface ---------------------------------------------
 
     def fetch_nearest_cache(self, model: Any, tokens: list[int]) -> tuple[Optional[list], list[int]]:
-        key = self._key(model)
-        if key is None or len(tokens) < 2:
+        m = self._resolve(model)
+        if m is None or len(tokens) < 2:
             return None, tokens
         args = self.provider.cli_args
         kv_bits = getattr(args, "kv_bits", None)
         group = getattr(args, "kv_group_size", 64)
+        self._inserts.wait(m.key)
         try:
-            hit = self.store.fetch(key, tokens, limit=len(tokens) - 1,
-                                   quantized=(kv_bits, group) if kv_bits else None)
+            hit = self._fetch(m.key, tokens, (kv_bits, group) if kv_bits else None)
             if not hit:
                 return None, tokens
-            cache = layers_to_cache(hit.layers, self.provider.model, length=hit.length, kv_bits=kv_bits,
-                                    kv_group_size=group,
-                                    quantized_kv_start=getattr(args, "quantized_kv_start", 0))
+            cache = m.restore(hit, kv_bits=kv_bits, kv_group_size=group,
+                              quantized_kv_start=getattr(args, "quantized_kv_start", 0))
         except Exception:
             log.exception("kvstore: restoring a cache failed; computing the prompt instead")
             return None, tokens
         return cache, tokens[hit.length:]
 
     def insert_cache(self, model: Any, tokens: list[int], prompt_cache: list, *, cache_type: str = "assistant"):
-        key = self._key(model)
-        if key is None:
+        """Hand the cache to the store. ``cache_type`` (mlx-lm's eviction
+        order) has no use here: blocks shared by a system prompt, a user turn
+        and an answer are one pool, evicted leaves first."""
+        m = self._resolve(model)
+        if m is None:
             return
         try:
-            n = cache_offset(prompt_cache)
-            new = self.store.put(key, list(tokens[:n]), cache_to_layers(prompt_cache)) if n else 0
+            parts = m.split(prompt_cache)
+            n = min(cache_offset(p) for p in parts)  # a draft may be one token behind its main model
+            if n == 0:
+                return
+            layers = [l for p in parts for l in cache_to_layers(p, length=n, copy=False)]
+            arrays = [a for l in layers for a in layer_arrays(l)]
+            mx.async_eval(arrays)  # schedules the views on the engine's stream; does not wait
         except Exception:
             log.exception("kvstore: storing a cache failed; it is skipped")
             return
-        slot = self._by_type.setdefault(cache_type, {"n_sequences": 0, "n_bytes": 0})
-        slot["n_sequences"] += 1 if new else 0
+        self._inserts.submit(m.key, list(tokens[:n]), layers, arrays)
 
     def trim_to(self, *, n_sequences: Optional[int] = None, n_bytes: Optional[int] = None) -> None:
         """The server asks to stay under ``n_bytes`` while requests hold
-        caches: evict RAM blocks down to it (SSD copies stay)."""
+        caches: evict RAM blocks down to it (SSD copies stay). The store is
+        bounded by bytes only, so ``n_sequences`` is not used."""
         if n_bytes is not None:
             self.store.trim_ram(max(0, n_bytes))
 
     @property
     def nbytes(self) -> int:
+        """Bytes of KV held in RAM (what counts against the server's memory)."""
         return self.store.nbytes
 
     def __len__(self) -> int:
-        return len(self.store)
+        """Stored entries, as ``kvstore inspect`` lists them: chains of blocks
+        from a model's root to a leaf (a prompt, or a prompt and its answer)."""
+        return self.store.sequences
 
     def stats_by_type(self) -> dict:
-        out = {t: dict(v) for t, v in self._by_type.items()}
-        out.setdefault("assistant", {})["n_bytes"] = self.store.nbytes
-        return out
+        """One entry, ``all``: the store does not keep mlx-lm's cache types
+        apart (a system prompt's blocks are the start of every turn after it)."""
+        return {"all": {"n_sequences": len(self), "n_bytes": self.nbytes}}
 
-    # -- helpers --------------------------------------------------------------
+    # -- ours -----------------------------------------------------------------
 
-    def _key(self, model: Any) -> Optional[str]:
-        """Store key of the server's current model; ``None`` disables the
-        store (a draft model's cache would not line up with a restored one)."""
-        if model in self._keys:
-            return self._keys[model]
+    def flush(self) -> None:
+        """Wait until every insert so far is in the store."""
+        self._inserts.wait()
+
+    def close(self) -> None:
+        """Finish the inserts in flight (the store stays open)."""
+        self._inserts.close()
+
+    def _fetch(self, key: str, tokens: list[int], quantized: Optional[tuple[int, int]]) -> Hit:
+        limit = len(tokens) - 1  # the engine computes at least the last token, for its logits
+        while True:
+            hit = self.store.fetch(key, tokens, limit=limit, quantized=quantized)
+            whole = _whole_images(tokens, hit.length)
+            if whole == hit.length:
+                return hit
+            if whole == 0:
+                return Hit()
+            limit = whole
+
+    def _resolve(self, model: Any) -> Optional[_Models]:
+        """What the server's model key (path, adapter, draft) stands for;
+        ``None`` while its models are not loaded."""
+        if model in self._models:
+            return self._models[model]
         provider = self.provider
         path, adapter, draft = (tuple(model) + (None, None, None))[:3] if isinstance(model, tuple) else (model, None, None)
-        if draft is not None or provider.model is None:
-            self._keys[model] = None
+        if provider.model is None or (draft is not None and getattr(provider, "draft_model", None) is None):
             return None
-        local = Path(str(path)).expanduser()
-        key = model_key(provider.model, local if (local / "config.json").is_file() else None,
-                        extra=f"adapter={adapter}" if adapter else "")
-        if (local / "config.json").is_file():
-            self.store.register_model(key, {"path": str(local.resolve()), "name": local.name})
-        self._keys[model] = key
-        return key
+        models = [provider.model]
+        extra = f"adapter={adapter}" if adapter else ""
+        local = _folder(path)
+        info = {"path": str(local.resolve()), "name": local.name} if local else {}
+        if draft is not None:
+            models.append(provider.draft_model)
+            draft_local = _folder(draft)
+            extra += (";" if extra else "") + f"draft={model_key(provider.draft_model, draft_local)}"
+            info["draft"] = str(draft_local.resolve()) if draft_local else str(draft)
+        key = model_key(provider.model, local, extra=extra)
+        if local:
+            self.store.register_model(key, info)
+        m = _Models(key, models, [len(C.make_prompt_cache(x)) for x in models], [layer_count(x) for x in models])
+        self._models[model] = m
+        return m
 
 
-def serve(argv: Optional[Sequence[str]] = None) -> None:
-    """``kvstore serve``: mlx-lm's server (all its options) on a PrefixStore."""
-    import mlx_lm.server as S
+def _folder(path: Any) -> Optional[Path]:
+    """``path`` when it is a local model folder (not a hub name)."""
+    local = Path(str(path)).expanduser()
+    return local if (local / "config.json").is_file() else None
 
-    ours = argparse.ArgumentParser(prog="kvstore serve", add_help=False)
-    ours.add_argument("--ssd-path", default=None)
-    ours.add_argument("--budget-gb", type=float, default=4.0)
-    ours.add_argument("--disk-budget-gb", type=float, default=None)
-    ours.add_argument("--store-kv-bits", default=None,
-                      help="bits of stored entries: 8, 4, or K,V like 8,4 (default: as the engine holds them)")
-    ours.add_argument("--store-group-size", type=int, default=64)
-    ours.add_argument("--block-size", type=int, default=256)
-    ours.add_argument("--namespace", default=None)
-    opts, rest = ours.parse_known_args(argv)
+
+# ---------------------------------------------------------------------------
+# kvstore serve
+# ---------------------------------------------------------------------------
+
+_SIZE_REFUSED = ("--prompt-cache-size counts cached sequences; the store is bounded by bytes instead: "
+                 "use --budget-gb (RAM) or --prompt-cache-bytes, and --disk-budget-gb (SSD)")
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="kvstore serve", add_help=False, allow_abbrev=False)
+    p.add_argument("--ssd-path", default=None)
+    p.add_argument("--budget-gb", type=float, default=None, help="RAM budget of the store (default 4)")
+    p.add_argument("--disk-budget-gb", type=float, default=None)
+    p.add_argument("--store-kv-bits", default=None,
+                   help="bits of stored entries: 8, 4, or K,V like 8,4 (default: as the engine holds them)")
+    p.add_argument("--store-group-size", type=int, default=64)
+    p.add_argument("--block-size", type=int, default=256)
+    p.add_argument("--namespace", default=None)
+    # mlx-lm's own cache options, mapped onto the store or refused
+    p.add_argument("--prompt-cache-size", default=None)
+    p.add_argument("--prompt-cache-bytes", default=None)
+    return p
+
+
+def parse_args(argv: Sequence[str]) -> tuple[dict, list[str]]:
+    """``kvstore serve``'s own options as ``PrefixStore`` arguments, and the
+    rest for mlx-lm's server. mlx-lm's ``--prompt-cache-bytes`` is the RAM
+    budget (and stays with mlx-lm, which keeps running requests' caches
+    within it too); ``--prompt-cache-size`` is refused (exit code 2)."""
+    parser = _parser()
+    opts, rest = parser.parse_known_args(list(argv))
+    if opts.prompt_cache_size is not None:
+        parser.error(_SIZE_REFUSED)
+    budget_gb = 4.0 if opts.budget_gb is None else opts.budget_gb
+    if opts.prompt_cache_bytes is not None:
+        if opts.budget_gb is not None:
+            parser.error("--prompt-cache-bytes and --budget-gb both set the store's RAM budget: give one")
+        from mlx_lm.utils import _parse_size  # the parser mlx-lm reads this option with
+
+        try:
+            budget_gb = _parse_size(opts.prompt_cache_bytes) / GB
+        except Exception:
+            parser.error(f"--prompt-cache-bytes: {opts.prompt_cache_bytes!r} is not a size (e.g. 512M, 4GB)")
+        rest += ["--prompt-cache-bytes", opts.prompt_cache_bytes]
     bits = None
     if opts.store_kv_bits:
         parts = [int(x) for x in opts.store_kv_bits.split(",")]
         bits = parts[0] if len(parts) == 1 else tuple(parts)
-    store = PrefixStore(budget_gb=opts.budget_gb, ssd_path=opts.ssd_path, block_size=opts.block_size,
-                        kv_bits=bits, kv_group_size=opts.store_group_size, namespace=opts.namespace,
-                        disk_budget_gb=opts.disk_budget_gb)
+    store_args = dict(budget_gb=budget_gb, ssd_path=opts.ssd_path, block_size=opts.block_size, kv_bits=bits,
+                      kv_group_size=opts.store_group_size, namespace=opts.namespace,
+                      disk_budget_gb=opts.disk_budget_gb)
+    return store_args, rest
 
-    def run(host, port, model_provider, server_class=S.ThreadingHTTPServer, handler_class=S.APIHandler):
-        generator = S.ResponseGenerator(model_provider, StorePromptCache(store, model_provider))
-        S._run_http_server(host, port, generator, server_class, handler_class)
+
+@dataclass
+class Server:
+    """mlx-lm's server (its HTTP handler and generation thread) on a store,
+    listening but not yet serving: ``serve_forever`` or ``serve_in_thread``."""
+
+    store: PrefixStore
+    prompt_cache: StorePromptCache
+    generator: Any  # mlx_lm.server.ResponseGenerator
+    httpd: Any  # mlx_lm.server.ThreadingHTTPServer
+    _thread: Optional[threading.Thread] = field(default=None, repr=False)
+
+    @property
+    def port(self) -> int:
+        return self.httpd.server_address[1]
+
+    def serve_forever(self) -> None:
+        self.httpd.serve_forever()
+
+    def serve_in_thread(self) -> "Server":
+        self._thread = threading.Thread(target=self.httpd.serve_forever, name="kvstore-http", daemon=True)
+        self._thread.start()
+        return self
+
+    def close(self) -> None:
+        """Stop serving, finish the generation thread and every insert, close the store."""
+        if self._thread is not None:
+            self.httpd.shutdown()
+            self._thread.join()
+        self.httpd.server_close()
+        self.generator.stop_and_join()
+        self.prompt_cache.close()
+        self.store.close()
+
+
+def start(argv: Sequence[str]) -> Server:
+    """mlx-lm's server, configured from ``argv`` (all of ``mlx_lm.server``'s
+    options plus ``kvstore serve``'s), on a new ``PrefixStore``."""
+    import mlx_lm.server as S
+
+    store_args, rest = parse_args(argv)
+    got: dict = {}
+
+    def capture(host, port, model_provider, *args, **kwargs):  # mlx-lm's main() ends by calling run()
+        got.update(host=host, port=port, provider=model_provider)
+
+    run, argv0 = S.run, sys.argv
+    S.run, sys.argv = capture, ["mlx_lm.server", *rest]
+    try:
+        S.main()  # parses mlx-lm's options as mlx-lm does, sets up logging, builds the ModelProvider
+    finally:
+        S.run, sys.argv = run, argv0
+    store = PrefixStore(**store_args)
+    try:
+        prompt_cache = StorePromptCache(store, got["provider"])
+        fingerprint = S.get_system_fingerprint()
+        # as mlx-lm's _run_http_server: the address family the host resolves to (IPv6 too)
+        family, _, _, _, address = socket.getaddrinfo(got["host"], got["port"], type=socket.SOCK_STREAM,
+                                                      flags=socket.AI_PASSIVE)[0]
+        server_class = type("HTTPServer", (S.ThreadingHTTPServer,), {"address_family": family})
+        httpd = server_class(address, lambda *a, **k: S.APIHandler(generator, *a, system_fingerprint=fingerprint, **k))
+    except BaseException:
+        store.close()
+        raise
+    generator = S.ResponseGenerator(got["provider"], prompt_cache)  # starts the generation thread
+    log.info("kvstore: mlx-lm server on the store at %s port %d", got["host"], httpd.server_address[1])
+    return Server(store, prompt_cache, generator, httpd)
+
+
+def serve(argv: Optional[Sequence[str]] = None) -> None:
+    """``kvstore serve``: mlx-lm's server (all its options) on a PrefixStore."""
 
     def stop(signum, frame):  # SIGTERM skips atexit by default: turn it into a clean shutdown
         raise KeyboardInterrupt
 
+    server = start(sys.argv[1:] if argv is None else argv)
     signal.signal(signal.SIGTERM, stop)
-    S.run = run
-    argv0 = sys.argv
-    sys.argv = ["mlx_lm.server", *rest]
     try:
-        S.main()
+        server.serve_forever()
     except KeyboardInterrupt:
         pass
     finally:
-        sys.argv = argv0
-        store.close()
+        server.close()
         log.info("kvstore: store closed, pending blocks written")
     # mlx-lm's generation thread cannot be joined at interpreter exit (its C++
     # side aborts); everything of ours is on disk now, so leave at once.

@@ -1,0 +1,201 @@
+"""Every request mlx-lm's server caches is cached on the store: prompts with
+images, speculative decoding, and the server's own cache options.
+
+mlx-lm's real server (its HTTP handler, generation thread, image processor,
+speculative decoding) runs in this process on loopback, built by
+``kvstore.adapters.server.start`` exactly as ``kvstore serve`` builds it, and
+a real HTTP client talks to it. Each request is sent the moment the previous
+response ends (mlx-lm sends the end before it inserts the cache), so every
+hit below is also a follow-up that did not race its predecessor's insert.
+"""
+
+from __future__ import annotations
+
+import base64
+import contextlib
+import io
+import json
+import subprocess
+import sys
+import urllib.request
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from mlx_lm.models.cache import make_prompt_cache
+from mlx_lm.utils import load, load_tokenizer
+
+from kvstore.adapters.server import parse_args, start
+from kvstore.adapters.tiny_models import make_tiny_model
+from kvstore.adapters.tiny_vlm import make_tiny_vlm
+
+SYSTEM = "You are a helpful assistant who answers briefly. " * 25
+STORE = ["--port", "0", "--block-size", "64", "--log-level", "WARNING"]
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    root = tmp_path_factory.mktemp("models")
+    return {"vlm": str(make_tiny_vlm(root / "vlm")),
+            "main": str(make_tiny_model("llama", root / "main")),
+            "draft": str(make_tiny_model("llama", root / "draft", seed=1, num_hidden_layers=1))}
+
+
+@contextlib.contextmanager
+def serving(*argv):
+    server = start([*map(str, argv), *STORE]).serve_in_thread()
+    try:
+        yield server
+    finally:
+        server.close()
+
+
+def chat(server, messages, max_tokens=8) -> dict:
+    body = {"messages": messages, "max_tokens": max_tokens, "temperature": 0}
+    req = urllib.request.Request(f"http://127.0.0.1:{server.port}/v1/chat/completions", json.dumps(body).encode(),
+                                 {"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=120) as r:
+        out = json.load(r)
+    return {"prompt": out["usage"]["prompt_tokens"], "cached": out["usage"]["prompt_tokens_details"]["cached_tokens"],
+            "text": out["choices"][0]["message"]["content"]}
+
+
+def system(*turns) -> list[dict]:
+    return [{"role": "system", "content": SYSTEM}, *turns]
+
+
+def user(content) -> dict:
+    return {"role": "user", "content": content}
+
+
+def image(seed: int) -> dict:
+    """A 112x112 PNG as a data URL: 16 image tokens of 28x28 pixels."""
+    from PIL import Image
+
+    buf = io.BytesIO()
+    Image.fromarray(np.random.default_rng(seed).integers(0, 256, (112, 112, 3), dtype=np.uint8)).save(buf, "PNG")
+    return {"type": "image_url", "image_url": {"url": "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()}}
+
+
+def system_tokens(model: str) -> int:
+    """Tokens of the chat up to the end of the system prompt."""
+    tok = load_tokenizer(model)
+    return len(tok.apply_chat_template([{"role": "system", "content": SYSTEM}], tokenize=True))
+
+
+# ------------------------------------------------------------------- images
+
+
+def test_image_prompt_its_follow_up_and_a_text_prompt_sharing_its_start_hit(models):
+    """mlx-lm keys an image's patch tokens by a ~60-bit negative id: the image
+    prompt is stored, its follow-up hits the whole first turn, a text-only
+    prompt hits the system prompt they share, a repeat answers as cold did,
+    and another image hits only the text before it (its own patches are
+    computed from its own pixels)."""
+    picture = [{"type": "text", "text": "What is in this picture?"}, image(1)]
+    with serving("--model", models["vlm"], "--trust-remote-code") as server:
+        first = chat(server, system(user(picture)))
+        follow = chat(server, system(user(picture), {"role": "assistant", "content": first["text"]},
+                                     user("And what colours does it have?")))
+        text = chat(server, system(user("What is in this text?")))
+        again = chat(server, system(user(picture)))
+        other = chat(server, system(user([picture[0], image(2)])))
+        stored = len(server.prompt_cache)
+    assert first["cached"] == 0
+    assert follow["cached"] >= first["prompt"]  # the first turn, its image and its answer
+    assert text["cached"] >= system_tokens(models["vlm"])
+    assert again["cached"] == again["prompt"] - 1 and again["text"] == first["text"]
+    assert system_tokens(models["vlm"]) < other["cached"] <= other["prompt"] - 16
+    assert stored >= 3
+
+
+def test_a_prefix_ending_inside_an_image_is_served_up_to_the_image(models):
+    """The server feeds an image's pixels only when its first patch token is
+    past the cached prefix, so a stored prefix that ends among an image's
+    patch tokens is served only up to the image's start."""
+    tok = load_tokenizer(models["vlm"])
+    patch = tok.convert_tokens_to_ids("<|patch|>")
+    text = tok.encode(SYSTEM)[:100]
+    ids = text + [patch] * 16 + tok.encode(" and after it")
+    key = text + [-1 - int("9f86d081884c7d6", 16)] * 16 + ids[116:]  # as mlx-lm's Vision.cache_key
+    with serving("--model", models["vlm"], "--trust-remote-code") as server:
+        chat(server, system(user("load the model")))
+        pc = server.prompt_cache
+        model = pc.provider.model
+        cache = make_prompt_cache(model)
+        model(mx.array(ids[:108])[None], cache=cache)  # through the 8th patch token of the image
+        mx.eval([c.state for c in cache])
+        pc.insert_cache(pc.provider.model_key, key[:108], cache)
+        got, rest = pc.fetch_nearest_cache(pc.provider.model_key, key)
+        short = key[:104] + [5, 6]
+        _, rest_short = pc.fetch_nearest_cache(pc.provider.model_key, short)
+    assert got is not None and len(key) - len(rest) == 100 and got[0].offset == 100
+    assert len(short) - len(rest_short) == 104  # a prompt whose patches end where the stored ones go on
+
+
+# ------------------------------------------------------ speculative decoding
+
+
+def test_speculative_decoding_caches_main_and_draft_and_answers_as_cold(models):
+    """With a draft model both caches are stored together: a second request
+    sharing the long system prompt finds >= 80% of its prompt cached, and
+    answers at temperature 0 are the cold ones."""
+    with serving("--model", models["main"], "--draft-model", models["draft"], "--num-draft-tokens", "3") as server:
+        first = chat(server, system(user("hello there")), max_tokens=16)
+        second = chat(server, system(user("how are you today")), max_tokens=16)
+        repeat = chat(server, system(user("hello there")), max_tokens=16)
+    assert first["cached"] == 0
+    assert second["cached"] >= 0.8 * second["prompt"]
+    assert repeat["cached"] == repeat["prompt"] - 1 and repeat["text"] == first["text"]
+
+    from mlx_lm import generate
+
+    model, tok = load(models["main"])
+    draft, _ = load(models["draft"])
+    prompt = tok.apply_chat_template(system(user("how are you today")), add_generation_prompt=True)
+    cold = generate(model, tok, prompt, max_tokens=16, draft_model=draft, num_draft_tokens=3)
+    assert second["text"] == cold
+
+
+# ------------------------------------------------------ mlx-lm cache options
+
+
+def test_prompt_cache_bytes_is_the_ram_budget(models, tmp_path):
+    """``--prompt-cache-bytes`` bounds the KV the store holds in RAM (and,
+    as in mlx-lm, leaves room for running requests' caches); what does not fit
+    is served from SSD."""
+    with serving("--model", models["main"], "--prompt-cache-bytes", "0.2M", "--ssd-path", tmp_path / "s") as server:
+        first = chat(server, system(user("hello there")))
+        second = chat(server, system(user("how are you today")))
+        server.prompt_cache.flush()
+        stats = server.store.stats()
+        nbytes = server.prompt_cache.nbytes
+    assert stats["ram_budget"] == 200_000 and 0 < nbytes <= 200_000
+    assert stats["ssd_blocks"] > stats["ram_blocks"]  # the prompts' KV (~380 KB each) did not fit in RAM
+    assert first["cached"] == 0 and second["cached"] >= 0.8 * second["prompt"]
+
+
+@pytest.mark.parametrize("argv, says", [
+    (["--prompt-cache-size", "5"], ["--prompt-cache-size", "--budget-gb", "--prompt-cache-bytes", "--disk-budget-gb"]),
+    (["--prompt-cache-bytes", "1G", "--budget-gb", "2"], ["--prompt-cache-bytes", "--budget-gb", "give one"]),
+    (["--prompt-cache-bytes", "12 parsecs"], ["--prompt-cache-bytes", "not a size"]),
+])
+def test_cache_options_the_store_cannot_honour_are_refused(argv, says, capsys):
+    """What would be silently ignored is refused, naming the option to use."""
+    with pytest.raises(SystemExit) as e:
+        parse_args(["--model", "m", *argv])
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert all(s in err for s in says), err
+
+
+def test_kvstore_serve_refuses_prompt_cache_size_before_loading_anything():
+    res = subprocess.run([sys.executable, "-m", "kvstore.adapters.cli", "serve", "--model", "no/such/model",
+                          "--prompt-cache-size", "5"], capture_output=True, text=True, timeout=120)
+    assert res.returncode == 2 and "use --budget-gb (RAM) or --prompt-cache-bytes" in res.stderr, res.stderr
+
+
+def test_prompt_cache_bytes_goes_on_to_mlx_lm():
+    """mlx-lm keeps reading it: it trims the cache while requests run."""
+    store, rest = parse_args(["--model", "m", "--prompt-cache-bytes", "4GB"])
+    assert store["budget_gb"] * (1 << 30) == 4e9 and rest[-2:] == ["--prompt-cache-bytes", "4GB"]
