@@ -30,10 +30,9 @@ import mlx.nn as nn
 from mlx_lm.models import cache as C
 
 from kvstore import Hit, PrefixStore
-from kvstore.codec import layer_arrays
 
 from .generate import model_key
-from .mlx_lm import cache_offset, cache_to_layers, layer_count, layers_to_cache
+from .mlx_lm import cache_offset, cache_to_layers, layer_count, layers_to_cache, snapshot
 
 log = logging.getLogger("kvstore")
 
@@ -77,8 +76,8 @@ class _Models:
 
 class _Inserts:
     """Puts run on a thread of their own, so an insert costs the server's
-    generation thread only building views of its cache (no copy, no wait for
-    the step still computing). A fetch first waits for the inserts of its
+    generation thread only a snapshot of its cache (no op, no copy, no wait
+    for the step still computing). A fetch first waits for the inserts of its
     model in flight: a follow-up sent the moment a response ends (mlx-lm
     sends the end before it inserts) still finds its prefix."""
 
@@ -89,13 +88,13 @@ class _Inserts:
         self._cond = threading.Condition()
         self._thread: Optional[threading.Thread] = None
 
-    def submit(self, key: str, tokens: list[int], layers: list, arrays: list[mx.array]) -> None:
+    def submit(self, key: str, tokens: list[int], parts: list, n: int, arrays: list[mx.array]) -> None:
         with self._cond:
             self._pending[key] = self._pending.get(key, 0) + 1
             if self._thread is None:
                 self._thread = threading.Thread(target=self._run, name="kvstore-inserts", daemon=True)
                 self._thread.start()
-        self._queue.put((key, tokens, layers, arrays))
+        self._queue.put((key, tokens, parts, n, arrays))
 
     def wait(self, key: Optional[str] = None) -> None:
         """Until no insert (of ``key``, or of any model) is in flight."""
@@ -112,14 +111,14 @@ class _Inserts:
 
     def _run(self) -> None:
         while (item := self._queue.get()) is not None:
-            key, tokens, layers, arrays = item
+            key, tokens, parts, n, arrays = item
             try:
                 mx.eval(arrays)  # scheduled on the engine's stream: this waits for them, it computes nothing
-                self.store.put(key, tokens, layers)
+                self.store.put(key, tokens, [l for p in parts for l in cache_to_layers(p, length=n, copy=False)])
             except Exception:
                 log.exception("kvstore: storing a cache failed; it is skipped")
             finally:
-                del item, layers, arrays  # let go of the engine's buffers before waiting for the next one
+                del item, parts, arrays  # let go of the engine's buffers before waiting for the next one
                 with self._cond:
                     self._pending[key] -= 1
                     if not self._pending[key]:
@@ -189,13 +188,12 @@ class StorePromptCache:
             n = min(cache_offset(p) for p in parts)  # a draft may be one token behind its main model
             if n == 0:
                 return
-            layers = [l for p in parts for l in cache_to_layers(p, length=n, copy=False)]
-            arrays = [a for l in layers for a in layer_arrays(l)]
-            mx.async_eval(arrays)  # schedules the views on the engine's stream; does not wait
+            frozen, arrays = snapshot(prompt_cache)
+            mx.async_eval(arrays)  # what the engine left unevaluated is scheduled on its stream; no wait
         except Exception:
             log.exception("kvstore: storing a cache failed; it is skipped")
             return
-        self._inserts.submit(m.key, list(tokens[:n]), layers, arrays)
+        self._inserts.submit(m.key, list(tokens[:n]), m.split(frozen), n, arrays)
 
     def trim_to(self, *, n_sequences: Optional[int] = None, n_bytes: Optional[int] = None) -> None:
         """The server asks to stay under ``n_bytes`` while requests hold
