@@ -47,9 +47,11 @@ def bench(ctx: typer.Context):
 def serve(ctx: typer.Context):
     """Run mlx-lm's OpenAI-compatible server on the store (restarts keep the cache).
 
-    Takes every [bold]mlx_lm.server[/bold] option (--model, --host, --port, --kv-bits, ...) plus:
+    Takes every [bold]mlx_lm.server[/bold] option (--model, --host, --port, --kv-bits, --draft-model, ...) plus:
     --ssd-path DIR, --budget-gb N (RAM, default 4), --disk-budget-gb N, --store-kv-bits 8 | 4 | 8,4,
     --store-group-size N, --block-size N, --namespace NAME.
+    mlx-lm's --prompt-cache-bytes N is the RAM budget (instead of --budget-gb); its --prompt-cache-size
+    (a count of sequences) is refused: the store is bounded by bytes.
 
     Example: [bold]kvstore serve --model ./my-model --ssd-path ~/.cache/kvstore/store --store-kv-bits 8 --port 8080[/bold]
     """

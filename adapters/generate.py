@@ -27,9 +27,10 @@ from mlx_lm.models import cache as C
 
 from kvstore import PrefixStore
 
-from .mlx_lm import cache_offset, cache_to_layers, layers_to_cache, layout_signature, model_fingerprint
+from .mlx_lm import caches_to_layers, layers_to_caches, layout_signature, model_fingerprint
 
-__all__ = ["model_key", "fetch_cache", "prefill", "store_cache", "stream_generate", "generate", "Generation"]
+__all__ = ["model_key", "models_key", "fetch_cache", "prefill", "store_cache", "stream_generate", "generate",
+           "Generation"]
 
 # id(model) -> {resolved model folder or None: key}; modules are dicts, hence unhashable
 _KEYS: dict[int, dict[Optional[str], str]] = {}
@@ -67,6 +68,25 @@ def model_key(model: nn.Module, model_path: Union[str, Path, None] = None, extra
     return key
 
 
+def models_key(model: nn.Module, model_path: Union[str, Path, None] = None, *, draft_model: Optional[nn.Module] = None,
+               draft_path: Union[str, Path, None] = None, extra: str = "") -> str:
+    """The store key of a model, or of a model and its draft model
+    (speculative decoding): both caches are stored together, one chain whose
+    blocks hold the main model's layers then the draft's, so the key
+    fingerprints both. Without a draft it is ``model_key(model, model_path)``."""
+    if draft_model is not None:
+        extra += (";" if extra else "") + f"draft={model_key(draft_model, draft_path)}"
+    return model_key(model, model_path, extra)
+
+
+def _split(cache: Sequence[Any], model: nn.Module, draft_model: Optional[nn.Module]) -> list[Sequence[Any]]:
+    """mlx-lm keeps a main model's and its draft's caches in one list."""
+    if draft_model is None:
+        return [cache]
+    n = len(C.make_prompt_cache(model))
+    return [cache[:n], cache[n:]]
+
+
 def _needs_snapshots(cache: Sequence[Any]) -> bool:
     """Whether the cache holds state a later, shorter prefix cannot trim back to."""
     def leaf(c):
@@ -86,25 +106,29 @@ class Restored:
 
 def fetch_cache(store: PrefixStore, model: nn.Module, key: str, tokens: Sequence[int], *,
                 kv_bits: Optional[int] = None, kv_group_size: int = 64, quantized_kv_start: int = 0,
-                max_kv_size: Optional[int] = None) -> Restored:
+                max_kv_size: Optional[int] = None, draft_model: Optional[nn.Module] = None) -> Restored:
     """A prompt cache for ``tokens``: the longest stored prefix (leaving at
     least the last token to compute, so the engine gets its logits), or an
-    empty cache on a miss."""
+    empty cache on a miss. With a ``draft_model`` (and the key of
+    :func:`models_key`) it holds the main model's caches, then the draft's."""
+    models = [model] if draft_model is None else [model, draft_model]
     quant = (kv_bits, kv_group_size) if kv_bits else None
     hit = store.fetch(key, tokens, limit=len(tokens) - 1, quantized=quant)
     if not hit:
-        return Restored(C.make_prompt_cache(model, max_kv_size=max_kv_size), 0)
-    cache = layers_to_cache(hit.layers, model, length=hit.length, kv_bits=kv_bits, kv_group_size=kv_group_size,
-                            quantized_kv_start=quantized_kv_start, max_kv_size=max_kv_size)
+        return Restored([c for m in models for c in C.make_prompt_cache(m, max_kv_size=max_kv_size)], 0)
+    cache = layers_to_caches(hit.layers, models, length=hit.length, kv_bits=kv_bits, kv_group_size=kv_group_size,
+                             quantized_kv_start=quantized_kv_start, max_kv_size=max_kv_size)
     return Restored(cache, hit.length, hit.ram_tokens, hit.ssd_tokens)
 
 
-def store_cache(store: PrefixStore, key: str, tokens: Sequence[int], cache: Sequence[Any]) -> int:
-    """Offer ``cache`` (which covers a prefix of ``tokens``) to the store."""
-    n = cache_offset(cache)
+def store_cache(store: PrefixStore, key: str, tokens: Sequence[int], cache: Sequence[Any], *,
+                parts: Optional[Sequence[Sequence[Any]]] = None) -> int:
+    """Offer ``cache`` (which covers a prefix of ``tokens``) to the store;
+    ``parts``: the caches of a main model and its draft instead."""
+    n, layers = caches_to_layers(parts if parts is not None else [cache])
     if n == 0:
         return 0
-    return store.put(key, list(tokens[:n]), cache_to_layers(cache))
+    return store.put(key, list(tokens[:n]), layers)
 
 
 def prefill(model: nn.Module, cache: list, tokens: Sequence[int], start: int, stop: int, *,
@@ -168,18 +192,19 @@ def stream_generate(model: nn.Module, tokenizer, prompt: Union[str, Sequence[int
     tokens = _tokens(tokenizer, prompt)
     if not tokens:
         raise ValueError("empty prompt")
-    key = model_key(model, model_path)
+    draft = kwargs.get("draft_model")  # speculative decoding: its cache is stored with the main model's
+    key = models_key(model, model_path, draft_model=draft)
     if model_path is not None:
         store.register_model(key, {"path": str(Path(model_path).resolve()), "name": Path(model_path).name})
     qkw = dict(kv_bits=kv_bits, kv_group_size=kv_group_size, quantized_kv_start=quantized_kv_start)
-    got = fetch_cache(store, model, key, tokens, max_kv_size=max_kv_size, **qkw)
+    got = fetch_cache(store, model, key, tokens, max_kv_size=max_kv_size, draft_model=draft, **qkw)
     t_fetched = time.perf_counter()
     cache = got.cache
     res.prompt_tokens, res.cached_tokens = len(tokens), got.cached_tokens
     res.ram_tokens, res.ssd_tokens = got.ram_tokens, got.ssd_tokens
     res.computed_tokens = len(tokens) - got.cached_tokens
     pos = got.cached_tokens
-    if _needs_snapshots(cache):
+    if draft is None and _needs_snapshots(cache):  # speculative decoding needs trimmable caches anyway
         prefill(model, cache, tokens, pos, len(tokens) - 1, store=store, key=key, step=prefill_step_size, **qkw)
         pos = len(tokens) - 1
     generated: list[int] = []
@@ -199,7 +224,7 @@ def stream_generate(model: nn.Module, tokenizer, prompt: Union[str, Sequence[int
     finally:
         res.tokens = generated
         res.total_s = time.perf_counter() - t0
-        store_cache(store, key, tokens + generated, cache)
+        store_cache(store, key, tokens + generated, cache, parts=_split(cache, model, draft))
 
 
 def generate(model: nn.Module, tokenizer, prompt: Union[str, Sequence[int]], *, store: PrefixStore,

@@ -31,8 +31,8 @@ from mlx_lm.models import cache as C
 
 from kvstore import Hit, PrefixStore
 
-from .generate import model_key
-from .mlx_lm import cache_offset, cache_to_layers, layer_count, layers_to_cache, snapshot
+from .generate import models_key
+from .mlx_lm import cache_offset, caches_to_layers, layers_to_caches, snapshot
 
 log = logging.getLogger("kvstore")
 
@@ -41,21 +41,14 @@ GB = 1 << 30  # PrefixStore's budget unit
 
 @dataclass
 class _Models:
-    """What the server runs under one of its model keys: the store key, and
-    the models whose caches make up its prompt cache, main model first.
-
-    With a draft model (speculative decoding) mlx-lm's prompt cache is the
-    main model's cache list followed by the draft's, and it is stored the same
-    way: one chain of blocks whose layers are the main model's, then the
-    draft's, under a key fingerprinting both. One block thus holds both
-    models' rows for its tokens, so a hit always restores the two caches at
-    the same length, and eviction can never leave one without the other.
-    """
+    """What the server runs under one of its model keys: the store key (see
+    ``models_key``: with a draft model, main and draft caches are stored
+    together) and the models whose caches make up its prompt cache, main
+    model first, with how many top-level entries each has in mlx-lm's list."""
 
     key: str
     models: list[nn.Module]
-    top: list[int]  # top-level cache entries of each model (how mlx-lm splits the list)
-    flat: list[int]  # store layers of each model
+    top: list[int]
 
     def split(self, prompt_cache: Sequence[Any]) -> list[Sequence[Any]]:
         if len(prompt_cache) != sum(self.top):
@@ -63,13 +56,6 @@ class _Models:
         out, i = [], 0
         for n in self.top:
             out.append(prompt_cache[i : i + n])
-            i += n
-        return out
-
-    def restore(self, hit: Hit, **quant) -> list:
-        out, i = [], 0
-        for model, n in zip(self.models, self.flat):
-            out += layers_to_cache(hit.layers[i : i + n], model, length=hit.length, **quant)
             i += n
         return out
 
@@ -88,13 +74,13 @@ class _Inserts:
         self._cond = threading.Condition()
         self._thread: Optional[threading.Thread] = None
 
-    def submit(self, key: str, tokens: list[int], parts: list, n: int, arrays: list[mx.array]) -> None:
+    def submit(self, key: str, tokens: list[int], parts: list, arrays: list[mx.array]) -> None:
         with self._cond:
             self._pending[key] = self._pending.get(key, 0) + 1
             if self._thread is None:
                 self._thread = threading.Thread(target=self._run, name="kvstore-inserts", daemon=True)
                 self._thread.start()
-        self._queue.put((key, tokens, parts, n, arrays))
+        self._queue.put((key, tokens, parts, arrays))
 
     def wait(self, key: Optional[str] = None) -> None:
         """Until no insert (of ``key``, or of any model) is in flight."""
@@ -111,14 +97,16 @@ class _Inserts:
 
     def _run(self) -> None:
         while (item := self._queue.get()) is not None:
-            key, tokens, parts, n, arrays = item
+            key, tokens, parts, arrays = item
+            layers = None
             try:
                 mx.eval(arrays)  # scheduled on the engine's stream: this waits for them, it computes nothing
-                self.store.put(key, tokens, [l for p in parts for l in cache_to_layers(p, length=n, copy=False)])
+                n, layers = caches_to_layers(parts, copy=False)
+                self.store.put(key, tokens[:n], layers)
             except Exception:
                 log.exception("kvstore: storing a cache failed; it is skipped")
             finally:
-                del item, parts, arrays  # let go of the engine's buffers before waiting for the next one
+                item = parts = arrays = layers = None  # let go of the engine's buffers before waiting for the next one
                 with self._cond:
                     self._pending[key] -= 1
                     if not self._pending[key]:
@@ -169,8 +157,8 @@ class StorePromptCache:
             hit = self._fetch(m.key, tokens, (kv_bits, group) if kv_bits else None)
             if not hit:
                 return None, tokens
-            cache = m.restore(hit, kv_bits=kv_bits, kv_group_size=group,
-                              quantized_kv_start=getattr(args, "quantized_kv_start", 0))
+            cache = layers_to_caches(hit.layers, m.models, length=hit.length, kv_bits=kv_bits, kv_group_size=group,
+                                     quantized_kv_start=getattr(args, "quantized_kv_start", 0))
         except Exception:
             log.exception("kvstore: restoring a cache failed; computing the prompt instead")
             return None, tokens
@@ -184,8 +172,7 @@ class StorePromptCache:
         if m is None:
             return
         try:
-            parts = m.split(prompt_cache)
-            n = min(cache_offset(p) for p in parts)  # a draft may be one token behind its main model
+            n = min(cache_offset(p) for p in m.split(prompt_cache))  # a draft may be one token behind its main model
             if n == 0:
                 return
             frozen, arrays = snapshot(prompt_cache)
@@ -193,7 +180,7 @@ class StorePromptCache:
         except Exception:
             log.exception("kvstore: storing a cache failed; it is skipped")
             return
-        self._inserts.submit(m.key, list(tokens[:n]), m.split(frozen), n, arrays)
+        self._inserts.submit(m.key, list(tokens[:n]), m.split(frozen), arrays)
 
     def trim_to(self, *, n_sequences: Optional[int] = None, n_bytes: Optional[int] = None) -> None:
         """The server asks to stay under ``n_bytes`` while requests hold
@@ -247,19 +234,16 @@ class StorePromptCache:
         path, adapter, draft = (tuple(model) + (None, None, None))[:3] if isinstance(model, tuple) else (model, None, None)
         if provider.model is None or (draft is not None and getattr(provider, "draft_model", None) is None):
             return None
-        models = [provider.model]
-        extra = f"adapter={adapter}" if adapter else ""
-        local = _folder(path)
-        info = {"path": str(local.resolve()), "name": local.name} if local else {}
-        if draft is not None:
-            models.append(provider.draft_model)
-            draft_local = _folder(draft)
-            extra += (";" if extra else "") + f"draft={model_key(provider.draft_model, draft_local)}"
-            info["draft"] = str(draft_local.resolve()) if draft_local else str(draft)
-        key = model_key(provider.model, local, extra=extra)
+        models = [provider.model] if draft is None else [provider.model, provider.draft_model]
+        local, draft_local = _folder(path), _folder(draft)
+        key = models_key(provider.model, local, draft_model=models[1] if draft is not None else None,
+                         draft_path=draft_local, extra=f"adapter={adapter}" if adapter else "")
         if local:
+            info = {"path": str(local.resolve()), "name": local.name}
+            if draft is not None:
+                info["draft"] = str(draft_local.resolve()) if draft_local else str(draft)
             self.store.register_model(key, info)
-        m = _Models(key, models, [len(C.make_prompt_cache(x)) for x in models], [layer_count(x) for x in models])
+        m = _Models(key, models, [len(C.make_prompt_cache(x)) for x in models])
         self._models[model] = m
         return m
 

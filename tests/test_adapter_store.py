@@ -159,3 +159,22 @@ def test_model_key_does_not_depend_on_which_call_came_first(tmp_path):
     assert a_folder == b_folder == model_fingerprint(path, a)
     assert a_loaded == b_loaded != a_folder
     assert model_key(a, tmp_path / "." / "m") == a_folder  # the same folder spelled another way
+
+
+def test_speculative_generation_stores_main_and_draft_and_answers_as_cold(tmp_path):
+    """With a draft model, ``generate`` keeps both caches under one key of the
+    two models: the second request hits and generates what a cold one does."""
+    path = make_tiny_model("llama", tmp_path / "main")
+    model, tokenizer = load(str(path))
+    draft, _ = load(str(make_tiny_model("llama", tmp_path / "draft", seed=1, num_hidden_layers=1)))
+    tokens = prompt(300, seed=7)
+    spec = dict(draft_model=draft, num_draft_tokens=3)
+    reference = [r.token for r in mlx_stream_generate(model, tokenizer, tokens, max_tokens=24, **spec)]
+    with PrefixStore(budget_gb=1, block_size=BLOCK) as store:
+        first = generate(model, tokenizer, tokens, store=store, model_path=path, max_tokens=24, **spec)
+        store.flush()
+        plain = fetch_cache(store, model, model_key(model, path), tokens)
+        second = generate(model, tokenizer, tokens, store=store, model_path=path, max_tokens=24, **spec)
+    assert first.cached_tokens == 0 and second.cached_tokens == len(tokens) - 1
+    assert plain.cached_tokens == 0  # the main model alone has another key: its cache lacks the draft's layers
+    assert first.tokens == reference and second.tokens == reference

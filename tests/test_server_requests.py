@@ -133,6 +133,25 @@ def test_a_prefix_ending_inside_an_image_is_served_up_to_the_image(models):
     assert len(short) - len(rest_short) == 104  # a prompt whose patches end where the stored ones go on
 
 
+def test_a_fetch_right_after_an_insert_finds_it(models):
+    """The generation thread inserts a finished request's cache and may fetch
+    for the next queued request at once (another client's): the fetch waits
+    for the insert, which runs off the generation thread, and finds it."""
+    tok = load_tokenizer(models["main"])
+    prompt = tok.encode(SYSTEM)[:150]
+    with serving("--model", models["main"]) as server:
+        chat(server, system(user("load the model")))
+        pc, key = server.prompt_cache, server.prompt_cache.provider.model_key
+        model = pc.provider.model
+        for i in range(8):
+            tokens = prompt + [10 + i] * 20
+            cache = make_prompt_cache(model)
+            model(mx.array(tokens)[None], cache=cache)  # not evaluated: as the engine leaves its last step
+            pc.insert_cache(key, tokens, cache)
+            _, rest = pc.fetch_nearest_cache(key, tokens + [7])
+            assert len(rest) == 1, f"round {i}: {len(tokens) + 1 - len(rest)} of {len(tokens)} tokens found"
+
+
 # ------------------------------------------------------ speculative decoding
 
 
