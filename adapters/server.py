@@ -207,8 +207,9 @@ class StorePromptCache:
     # -- ours -----------------------------------------------------------------
 
     def flush(self) -> None:
-        """Wait until every insert so far is in the store."""
+        """Wait until every insert so far is in the store, encoded and written."""
         self._inserts.wait()
+        self.store.flush()
 
     def close(self) -> None:
         """Finish the inserts in flight (the store stays open)."""
