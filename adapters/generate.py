@@ -234,3 +234,25 @@ def generate(model: nn.Module, tokenizer, prompt: Union[str, Sequence[int]], *, 
     for _ in stream_generate(model, tokenizer, prompt, store=store, result=res, **kwargs):
         pass
     return res
+
+
+def calibrate(store: PrefixStore, key: str, models: Sequence[nn.Module],
+              sizes: Sequence[tuple[int, int]] = ((0, 128), (0, 512), (0, 1024), (512, 1024))) -> None:
+    """Time a few prefills of random tokens (``(cached, total)`` each) and
+    report them to the store, so ``fetch_policy="auto"`` has a prefill model
+    for ``key`` before the first real request (engines whose prefills the
+    adapter cannot time, like mlx-lm's server, call this once)."""
+    vocab = 1000
+    for start, stop in sizes:
+        tokens = mx.random.randint(0, vocab, (stop,))
+        seconds = 0.0
+        for m in models:
+            cache = C.make_prompt_cache(m)
+            if start:
+                m(tokens[None, :start], cache=cache)
+                mx.eval([c.state for c in cache])
+            t = time.perf_counter()
+            m(tokens[None, start:stop], cache=cache)
+            mx.eval([c.state for c in cache])
+            seconds += time.perf_counter() - t
+        store.observe_prefill(key, start, stop, seconds)

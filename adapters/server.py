@@ -31,7 +31,7 @@ from mlx_lm.models import cache as C
 
 from kvstore import Hit, PrefixStore
 
-from .generate import models_key
+from .generate import calibrate, models_key
 from .mlx_lm import cache_offset, caches_to_layers, layers_to_caches, snapshot
 
 log = logging.getLogger("kvstore")
@@ -246,6 +246,9 @@ class StorePromptCache:
             self.store.register_model(key, info)
         m = _Models(key, models, [len(C.make_prompt_cache(x)) for x in models])
         self._models[model] = m
+        if self.store.fetch_policy == "auto" and not self.store.knows_prefill(key):
+            # the server's prefills cannot be timed from here: measure a few once, for the cost model
+            calibrate(self.store, key, models)
         return m
 
 
@@ -273,6 +276,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--store-group-size", type=int, default=64)
     p.add_argument("--block-size", type=int, default=256)
     p.add_argument("--namespace", default=None)
+    p.add_argument("--fetch-policy", default="auto", choices=["auto", "always", "never"],
+                   help="auto: load a hit only where that beats recomputing it (rates measured here)")
     # mlx-lm's own cache options, mapped onto the store or refused
     p.add_argument("--prompt-cache-size", default=None)
     p.add_argument("--prompt-cache-bytes", default=None)
@@ -305,7 +310,7 @@ def parse_args(argv: Sequence[str]) -> tuple[dict, list[str]]:
         bits = parts[0] if len(parts) == 1 else tuple(parts)
     store_args = dict(budget_gb=budget_gb, ssd_path=opts.ssd_path, block_size=opts.block_size, kv_bits=bits,
                       kv_group_size=opts.store_group_size, namespace=opts.namespace,
-                      disk_budget_gb=opts.disk_budget_gb)
+                      disk_budget_gb=opts.disk_budget_gb, fetch_policy=opts.fetch_policy)
     return store_args, rest
 
 

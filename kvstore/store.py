@@ -217,6 +217,11 @@ class PrefixStore:
         self._counters.count("tokens_ssd", hit.ssd_tokens)
         return hit
 
+    def knows_prefill(self, model_key: Union[str, bytes]) -> bool:
+        """Whether prefills of this model have been observed (here or by an
+        earlier run on this machine)."""
+        return self._cost.prefill_model(root_key(model_key, self.namespace).hex()) is not None
+
     def observe_prefill(self, model_key: Union[str, bytes], start: int, stop: int, seconds: float) -> None:
         """The engine computed tokens ``[start, stop)`` after a cached prefix of
         ``start`` in ``seconds`` (the adapters report this after each request):

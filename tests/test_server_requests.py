@@ -226,3 +226,19 @@ def test_prompt_cache_bytes_goes_on_to_mlx_lm():
     """mlx-lm keeps reading it: it trims the cache while requests run."""
     store, rest = parse_args(["--model", "m", "--prompt-cache-bytes", "4GB"])
     assert store["budget_gb"] * (1 << 30) == 4e9 and rest[-2:] == ["--prompt-cache-bytes", "4GB"]
+
+
+def test_fetch_policy_option_and_the_servers_prefill_calibration(models, tmp_path):
+    """With --fetch-policy auto the server times a few prefills of its model at
+    the first request (it cannot time mlx-lm's own), so the cost model has a
+    prefill rate to weigh hits against; --fetch-policy never serves no hit."""
+    with serving("--model", models["main"], "--ssd-path", tmp_path / "a") as server:
+        chat(server, system(user("hi")))
+        prefill = server.store.stats()["cost"]["prefill"]
+        assert server.store.fetch_policy == "auto"
+        assert len(prefill) == 1 and next(iter(prefill.values()))["observed"] >= 4
+        assert chat(server, system(user("hello")))["cached"] > 0  # a tiny model on a CPU: loading wins
+    with serving("--model", models["main"], "--ssd-path", tmp_path / "b", "--fetch-policy", "never") as server:
+        chat(server, system(user("hi")))
+        assert chat(server, system(user("hello")))["cached"] == 0
+        assert server.store.stats()["cost"]["prefill"] == {}  # no calibration where nothing is loaded
