@@ -49,7 +49,9 @@ def serve(ctx: typer.Context):
 
     Takes every [bold]mlx_lm.server[/bold] option (--model, --host, --port, --kv-bits, --draft-model, ...) plus:
     --ssd-path DIR, --budget-gb N (RAM, default 4), --disk-budget-gb N, --store-kv-bits 8 | 4 | 8,4,
-    --store-group-size N, --block-size N, --namespace NAME, --fetch-policy auto | always | never.
+    --store-group-size N, --block-size N, --namespace NAME, --fetch-policy auto | always | never,
+    --remote URL (a Redis / Valkey server or cluster shared by hosts: redis://[:password@]host:port/db,
+    rediss://... for TLS, unix:///path.sock; password also from $KVSTORE_REMOTE_PASSWORD), --remote-timeout S.
     mlx-lm's --prompt-cache-bytes N is the RAM budget (instead of --budget-gb); its --prompt-cache-size
     (a count of sequences) is refused: the store is bounded by bytes.
 

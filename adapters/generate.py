@@ -102,6 +102,7 @@ class Restored:
     cached_tokens: int
     ram_tokens: int = 0
     ssd_tokens: int = 0
+    remote_tokens: int = 0
 
 
 def fetch_cache(store: PrefixStore, model: nn.Module, key: str, tokens: Sequence[int], *,
@@ -118,7 +119,7 @@ def fetch_cache(store: PrefixStore, model: nn.Module, key: str, tokens: Sequence
         return Restored([c for m in models for c in C.make_prompt_cache(m, max_kv_size=max_kv_size)], 0)
     cache = layers_to_caches(hit.layers, models, length=hit.length, kv_bits=kv_bits, kv_group_size=kv_group_size,
                              quantized_kv_start=quantized_kv_start, max_kv_size=max_kv_size)
-    return Restored(cache, hit.length, hit.ram_tokens, hit.ssd_tokens)
+    return Restored(cache, hit.length, hit.ram_tokens, hit.ssd_tokens, hit.remote_tokens)
 
 
 def store_cache(store: PrefixStore, key: str, tokens: Sequence[int], cache: Sequence[Any], *,
@@ -165,6 +166,7 @@ class Generation:
     cached_tokens: int = 0  # prompt tokens served by the store (OpenAI's cached_tokens)
     ram_tokens: int = 0
     ssd_tokens: int = 0
+    remote_tokens: int = 0
     computed_tokens: int = 0
     ttft_s: float = 0.0  # prompt arrival to first generated token
     total_s: float = 0.0
@@ -201,7 +203,7 @@ def stream_generate(model: nn.Module, tokenizer, prompt: Union[str, Sequence[int
     t_fetched = time.perf_counter()
     cache = got.cache
     res.prompt_tokens, res.cached_tokens = len(tokens), got.cached_tokens
-    res.ram_tokens, res.ssd_tokens = got.ram_tokens, got.ssd_tokens
+    res.ram_tokens, res.ssd_tokens, res.remote_tokens = got.ram_tokens, got.ssd_tokens, got.remote_tokens
     res.computed_tokens = len(tokens) - got.cached_tokens
     pos = got.cached_tokens
     if draft is None and _needs_snapshots(cache):  # speculative decoding needs trimmable caches anyway

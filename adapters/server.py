@@ -278,6 +278,10 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--namespace", default=None)
     p.add_argument("--fetch-policy", default="auto", choices=["auto", "always", "never"],
                    help="auto: load a hit only where that beats recomputing it (rates measured here)")
+    p.add_argument("--remote", default=None,
+                   help="a Redis / Valkey server or cluster shared by hosts: redis://[:password@]host:port/db, "
+                        "rediss://..., unix:///path.sock (password also from $KVSTORE_REMOTE_PASSWORD)")
+    p.add_argument("--remote-timeout", type=float, default=0.5)
     # mlx-lm's own cache options, mapped onto the store or refused
     p.add_argument("--prompt-cache-size", default=None)
     p.add_argument("--prompt-cache-bytes", default=None)
@@ -310,7 +314,8 @@ def parse_args(argv: Sequence[str]) -> tuple[dict, list[str]]:
         bits = parts[0] if len(parts) == 1 else tuple(parts)
     store_args = dict(budget_gb=budget_gb, ssd_path=opts.ssd_path, block_size=opts.block_size, kv_bits=bits,
                       kv_group_size=opts.store_group_size, namespace=opts.namespace,
-                      disk_budget_gb=opts.disk_budget_gb, fetch_policy=opts.fetch_policy)
+                      disk_budget_gb=opts.disk_budget_gb, fetch_policy=opts.fetch_policy, remote=opts.remote,
+                      remote_timeout=opts.remote_timeout)
     return store_args, rest
 
 

@@ -19,8 +19,10 @@ from rich.table import Table
 
 from .catalog import Catalog, check_block, parse_age, select
 from .cost import CostModel
-from .errors import StoreOpenError
+from .errors import RemoteConfigError, StoreOpenError
+from .remote_catalog import RemoteCatalog
 from .tiers.lmdb import LmdbTier
+from .tiers.remote import RemoteTier, RemoteURL
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, rich_markup_mode="rich",
                   help="kvstore: a tiered, persistent prefix KV cache for mlx-lm engines.")
@@ -28,6 +30,10 @@ out = Console(width=None if sys.stdout.isatty() else 160)
 err = Console(stderr=True, soft_wrap=True)
 
 PathArg = typer.Argument(..., help="The store directory (the ssd_path the engine used).", show_default=False)
+OptionalPathArg = typer.Argument(None, help="The store directory (the ssd_path the engine used).", show_default=False)
+RemoteOpt = typer.Option(None, "--remote", help="A shared remote tier: redis://[:password@]host:port/db, rediss://, "
+                         "unix://; the password may come from $KVSTORE_REMOTE_PASSWORD or $REDISCLI_AUTH.")
+NamespaceOpt = typer.Option(None, "--namespace", help="With --remote: only this namespace (default: every one).")
 
 
 class SortKey(str, Enum):
@@ -139,11 +145,18 @@ def inspect(
 
 
 @app.command()
-def stats(path: Path = PathArg, as_json: bool = typer.Option(False, "--json", help="JSON output.")):
-    """Totals of a store: per model, disk budget use, hit rate and tokens saved over its life.
+def stats(path: Optional[Path] = OptionalPathArg, as_json: bool = typer.Option(False, "--json", help="JSON output."),
+          remote: Optional[str] = RemoteOpt, namespace: Optional[str] = NamespaceOpt):
+    """Totals of a store: per model, disk budget use, hit rate and tokens saved over its life;
+    with --remote, what a shared Redis / Valkey tier holds per model and its eviction settings.
 
-    Example: [bold]kvstore stats ~/.cache/kvstore/store[/bold]
+    Example: [bold]kvstore stats ~/.cache/kvstore/store[/bold]   or   [bold]kvstore stats --remote redis://cache:6379/0[/bold]
     """
+    _path_or_remote(path, remote)
+    remote_result = _remote_catalog(remote, namespace).summary() if remote is not None else None
+    if path is None:
+        print(json.dumps(remote_result)) if as_json else _print_remote_stats(remote_result)
+        return
     disk = _open(path)
     try:
         cat = Catalog.read(disk)
@@ -153,7 +166,7 @@ def stats(path: Path = PathArg, as_json: bool = typer.Option(False, "--json", he
     finally:
         disk.close()
     requested = counters.get("tokens_requested", 0)
-    served = counters.get("tokens_ram", 0) + counters.get("tokens_ssd", 0)
+    served = sum(counters.get(k, 0) for k in ("tokens_ram", "tokens_ssd", "tokens_remote"))
     result = {
         "path": str(path), "blocks": len(cat.records), "entries": sum(1 for _ in cat.entries()),
         "bytes_used": usage, "disk_budget": budget, "orphans": len(cat.orphans()),
@@ -161,6 +174,8 @@ def stats(path: Path = PathArg, as_json: bool = typer.Option(False, "--json", he
         "token_hit_rate": served / requested if requested else 0.0, "tokens_saved": served,
         "tokens_skipped_cost": counters.get("tokens_skipped_cost", 0), "rates": measured,
     }
+    if remote_result is not None:
+        result["remote"] = remote_result
     if as_json:
         print(json.dumps(result))
         return
@@ -175,7 +190,8 @@ def stats(path: Path = PathArg, as_json: bool = typer.Option(False, "--json", he
     out.print(f"disk: {used}    blocks: {len(cat.records)}    entries: {result['entries']}")
     out.print(f"lifetime: {counters.get('hits', 0)} hits, {counters.get('misses', 0)} misses, "
               f"token hit rate {100 * result['token_hit_rate']:.1f}%, tokens served from cache {served} "
-              f"(RAM {counters.get('tokens_ram', 0)}, SSD {counters.get('tokens_ssd', 0)})")
+              f"(RAM {counters.get('tokens_ram', 0)}, SSD {counters.get('tokens_ssd', 0)}, "
+              f"remote {counters.get('tokens_remote', 0)})")
     pred, act = counters.get("predicted_us", 0), counters.get("actual_us", 0)
     out.print(f"cost: {result['tokens_skipped_cost']} stored tokens recomputed because that was faster"
               + (f"; served hits took {act / 1e3:.1f} ms against {pred / 1e3:.1f} ms predicted" if pred else ""))
@@ -186,6 +202,58 @@ def stats(path: Path = PathArg, as_json: bool = typer.Option(False, "--json", he
             rate = m.get("tokens_per_s_at_8k")
             out.print(f"  prefill of {model[:24]}: " + (f"{rate:,.0f} tokens/s at 8K ({m['observed']} requests)"
                                                          if rate else f"{m['observed']} requests, not fitted yet"))
+    if remote_result is not None:
+        _print_remote_stats(remote_result)
+
+
+def _print_remote_stats(r: dict) -> None:
+    t = Table(title=f"{r['url']}{' (cluster, %d primaries)' % r['primaries'] if r['cluster'] else ''}")
+    for c in ("model", "namespaces", "blocks", "bytes"):
+        t.add_column(c, justify="right" if c in ("blocks", "bytes") else "left")
+    for name, d in r["models"].items():
+        t.add_row(name[:24], ",".join(d["namespaces"]), str(d["blocks"]), _size(d["bytes"]))
+    out.print(t)
+    limit = _size(r["maxmemory"]) if r["maxmemory"] else "no limit"
+    out.print(f"remote: {r['blocks']} blocks, {_size(r['bytes'])} of block bytes; server memory "
+              f"{_size(r['used_memory'])} of {limit}, policy {r['maxmemory_policy']}")
+    for w in r["warnings"]:
+        err.print(f"[yellow]warning:[/yellow] {w}")
+
+
+def _path_or_remote(path: Optional[Path], remote: Optional[str]) -> None:
+    if path is None and remote is None:
+        err.print("[red]error:[/red] give a store directory, --remote URL, or both")
+        raise typer.Exit(2)
+
+
+def _remote_catalog(url: str, namespace: Optional[str]) -> RemoteCatalog:
+    tier = _open_remote(url)
+    try:
+        return RemoteCatalog.read(tier, "*" if namespace is None else namespace)
+    except Exception as e:
+        err.print(f"[red]error:[/red] reading {tier.url.shown} failed: {e}")
+        raise typer.Exit(2)
+    finally:
+        tier.close()
+
+
+def _open_remote(url: str) -> RemoteTier:
+    try:
+        tier = RemoteTier(url, timeout=5.0, write_timeout=60.0)
+        tier.connect()
+        return tier
+    except RemoteConfigError as e:
+        err.print(f"[red]error:[/red] {e}")
+    except Exception as e:
+        err.print(f"[red]error:[/red] cannot reach {_shown(url)}: {e}")
+    raise typer.Exit(2)
+
+
+def _shown(url: str) -> str:
+    try:
+        return RemoteURL.parse(url).shown
+    except RemoteConfigError:
+        return "the remote"
 
 
 def _measured_rates(saved: dict, cat: Catalog) -> dict:
@@ -243,24 +311,57 @@ def verify(path: Path = PathArg,
 
 @app.command()
 def clear(
-    path: Path = PathArg,
+    path: Optional[Path] = OptionalPathArg,
     model: Optional[str] = typer.Option(None, help="Only blocks of models whose name or root key starts with this."),
     older_than: Optional[str] = typer.Option(None, help="Only blocks unused for this long: 90s, 30m, 12h, 7d, 2w."),
     all_: bool = typer.Option(False, "--all", help="Everything (needed when no filter is given)."),
     yes: bool = typer.Option(False, "--yes", "-y", help="Do not ask before deleting."),
+    remote: Optional[str] = RemoteOpt, namespace: Optional[str] = NamespaceOpt,
 ):
-    """Remove entries from a store. Asks first unless --yes.
+    """Remove entries from a store, or with --remote from a shared Redis / Valkey tier. Asks first unless --yes.
 
     Example: [bold]kvstore clear ~/.cache/kvstore/store --older-than 7d --yes[/bold]
+    or [bold]kvstore clear --remote redis://cache:6379/0 --model my-model --yes[/bold]
     """
+    _path_or_remote(path, remote)
     if model is None and older_than is None and not all_:
         err.print("[red]error:[/red] say what to remove: --model, --older-than, or --all")
+        raise typer.Exit(2)
+    if remote is not None and older_than is not None:
+        err.print("[red]error:[/red] --older-than acts on local stores only: the remote tier keeps no use times "
+                  "(Redis evicts by its own LRU); use --model or --all with --remote")
         raise typer.Exit(2)
     try:
         age = parse_age(older_than) if older_than is not None else None
     except ValueError as e:
         err.print(f"[red]error:[/red] {e}")
         raise typer.Exit(2)
+    if path is not None:
+        _clear_local(path, model, age, yes)
+    if remote is not None:
+        _clear_remote(remote, namespace, model, yes)
+
+
+def _clear_remote(url: str, namespace: Optional[str], model: Optional[str], yes: bool) -> None:
+    cat = _remote_catalog(url, namespace)
+    names = cat.select(model)
+    if not names:
+        out.print(f"{cat.url}: nothing matches")
+        return
+    chosen = set(names)
+    nbytes = sum(size for name, _, _, size in cat.blocks if name in chosen)
+    if not yes and not typer.confirm(f"Delete {len(names)} blocks ({_size(nbytes)}) from {cat.url}?", default=False):
+        out.print("nothing deleted")
+        raise typer.Exit(1)
+    tier = _open_remote(url)
+    try:
+        n = tier.remove_names(names)
+    finally:
+        tier.close()
+    out.print(f"{cat.url}: deleted {n} blocks ({_size(nbytes)})")
+
+
+def _clear_local(path: Path, model: Optional[str], age: Optional[float], yes: bool) -> None:
     disk = _open(path, readonly=False)
     try:
         cat = Catalog.read(disk)

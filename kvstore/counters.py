@@ -14,7 +14,14 @@ NAMES = ("hits", "misses", "tokens_requested", "tokens_ram", "tokens_ssd", "puts
          "puts_inline",  # puts done in the caller because the background writer was far behind
          "evicted_unwritten",  # blocks evicted from RAM before their write to disk finished (the writer holds them)
          "tokens_skipped_cost",  # stored tokens not served: recomputing them was predicted faster
-         "predicted_us", "actual_us")  # predicted and measured load time of hits served as planned
+         "predicted_us", "actual_us",  # predicted and measured load time of hits served as planned
+         # the remote tier (remote_sync, discovery)
+         "tokens_remote",  # tokens served from blocks this fetch read from the remote
+         "remote_lookups", "remote_blocks_read", "remote_bytes_read", "remote_blocks_written", "remote_bytes_written",
+         "remote_skipped",  # copies not sent: the queue was full (remote slower than the engine) or the remote down
+         "remote_bypassed",  # fetches that did not ask the remote: it was down (breaker open)
+         "remote_errors",  # failed calls: refused connections, timeouts
+         "remote_bad")  # remote values refused: checksum, key binding, record or tokens that do not fit
 
 
 class Counters:

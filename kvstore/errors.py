@@ -37,3 +37,10 @@ class StorageError(KVStoreError):
     """The LMDB environment could not complete an operation (its map could not
     grow, another process kept resizing it). The store turns these into misses
     and skipped writes on the engine's path; maintenance commands report them."""
+
+
+class RemoteConfigError(ConfigError):
+    """The ``remote`` setting cannot work: a malformed URL, a missing client
+    library, or a server that refused the credentials. Raised at open; the
+    message names the URL without its password. (A server that is merely
+    down is not an error: the store opens on its local tiers.)"""

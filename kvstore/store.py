@@ -13,7 +13,9 @@ the work --
 - ``persist``: the disk side (writes, budget, full device, index at open);
 - ``writer``: the background thread that encodes and writes what ``put`` queued;
 - ``assemble``: blocks to one tensor per layer;
-- ``counters``: what the store counts.
+- ``counters``: what the store counts;
+- ``remote_sync`` and ``discovery``: the shared remote tier (Redis / Valkey),
+  after LMDB: copies written behind, the rest of a chain found on fetch.
 
 Locking: one store lock guards the index, the RAM tier and ``Node`` fields.
 It is held for in-memory steps only; disk reads and writes run outside it
@@ -46,8 +48,10 @@ from .errors import ConfigError, LayoutError, ReadOnlyError, StoreClosedError
 from .hashing import KeyChain, as_tokens, root_key
 from .index import Node, RadixIndex
 from .layers import KVLayer, Layer, StateLayer
+from .discovery import Discovery
 from .persist import Persist
 from .placement import Placement
+from .remote_sync import Remote
 from .tiers.lmdb import LmdbTier
 from .tiers.ram import RamTier
 from .writer import Job, Writer
@@ -68,6 +72,7 @@ class Hit:
     skipped_tokens: int = 0  # stored tokens not served because recomputing them is faster
     skip_reason: str = ""
     predicted_s: float = 0.0  # what the cost model expected loading ``length`` to take
+    remote_tokens: int = 0  # of ``length``, tokens whose blocks this fetch read from the remote tier
 
     def __bool__(self) -> bool:
         return self.length > 0
@@ -91,14 +96,22 @@ class PrefixStore:
     ``fetch_policy``: ``"auto"`` serves the part of a hit that loads faster
     than the engine recomputes it (rates measured here, see ``cost``),
     ``"always"`` serves every stored token, ``"never"`` none.
-    Raises ``ConfigError`` for settings out of range and ``StoreOpenError``
-    for an ``ssd_path`` it cannot use.
+    ``remote`` (``redis://[[user]:password@]host:port/db``, ``rediss://`` for
+    TLS, ``unix:///path.sock``; the password may come from
+    ``$KVSTORE_REMOTE_PASSWORD`` or ``$REDISCLI_AUTH``) adds a Redis / Valkey
+    server or cluster shared by hosts, after RAM and LMDB: new blocks are
+    copied there in the background, and a fetch reads there what the local
+    tiers lack; a down server only costs ``remote_timeout`` seconds now and
+    then. Raises ``ConfigError`` for settings out of range (``RemoteConfigError``
+    for a malformed URL or refused credentials) and ``StoreOpenError`` for an
+    ``ssd_path`` it cannot use.
     """
 
     def __init__(self, budget_gb: float = 4.0, ssd_path=None, block_size: int = 256,
                  kv_bits: Union[None, int, tuple[Optional[int], Optional[int]]] = None,
                  kv_group_size: int = 64, namespace: Optional[str] = None,
-                 disk_budget_gb: Optional[float] = None, *, readonly: bool = False, fetch_policy: str = "auto"):
+                 disk_budget_gb: Optional[float] = None, *, readonly: bool = False, fetch_policy: str = "auto",
+                 remote: Optional[str] = None, remote_timeout: float = 0.5):
         if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < 1:
             raise ConfigError(f"block_size must be an int >= 1, got {block_size!r}")
         self.block_size = block_size
@@ -113,14 +126,24 @@ class PrefixStore:
         self._index = RadixIndex()
         self._ram = RamTier(_budget_bytes(budget_gb, "budget_gb"))
         self._persist: Optional[Persist] = None
+        self._remote = None if remote is None else Remote(remote, namespace, self._counters, remote_timeout)
         if ssd_path is not None:
-            budget = None if disk_budget_gb is None else _budget_bytes(disk_budget_gb, "disk_budget_gb")
-            disk = LmdbTier(ssd_path, budget, readonly=readonly)
+            try:
+                budget = None if disk_budget_gb is None else _budget_bytes(disk_budget_gb, "disk_budget_gb")
+                disk = LmdbTier(ssd_path, budget, readonly=readonly)
+            except BaseException:
+                if self._remote is not None:
+                    self._remote.close()
+                raise
             self._persist = Persist(disk, self._index, self._lock, self._counters, self._warn)
         self._placement = Placement(self._index, self._ram, self._persist, self._lock, self._counters,
                                     writable=not readonly)
         self._writer = Writer(self._placement, self._persist, self.codec, self._lock, self._counters,
-                              max_pending=max(256 << 20, self._ram.budget), on_idle=self._save)
+                              max_pending=max(256 << 20, self._ram.budget), on_idle=self._save,
+                              remote=None if readonly else self._remote)
+        self._discovery = None if self._remote is None else Discovery(
+            self._remote, self._placement, self._writer, self._lock, self._counters,
+            keep_on_disk=self._persist is not None and not readonly)
         self._closed = False
         if self._persist is not None:
             self._persist.load_index(self._index.root)
@@ -176,7 +199,13 @@ class PrefixStore:
         toks = as_tokens(tokens)
         n = len(toks) if limit is None else max(0, min(len(toks), int(limit)))
         root = self._root(model_key, register=False)
-        match = self._match(root, KeyChain(root.key, toks, self.block_size), n)
+        chain = KeyChain(root.key, toks, self.block_size)
+        match = self._match(root, chain, n)
+        fetched: set[bytes] = set()
+        if self._discovery is not None and match.matched < n:
+            fetched = self._discovery.find(root, chain, n, match)
+            if fetched:
+                match = self._match(root, chain, n)
         with self._lock:
             length = lookup.servable(match.path, match.matched)
             pinned = [p for p in match.path if p.start < length]
@@ -208,13 +237,16 @@ class PrefixStore:
                                    f"serving a miss")
             self._counters.count("misses")
             return Hit()
-        ram_tokens = sum(min(p.end, length) - p.start for p, r in zip(path, from_ram) if r and p.start < length)
-        hit = Hit(length, layers, ram_tokens, length - ram_tokens, plan.skipped, plan.reason,
-                  plan.load_s if length == plan.length else 0.0)
+        served = [(p, r) for p, r in zip(path, from_ram) if p.start < length]
+        remote_tokens = sum(min(p.end, length) - p.start for p, _ in served if p.key in fetched)
+        ram_tokens = sum(min(p.end, length) - p.start for p, r in served if r and p.key not in fetched)
+        hit = Hit(length, layers, ram_tokens, length - ram_tokens - remote_tokens, plan.skipped, plan.reason,
+                  plan.load_s if length == plan.length else 0.0, remote_tokens)
         self._observe(path, blocks, from_ram, length, plan, t_load, t_asm)
         self._counters.count("hits")
         self._counters.count("tokens_ram", hit.ram_tokens)
         self._counters.count("tokens_ssd", hit.ssd_tokens)
+        self._counters.count("tokens_remote", hit.remote_tokens)
         return hit
 
     def knows_prefill(self, model_key: Union[str, bytes]) -> bool:
@@ -229,8 +261,8 @@ class PrefixStore:
         self._cost.observe_prefill(root_key(model_key, self.namespace).hex(), start, stop, seconds)
 
     def contains(self, model_key: Union[str, bytes], tokens) -> int:
-        """Length ``fetch`` would serve, without loading anything (ignores
-        blocks found bad on load)."""
+        """Length ``fetch`` would serve from the local tiers, without loading
+        anything (ignores blocks found bad on load; never asks the remote)."""
         self._check_open()
         toks = as_tokens(tokens)
         root = self._root(model_key, register=False)
@@ -255,8 +287,10 @@ class PrefixStore:
             disk = self._persist.disk
             out.update(ssd_bytes=disk.usage(), ssd_budget=disk.budget, ssd_blocks=self._persist.blocks,
                        ssd_path=str(disk.path))
+        if self._remote is not None:
+            out.update(self._remote.stats())
         req = out["tokens_requested"]
-        out["token_hit_rate"] = (out["tokens_ram"] + out["tokens_ssd"]) / req if req else 0.0
+        out["token_hit_rate"] = (out["tokens_ram"] + out["tokens_ssd"] + out["tokens_remote"]) / req if req else 0.0
         out["cost"] = self._cost.describe()
         return out
 
@@ -303,9 +337,13 @@ class PrefixStore:
         return self._persist.evict_to(int(n_bytes))
 
     def flush(self, timeout: Optional[float] = None) -> None:
-        """Wait until every queued block is encoded and written."""
+        """Wait until every queued block is encoded and written (and its
+        remote copy sent or skipped)."""
+        deadline = None if timeout is None else time.monotonic() + timeout
         self._writer.flush(timeout)
         self._save()
+        if self._remote is not None:
+            self._remote.flush(None if deadline is None else max(0.0, deadline - time.monotonic()))
 
     def close(self) -> None:
         """Flush pending writes and release the LMDB store. Idempotent."""
@@ -314,6 +352,8 @@ class PrefixStore:
         self.flush()
         self._closed = True
         self._writer.stop()
+        if self._remote is not None:
+            self._remote.close()
         if self._persist is not None:
             self._persist.disk.close()
         _OPEN.discard(self)
@@ -333,7 +373,8 @@ class PrefixStore:
         return self._index.leaves
 
     def clear(self) -> None:
-        """Drop everything, in RAM and on disk."""
+        """Drop everything, in RAM and on disk (a shared remote tier is left
+        alone: ``kvstore clear --remote URL`` acts there)."""
         self._check_open(write=True)
         self.flush()
         with self._lock:
@@ -347,11 +388,15 @@ class PrefixStore:
 
     def _root(self, model_key, register: bool = True, info: Optional[dict] = None) -> Node:
         key = root_key(model_key, self.namespace)
-        if register and self._persist is not None and not self.readonly and key not in self._registered:
+        if register and not self.readonly and key not in self._registered \
+                and (self._persist is not None or self._remote is not None):
             self._registered.add(key)
             name = model_key if isinstance(model_key, str) else model_key.hex()
-            self._persist.register_model(key, dict(info or {}, model_key=name, namespace=self.namespace,
-                                                   created=time.time()))
+            desc = dict(info or {}, model_key=name, namespace=self.namespace, created=time.time())
+            if self._persist is not None:
+                self._persist.register_model(key, desc)
+            if self._remote is not None:
+                self._remote.register_model(key, desc)
         with self._lock:
             return self._index.root(key)
 

@@ -7,6 +7,10 @@ millisecond. The queue is bounded by bytes: past the bound a put is done in
 the caller rather than queued without limit. A block's ``job`` stays set until
 the block is durable where it is going (RAM for a RAM-only store, disk
 otherwise): a fetch that needs a block not in RAM waits for its job.
+
+With a remote tier, each batch is offered to its write-behind queue after
+the local write. A job of blocks read from the remote (``found``) is only
+kept locally: nothing to encode, nothing to send back.
 """
 
 from __future__ import annotations
@@ -16,7 +20,7 @@ import queue
 import threading
 import time
 from dataclasses import dataclass, field, replace
-from typing import Callable, Optional
+from typing import TYPE_CHECKING, Callable, Optional
 
 import mlx.core as mx
 import numpy as np
@@ -29,6 +33,9 @@ from .persist import Persist
 from .placement import Placement
 from .record import BlockRecord
 from .tiers.base import Entry
+
+if TYPE_CHECKING:
+    from .remote_sync import Remote
 
 log = logging.getLogger("kvstore")
 
@@ -45,12 +52,14 @@ class Job:
     layers: list[Layer]
     nbytes: int
     done: threading.Event = field(default_factory=threading.Event)
+    found: Optional[dict[bytes, Entry]] = None  # blocks read from the remote tier, already encoded
 
 
 class Writer:
     def __init__(self, placement: Placement, persist: Optional[Persist], codec: Codec, lock, counters: Counters,
-                 max_pending: int, on_idle: Callable[[], None]):
+                 max_pending: int, on_idle: Callable[[], None], remote: Optional["Remote"] = None):
         self.placement = placement
+        self.remote = remote
         self.persist = persist
         self.codec = codec
         self.lock = lock
@@ -120,12 +129,14 @@ class Writer:
         batch: list[tuple[Node, Entry]] = []
         batch_bytes = 0
         to_disk = self.persist is not None and self.placement.writable
+        to_remote = self.remote is not None and job.found is None
         pl = self.placement
         try:
             for node in job.nodes:
                 if not self._current(node, job):
                     continue  # dropped meanwhile (evicted parent, clear) or re-encoded by a later put
-                block = encode(job, node, self.codec)
+                found = job.found.get(node.key) if job.found is not None else None
+                block = found.block if found is not None else encode(job, node, self.codec)
                 with self.lock:
                     if not self._current(node, job):
                         continue
@@ -134,16 +145,19 @@ class Writer:
                     elif not to_disk:
                         pl.forget_locked(node)  # fits in neither tier
                         continue
-                    self.counters.count("blocks_stored")
-                if to_disk:
-                    entry = Entry(self._record(job, node, block), block)
-                    entry.record = replace(entry.record, nbytes=len(entry.payload))  # serialized here, once
+                    if found is None:
+                        self.counters.count("blocks_stored")
+                if to_disk or to_remote:
+                    entry = found
+                    if entry is None:
+                        entry = Entry(self._record(job, node, block), block)
+                        entry.record = replace(entry.record, nbytes=len(entry.payload))  # serialized here, once
                     batch.append((node, entry))
                     batch_bytes += block.nbytes
                     if batch_bytes >= WRITE_BATCH:
-                        self._write(batch, job)
+                        self._keep(batch, job, to_disk, to_remote)
                         batch, batch_bytes = [], 0
-            self._write(batch, job)
+            self._keep(batch, job, to_disk, to_remote)
         except Exception:
             log.exception("kvstore: storing %d blocks failed; they are dropped", len(job.nodes))
             with self.lock:
@@ -169,6 +183,13 @@ class Writer:
                            length=node.length, tokens=block.tokens, nbytes=0, first=node.first,
                            snap=None if node.snap is None else has_state, gap=node.gap,
                            rows_from=node.rows_from if node.gap else -1, created=now, used=now, kv=kv, dtype=dtype)
+
+    def _keep(self, batch: list[tuple[Node, Entry]], job: Job, to_disk: bool, to_remote: bool) -> None:
+        """The local write, then the copies for the remote tier (queued)."""
+        if to_disk:
+            self._write(batch, job)
+        if to_remote:
+            self.remote.offer([e for _, e in batch])
 
     def _write(self, batch: list[tuple[Node, Entry]], job: Job) -> None:
         """Write a batch (blocks already on disk are skipped, unless re-encoded

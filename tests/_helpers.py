@@ -85,7 +85,7 @@ def assert_hit_is(hit, tokens: Sequence[int], length: int, kv_bits: Optional[int
     if length == 0:
         assert hit.layers is None
         return
-    assert hit.ram_tokens + hit.ssd_tokens == length
+    assert hit.ram_tokens + hit.ssd_tokens + hit.remote_tokens == length
     exp = expected_layers(tokens, length, kv_bits, **kw)
     assert len(hit.layers) == len(exp)
     for li, (layer, (k, v)) in enumerate(zip(hit.layers, exp)):

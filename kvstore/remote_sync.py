@@ -1,0 +1,249 @@
+"""The store's side of its remote tier: every call guarded, copies written
+behind the engine's back.
+
+The remote is a best-effort, shared cache that may vanish at any time; the
+local tiers stay authoritative. So:
+
+- every call runs under short socket timeouts and a ``Breaker``: after a
+  failure the remote is skipped for a backoff (0.5 s doubling to 15 s), then
+  tried again; a fetch never waits on a down server longer than one timeout,
+  and the engine never sees its errors (one warning, counters in ``stats()``);
+- copies of new blocks go out on a background thread, in pipelined batches,
+  after the local write. The queue is bounded by bytes: when the remote is
+  slower than the engine, later copies are skipped and counted (the local
+  copy exists), never queued without limit, and never the engine's wait;
+- a server that cannot be reached at open is the same case: the store opens
+  on its local tiers and the breaker connects later. A malformed URL or
+  refused credentials are configuration errors, raised at open.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import threading
+import time
+from collections import deque
+from typing import Callable, Optional, Sequence, TypeVar
+
+from .counters import Counters
+from .errors import ConfigError, RemoteConfigError
+from .tiers.base import Entry
+from .tiers.remote import RemoteTier
+
+log = logging.getLogger("kvstore")
+
+T = TypeVar("T")
+
+QUEUE_BYTES = 256 << 20  # copies waiting for the remote, at most
+BATCH_BYTES = 32 << 20  # payload bytes per pipelined write
+BATCH_BLOCKS = 64
+CLOSE_WAIT = 10.0  # seconds close() gives the queue before it drops what is left
+
+
+class Breaker:
+    """Closed while calls succeed; a failure opens it for a backoff that
+    doubles with each failure in a row (``first`` .. ``cap`` seconds), after
+    which calls are let through again."""
+
+    def __init__(self, first: float = 0.5, cap: float = 15.0, clock: Callable[[], float] = time.monotonic):
+        self.first, self.cap, self.clock = first, cap, clock
+        self._lock = threading.Lock()
+        self._backoff = first
+        self._until: Optional[float] = None
+
+    @property
+    def closed(self) -> bool:
+        return self._until is None
+
+    def allow(self) -> bool:
+        with self._lock:
+            return self._until is None or self.clock() >= self._until
+
+    def succeeded(self) -> bool:
+        """Close; True when it was open (the remote is back)."""
+        with self._lock:
+            was_open = self._until is not None
+            self._until, self._backoff = None, self.first
+            return was_open
+
+    def failed(self, backoff: Optional[float] = None) -> bool:
+        """Open for the next backoff; True when it was closed."""
+        with self._lock:
+            was_closed = self._until is None
+            wait = self._backoff if backoff is None else backoff
+            self._until = self.clock() + wait
+            self._backoff = min(self.cap, self._backoff * 2)
+            return was_closed
+
+
+class _Skipped(Exception):
+    """The breaker is open: the call was not made."""
+
+
+class Remote:
+    """A remote tier behind a breaker, with a bounded write-behind queue."""
+
+    def __init__(self, url: str, namespace: Optional[str], counters: Counters, timeout: float = 0.5,
+                 queue_bytes: int = QUEUE_BYTES):
+        if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not 0 < timeout < math.inf:
+            raise ConfigError(f"remote_timeout must be a number of seconds > 0, got {timeout!r}")
+        self.tier = RemoteTier(url, namespace, float(timeout))  # a malformed URL raises here
+        self.counters = counters
+        self.breaker = Breaker()
+        self.queue_bytes = queue_bytes
+        self._warned = False
+        self._cond = threading.Condition()
+        self._queue: deque = deque()  # (key, root, payload, packed record) or (None, root, info, None)
+        self._queued = 0  # payload bytes in the queue
+        self._busy = False  # a batch is being written
+        self._stop = False
+        self._thread: Optional[threading.Thread] = None
+        try:
+            self.tier.connect()
+        except RemoteConfigError:
+            raise
+        except Exception as e:  # down or unreachable: open on the local tiers, connect later
+            self._failed(e)
+
+    @property
+    def url(self) -> str:
+        return self.tier.url.shown
+
+    # ------------------------------------------------------------- guarded
+
+    def call(self, fn: Callable[..., T], *args) -> Optional[T]:
+        """``fn(*args)`` against the server, or ``None`` when the breaker is
+        open or the call failed (counted, warned once). Never raises."""
+        try:
+            return self._call(fn, *args)
+        except _Skipped:
+            return None
+        except RemoteConfigError as e:  # credentials changed under a running store: not the engine's problem
+            self._failed(e, backoff=self.breaker.cap)
+        except Exception as e:
+            self._failed(e)
+        return None
+
+    def _call(self, fn: Callable[..., T], *args) -> T:
+        if not self.breaker.allow():
+            raise _Skipped
+        if not self.tier.connected:
+            self.tier.connect()
+        out = fn(*args)
+        if self.breaker.succeeded():
+            log.info("kvstore: remote %s is reachable again", self.url)
+        return out
+
+    def _failed(self, e: BaseException, backoff: Optional[float] = None) -> None:
+        self.counters.count("remote_errors")
+        if self.breaker.failed(backoff):
+            if not self._warned:
+                self._warned = True
+                log.warning("kvstore: remote %s failed (%s: %s); serving from the local tiers and retrying "
+                            "in the background (see stats()['remote_errors'])", self.url, type(e).__name__, e)
+            else:
+                log.info("kvstore: remote %s failed again (%s: %s)", self.url, type(e).__name__, e)
+
+    # -------------------------------------------------------- write-behind
+
+    def offer(self, entries: Sequence[Entry]) -> None:
+        """Queue copies of blocks just kept locally; skips (and counts) what
+        does not fit or cannot go now. Never blocks."""
+        if not entries:
+            return
+        skipped = 0
+        with self._cond:
+            for e in entries:
+                size = len(e.payload)
+                if self._stop or not self.breaker.allow() or (self._queued and self._queued + size > self.queue_bytes):
+                    skipped += 1
+                    continue
+                self._queue.append((e.key, e.record.root, e.payload, e.record.pack()))
+                self._queued += size
+            self._cond.notify()
+        if skipped:
+            self.counters.count("remote_skipped", skipped)
+        self._ensure_thread()
+
+    def register_model(self, root: bytes, info: dict) -> None:
+        with self._cond:
+            self._queue.append((None, root, info, None))
+            self._cond.notify()
+        self._ensure_thread()
+
+    def flush(self, timeout: Optional[float] = None) -> bool:
+        """Wait until the queue is written (or skipped); True when it is."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        with self._cond:
+            while self._queue or self._busy:
+                left = None if deadline is None else deadline - time.monotonic()
+                if left is not None and left <= 0:
+                    return False
+                self._cond.wait(left if left is not None else 1.0)
+        return True
+
+    def close(self) -> None:
+        if not self.flush(CLOSE_WAIT):
+            log.warning("kvstore: remote %s: %d MiB of copies not sent at close", self.url, self._queued >> 20)
+        with self._cond:
+            self._stop = True
+            dropped = sum(1 for it in self._queue if it[0] is not None)
+            self._queue.clear()
+            self._queued = 0
+            self._cond.notify_all()
+        if dropped:
+            self.counters.count("remote_skipped", dropped)
+        if self._thread is not None:
+            self._thread.join(timeout=CLOSE_WAIT)
+        self.tier.close()
+
+    def stats(self) -> dict:
+        return {"remote_url": self.url, "remote_up": self.breaker.closed and self.tier.connected,
+                "remote_cluster": self.tier.cluster, "remote_queue_bytes": self._queued}
+
+    def _ensure_thread(self) -> None:
+        with self._cond:
+            if (self._thread is None or not self._thread.is_alive()) and not self._stop:
+                self._thread = threading.Thread(target=self._loop, name="kvstore-remote", daemon=True)
+                self._thread.start()
+
+    def _loop(self) -> None:
+        while True:
+            with self._cond:
+                while not self._queue and not self._stop:
+                    self._cond.wait()
+                if self._stop:
+                    return
+                batch, size = [], 0
+                while self._queue and len(batch) < BATCH_BLOCKS and (not batch or size < BATCH_BYTES):
+                    item = self._queue.popleft()
+                    batch.append(item)
+                    if item[0] is not None:
+                        size += len(item[2])
+                self._queued -= size
+                self._busy = True
+            try:
+                self._send(batch, size)
+            finally:
+                with self._cond:
+                    self._busy = False
+                    self._cond.notify_all()
+
+    def _send(self, batch: list, size: int) -> None:
+        blocks = [it for it in batch if it[0] is not None]
+        for _, root, info, _ in (it for it in batch if it[0] is None):
+            self.call(self.tier.register_model, root, info)
+        if not blocks:
+            return
+        try:
+            self._call(self.tier.put_many, blocks)
+        except _Skipped:
+            self.counters.count("remote_skipped", len(blocks))
+            return
+        except Exception as e:
+            self._failed(e, backoff=self.breaker.cap if isinstance(e, RemoteConfigError) else None)
+            self.counters.count("remote_skipped", len(blocks))
+            return
+        self.counters.count("remote_blocks_written", len(blocks))
+        self.counters.count("remote_bytes_written", size)

@@ -1,0 +1,360 @@
+"""Remote tier: blocks on a Redis / Valkey server or cluster, shared by hosts.
+
+Each block is one Redis hash, ``kvstore:v1:<namespace>:{<block key hex>}``:
+
+- ``p``: the block's bytes, exactly as the LMDB tier keeps them (header,
+  checksum, key binding), so a corrupt or foreign value is refused on read;
+- ``r``: its ``BlockRecord`` (parent, position, tokens, servability), so a
+  host that never saw the block can index it;
+- ``m``: its model root key, so ``kvstore stats/clear --remote`` can act on
+  one model's blocks without reading records.
+
+One key per block keeps payload and record together under Redis's own
+eviction (``allkeys-lru`` drops both or neither) and in one cluster slot; no
+command here spans two keys, so a Redis Cluster needs nothing more (the
+``{hashtag}`` pins the slot should a block ever get a second key). Keys carry
+the store's namespace in clear text, so Redis ACL key patterns can fence
+tenants sharing one server; the block keys themselves are salted by the
+namespace already (``hashing.root_key``).
+
+The tier keeps the protocol of ``tiers.base``. It never decides when to
+call the server; ``remote_sync.Remote`` guards every call with timeouts and a
+breaker, so nothing here has to be careful about a slow or absent server.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from dataclasses import dataclass
+from typing import Iterator, Mapping, Optional, Sequence
+from urllib.parse import parse_qs, quote, unquote, urlsplit
+
+import msgpack
+
+from ..codec import deserialize
+from ..errors import BlockDecodeError, RemoteConfigError
+from .base import Entry, Loaded, Use
+
+PREFIX = b"kvstore:v1:"  # v1: block bytes of codec format 2 and records of record.RECORD_VERSION 1
+FIELD_PAYLOAD, FIELD_RECORD, FIELD_ROOT = b"p", b"r", b"m"
+PASSWORD_ENV = ("KVSTORE_REMOTE_PASSWORD", "REDISCLI_AUTH")  # first set wins, when the URL has none
+USER_ENV = "KVSTORE_REMOTE_USER"
+SCHEMES = ("redis", "rediss", "unix")
+READ_CHUNK = 64 << 20  # payload bytes per pipelined read round trip
+_SAFE_NS = re.compile(r"[A-Za-z0-9_.@-]{1,64}")
+
+
+def namespace_tag(namespace: Optional[str]) -> str:
+    """The namespace as it appears in key names ("-" for none; a digest for
+    names with characters Redis patterns or hashtags would misread)."""
+    if namespace is None:
+        return "-"
+    if _SAFE_NS.fullmatch(namespace):
+        return namespace
+    import xxhash
+
+    return "h" + xxhash.xxh3_64_hexdigest(namespace.encode())
+
+
+@dataclass(frozen=True)
+class RemoteURL:
+    """A parsed ``redis://``, ``rediss://`` (TLS) or ``unix://`` URL."""
+
+    scheme: str
+    host: Optional[str]
+    port: int
+    db: int
+    socket_path: Optional[str]
+    username: Optional[str]
+    password: Optional[str]
+    shown: str  # the URL without its password, for messages
+
+    @classmethod
+    def parse(cls, url: str) -> "RemoteURL":
+        """Raises ``RemoteConfigError`` naming what is wrong (never the password).
+
+        >>> RemoteURL.parse("redis://:secret@cache:6380/2").shown
+        'redis://:***@cache:6380/2'
+        """
+        if not isinstance(url, str) or not url:
+            raise RemoteConfigError(f"remote must be a URL like redis://host:6379/0, got {url!r}")
+        try:
+            u = urlsplit(url)
+            port = u.port
+        except ValueError as e:
+            raise RemoteConfigError(f"remote URL {_redact_raw(url)} is malformed: {e}") from None
+        shown = _redacted(u)
+        scheme = u.scheme.lower()
+        if scheme not in SCHEMES:
+            raise RemoteConfigError(f"remote URL {shown}: scheme must be one of {', '.join(SCHEMES)}, "
+                                    f"e.g. redis://host:6379/0")
+        query = parse_qs(u.query, keep_blank_values=True)
+        unknown = sorted(set(query) - {"db"})
+        if unknown:
+            raise RemoteConfigError(f"remote URL {shown}: unknown parameter(s) {', '.join(unknown)} (known: db)")
+        db_text = query["db"][-1] if "db" in query else None
+        host, path = None, None
+        if scheme == "unix":
+            path = unquote(u.path)
+            if not path:
+                raise RemoteConfigError(f"remote URL {shown}: no socket path (unix:///run/redis.sock)")
+        else:
+            host = u.hostname
+            if not host:
+                raise RemoteConfigError(f"remote URL {shown}: no host (redis://host:6379/0)")
+            if u.path not in ("", "/"):
+                db_text = u.path.lstrip("/")
+        try:
+            db = 0 if db_text in (None, "") else int(db_text)
+            if db < 0:
+                raise ValueError
+        except ValueError:
+            raise RemoteConfigError(f"remote URL {shown}: database must be a number >= 0, "
+                                    f"got {db_text!r}") from None
+        username = unquote(u.username) if u.username else os.environ.get(USER_ENV) or None
+        password = unquote(u.password) if u.password else next(
+            (os.environ[v] for v in PASSWORD_ENV if os.environ.get(v)), None)
+        return cls(scheme, host, port or 6379, db, path, username, password, shown)
+
+
+def _redacted(u) -> str:
+    if u.password is None:
+        return u.geturl()
+    user = quote(unquote(u.username or ""), safe="")
+    host = u.hostname or ""
+    if ":" in host:
+        host = f"[{host}]"
+    try:
+        port = f":{u.port}" if u.port else ""
+    except ValueError:
+        port = ""
+    return u._replace(netloc=f"{user}:***@{host}{port}").geturl()
+
+
+def _redact_raw(url: str) -> str:
+    """Best effort for a URL that does not even parse: drop what looks like userinfo."""
+    return re.sub(r"//[^@/]*@", "//***@", url)
+
+
+class RemoteTier:
+    """Blocks in Redis. ``connect`` opens the clients (a cluster is detected);
+    every other method assumes it did and lets the client's errors through."""
+
+    name = "remote"
+
+    def __init__(self, url: str, namespace: Optional[str] = None, timeout: float = 0.5,
+                 write_timeout: float = 10.0):
+        self.url = RemoteURL.parse(url)
+        self.namespace = namespace
+        self.ns = namespace_tag(namespace).encode()
+        self.timeout = timeout
+        self.write_timeout = write_timeout
+        self.reads = None  # short socket timeouts: the engine waits on these
+        self.writes = None  # longer ones: large background batches
+        self.cluster = False
+
+    # ---------------------------------------------------------- connection
+
+    @property
+    def connected(self) -> bool:
+        return self.reads is not None
+
+    def connect(self) -> None:
+        """Open both clients and check the credentials. Raises
+        ``RemoteConfigError`` for refused credentials or a missing client
+        library; connection errors pass through (the caller retries later)."""
+        try:
+            import redis
+        except ImportError:
+            raise RemoteConfigError(f"remote={self.url.shown} needs the Redis client: "
+                                    f"pip install 'kvstore[remote]'") from None
+        try:
+            probe = self._client(redis, self.timeout, cluster=False)
+            try:
+                info = probe.info("cluster")
+            finally:
+                probe.close()
+            self.cluster = bool(info.get("cluster_enabled"))
+            if self.cluster and self.url.db:
+                raise RemoteConfigError(f"remote URL {self.url.shown}: a Redis Cluster has only database 0")
+            reads, writes = (self._client(redis, t, self.cluster) for t in (self.timeout, self.write_timeout))
+        except redis.AuthenticationError as e:
+            raise RemoteConfigError(f"remote {self.url.shown} refused the credentials ({e}); set the password "
+                                    f"in the URL or in ${PASSWORD_ENV[0]}") from None
+        except redis.ResponseError as e:
+            if _is_auth(e):
+                raise RemoteConfigError(f"remote {self.url.shown} refused the credentials ({e}); set the password "
+                                        f"in the URL or in ${PASSWORD_ENV[0]}") from None
+            raise
+        except Exception as e:
+            if _is_auth(e):  # a cluster client wraps what its nodes said
+                raise RemoteConfigError(f"remote {self.url.shown} refused the credentials ({e})") from None
+            raise
+        self.close()
+        self.reads, self.writes = reads, writes
+
+    def _client(self, redis, timeout: float, cluster: bool):
+        from redis.backoff import NoBackoff
+        from redis.retry import Retry
+
+        u = self.url
+        common = dict(username=u.username, password=u.password, socket_timeout=timeout,
+                      socket_connect_timeout=self.timeout, socket_read_size=1 << 20, retry=Retry(NoBackoff(), 0))
+        if u.scheme == "unix":
+            return redis.Redis(unix_socket_path=u.socket_path, db=u.db, **common)
+        if cluster:
+            from redis.cluster import RedisCluster
+
+            return RedisCluster(host=u.host, port=u.port, ssl=u.scheme == "rediss", require_full_coverage=False,
+                                **common)
+        return redis.Redis(host=u.host, port=u.port, db=u.db, ssl=u.scheme == "rediss", **common)
+
+    def close(self) -> None:
+        for c in (self.reads, self.writes):
+            if c is not None:
+                try:
+                    c.close()
+                except Exception:
+                    pass
+        self.reads = self.writes = None
+
+    # ----------------------------------------------------------------- names
+
+    def key_name(self, key: bytes) -> bytes:
+        return PREFIX + self.ns + b":{" + key.hex().encode() + b"}"
+
+    def models_name(self) -> bytes:
+        return PREFIX + self.ns + b":models"
+
+    # -------------------------------------------------------------- protocol
+
+    def load(self, wanted: Sequence[tuple[bytes, int]]) -> Loaded:
+        """Decoded, checked blocks; stops at the first one missing or bad."""
+        out = Loaded()
+        for (key, start), buf in zip(wanted, self.payloads([k for k, _ in wanted])):
+            if not isinstance(buf, bytes):
+                if buf is not None:
+                    out.bad[key] = f"not a kvstore block ({buf})"
+                break
+            try:
+                out.blocks[key] = deserialize(buf, start, key=key)
+            except BlockDecodeError as e:
+                out.bad[key] = str(e)
+                break
+        return out
+
+    def store(self, entries: Sequence[Entry]) -> None:
+        self.put_many([(e.key, e.record.root, e.payload, e.record.pack()) for e in entries])
+
+    def remove(self, keys: Sequence[bytes]) -> list[bytes]:
+        """Delete blocks (UNLINK: freed by the server in the background)."""
+        if not keys:
+            return []
+        return [k for k, n in zip(keys, self._each(self.reads, "unlink", [self.key_name(k) for k in keys])) if n]
+
+    def touch(self, uses: Mapping[bytes, Use]) -> None:
+        """Nothing to do: Redis's LRU clock already moved when the block was read."""
+
+    def usage(self) -> int:
+        return sum(int(i.get("used_memory", 0)) for i in self.node_infos("memory"))
+
+    @property
+    def budget(self) -> int:
+        """The servers' ``maxmemory`` (0: unbounded)."""
+        return sum(int(i.get("maxmemory", 0)) for i in self.node_infos("memory"))
+
+    # ------------------------------------------------------ beyond protocol
+
+    def records(self, keys: Sequence[bytes]) -> list:
+        """Each block's packed record: bytes, ``None`` when absent, or the
+        exception the server returned for that key (a foreign value)."""
+        return self._each(self.reads, "hget", [self.key_name(k) for k in keys], FIELD_RECORD)
+
+    def payloads(self, keys: Sequence[bytes], sizes: Optional[Sequence[int]] = None) -> list:
+        """Each block's bytes (as ``records``), in round trips of about
+        ``READ_CHUNK`` bytes when ``sizes`` are known."""
+        out: list = []
+        i = 0
+        while i < len(keys):
+            j, total = i, 0
+            while j < len(keys) and (j == i or sizes is None or total + sizes[j] <= READ_CHUNK):
+                total += 0 if sizes is None else sizes[j]
+                j += 1
+            out += self._each(self.reads, "hget", [self.key_name(k) for k in keys[i:j]], FIELD_PAYLOAD)
+            i = j
+        return out
+
+    def put_many(self, items: Sequence[tuple[bytes, bytes, object, bytes]]) -> None:
+        """Write ``(key, root, payload, packed record)`` blocks in one pipeline."""
+        pipe = self.writes.pipeline(transaction=False)
+        for key, root, payload, record in items:
+            pipe.hset(self.key_name(key), mapping={FIELD_PAYLOAD: payload, FIELD_RECORD: record, FIELD_ROOT: root})
+        pipe.execute()
+
+    def register_model(self, root: bytes, info: dict) -> None:
+        self.writes.hsetnx(self.models_name(), root, msgpack.packb(info, use_bin_type=True))
+
+    def _each(self, client, command: str, names: Sequence[bytes], *args) -> list:
+        """One command per key, pipelined in one round trip; per-key errors
+        (a value of another type) come back as exception objects."""
+        pipe = client.pipeline(transaction=False)
+        for name in names:
+            getattr(pipe, command)(name, *args)
+        return pipe.execute(raise_on_error=False)
+
+    # ---------------------------------------------- maintenance (kvstore CLI)
+
+    def node_infos(self, section: str) -> list[dict]:
+        """``INFO section`` of every primary (one for a single server)."""
+        c = self.reads
+        if self.cluster:
+            return [c.get_redis_connection(node).info(section) for node in c.get_primaries()]
+        return [c.info(section)]
+
+    def scan(self, namespace: Optional[str] = "*", batch: int = 500) -> Iterator[tuple[bytes, str, bytes, int]]:
+        """Every block ``(name, namespace tag, root, payload bytes)`` of one
+        namespace (``"*"``: all), read in pipelined batches."""
+        ns = b"*" if namespace == "*" else namespace_tag(namespace).encode()
+        names: list[bytes] = []
+
+        def flush():
+            pipe = self.reads.pipeline(transaction=False)
+            for nm in names:
+                pipe.hget(nm, FIELD_ROOT)
+                pipe.hstrlen(nm, FIELD_PAYLOAD)
+            res = pipe.execute(raise_on_error=False)
+            for nm, root, size in zip(names, res[::2], res[1::2]):
+                if isinstance(root, bytes) and isinstance(size, int):
+                    yield nm, nm[len(PREFIX):].rsplit(b":{", 1)[0].decode(errors="replace"), root, size
+            names.clear()
+
+        for nm in self.reads.scan_iter(match=PREFIX + ns + b":{*}", count=1000):
+            names.append(nm)
+            if len(names) >= batch:
+                yield from flush()
+        yield from flush()
+
+    def models(self, namespace: Optional[str] = "*") -> dict[bytes, dict]:
+        """Model descriptions by root key, from every namespace's registry."""
+        ns = b"*" if namespace == "*" else namespace_tag(namespace).encode()
+        out: dict[bytes, dict] = {}
+        for nm in self.reads.scan_iter(match=PREFIX + ns + b":models", count=1000):
+            try:
+                for root, raw in self.reads.hgetall(nm).items():
+                    out[root] = msgpack.unpackb(raw, raw=False)
+            except Exception:
+                continue  # a foreign value under our name: no names, blocks still count
+        return out
+
+    def remove_names(self, names: Sequence[bytes]) -> int:
+        """Delete keys found by ``scan``; returns how many were there."""
+        names = list(names)
+        return sum(n for i in range(0, len(names), 1000)
+                   for n in self._each(self.writes, "unlink", names[i : i + 1000]) if isinstance(n, int))
+
+
+def _is_auth(e: BaseException) -> bool:
+    text = str(e)
+    return any(s in text for s in ("WRONGPASS", "NOAUTH", "invalid username-password", "Authentication required",
+                                   "invalid password"))

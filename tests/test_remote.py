@@ -1,0 +1,345 @@
+"""The shared remote tier, against real Redis servers (single and a 3-master
+cluster) that the tests start on loopback: hosts share blocks bit-exactly,
+tenants stay apart, bad values are refused, and a dead, hung or restarting
+server never reaches the engine."""
+
+import json
+import logging
+import os
+import subprocess
+import sys
+import time
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+from kvstore import PrefixStore
+from kvstore.counters import Counters
+from kvstore.errors import ConfigError, RemoteConfigError
+from kvstore.hashing import KeyChain, as_tokens, root_key
+from kvstore.record import BlockRecord
+from kvstore.remote_sync import Remote
+from kvstore.tiers.base import Entry
+from kvstore.tiers.remote import PREFIX, RemoteTier
+
+from ._helpers import assert_hit_is, kv_layers
+from ._redis import PASSWORD, RedisServer, free_port, need_redis, start_cluster
+
+BS = 64
+MODEL = "remote-test-model"
+
+
+@pytest.fixture
+def server(tmp_path):
+    need_redis()
+    s = RedisServer(tmp_path / "redis").start()
+    yield s
+    s.kill()
+
+
+@pytest.fixture
+def host(tmp_path):
+    """Opens stores as separate hosts would: each with its own SSD directory."""
+    opened = []
+
+    def open_store(name, url, **kw):
+        store = PrefixStore(budget_gb=0.25, ssd_path=tmp_path / name, block_size=BS, remote=url, **kw)
+        opened.append(store)
+        return store
+    yield open_store
+    for s in opened:
+        s.close()
+
+
+def prompt(n, seed=0):
+    return np.random.default_rng(seed).integers(1, 5000, size=n).tolist()
+
+
+def put(store, tokens, model=MODEL):
+    store.put(model, tokens, kv_layers(tokens))
+    store.flush()
+
+
+def block_name(url, tokens, i, namespace=None):
+    chain = KeyChain(root_key(MODEL, namespace), as_tokens(tokens), BS)
+    return RemoteTier(url, namespace).key_name(chain.key(i))
+
+
+def remote_warnings(caplog):
+    return [r for r in caplog.records if r.levelno >= logging.WARNING and "remote" in r.getMessage()]
+
+
+# ------------------------------------------------------------------ sharing
+
+
+def test_a_prompt_put_on_one_host_is_a_bit_exact_hit_on_another(server, host, tmp_path):
+    a, b = host("a", server.url), host("b", server.url)
+    tokens = prompt(300)  # 4 full blocks and a tail of 44
+    put(a, tokens)
+    hit = b.fetch(MODEL, tokens)
+    assert_hit_is(hit, tokens, 300)
+    assert hit.remote_tokens == 300
+    st = b.stats()
+    assert st["remote_blocks_read"] == 5 and st["tokens_remote"] == 300 and st["remote_bad"] == 0
+    assert a.stats()["remote_blocks_written"] == 5
+    # a longer prompt on the shared prefix: found remotely as far as its full blocks go
+    longer = tokens[:256] + prompt(100, seed=1)
+    c = host("c", server.url)
+    assert_hit_is(c.fetch(MODEL, longer), longer, 256)
+    # what b read is kept locally: a restart without the remote still hits, from its SSD
+    b.close()
+    with PrefixStore(budget_gb=0.25, ssd_path=tmp_path / "b", block_size=BS) as local:
+        again = local.fetch(MODEL, tokens)
+        assert_hit_is(again, tokens, 300)
+        assert again.ssd_tokens == 300
+
+
+def test_engines_on_two_hosts_share_a_prompt_and_generate_as_cold(server, host, tmp_path):
+    # a real mlx-lm model whose cache needs state snapshots (linear attention): the snapshot flag
+    # travels with the remote record, else the other host could not serve the prefix at all
+    from mlx_lm import load
+    from mlx_lm import stream_generate as mlx_stream_generate
+
+    from kvstore.adapters.generate import generate
+    from kvstore.adapters.tiny_models import make_tiny_model
+
+    path = make_tiny_model("qwen3_next", tmp_path / "model")
+    model, tokenizer = load(str(path))
+    tokens = prompt(200, seed=5)
+    reference = [r.token for r in mlx_stream_generate(model, tokenizer, tokens, max_tokens=8)]
+    a, b = host("a", server.url), host("b", server.url)
+    first = generate(model, tokenizer, tokens, store=a, model_path=path, max_tokens=8)
+    a.flush()
+    second = generate(model, tokenizer, tokens, store=b, model_path=path, max_tokens=8)
+    assert first.cached_tokens == 0 and second.cached_tokens == 192  # 3 blocks with their snapshots
+    assert second.remote_tokens == second.cached_tokens
+    assert first.tokens == reference and second.tokens == reference
+
+
+def test_namespaces_hold_across_hosts(server, host):
+    tokens = prompt(200, seed=2)
+    alice = host("alice", server.url, namespace="alice")
+    put(alice, tokens)
+    bob = host("bob", server.url, namespace="bob")
+    assert bob.fetch(MODEL, tokens).length == 0
+    assert bob.stats()["remote_blocks_read"] == 0
+    alice2 = host("alice2", server.url, namespace="alice")
+    assert_hit_is(alice2.fetch(MODEL, tokens), tokens, 200)
+    names = server.client().keys(PREFIX + b"*")
+    assert names and all(n.startswith(PREFIX + b"alice:") for n in names)  # ACL key patterns can fence tenants
+
+
+# ------------------------------------------------------------------ bad values
+
+
+def test_corrupt_or_foreign_remote_values_are_refused_never_served(server, host, caplog):
+    r = server.client()
+    tokens = prompt(256, seed=3)
+    put(host("a", server.url), tokens)
+    # a flipped byte in block 2's payload: the hit stops before it, and the value leaves the server
+    name = block_name(server.url, tokens, 2)
+    payload = bytearray(r.hget(name, "p"))
+    payload[-5] ^= 0x40
+    r.hset(name, "p", bytes(payload))
+    b = host("b", server.url)
+    assert_hit_is(b.fetch(MODEL, tokens), tokens, 128)
+    assert b.stats()["remote_bad"] == 1 and not r.exists(name)
+    # block 1's record swapped for block 3's: a record of another chain is refused before any payload is read
+    other = prompt(256, seed=4)
+    put(host("c", server.url), other)
+    r.hset(block_name(server.url, other, 1), "r", r.hget(block_name(server.url, other, 3), "r"))
+    d = host("d", server.url)
+    assert_hit_is(d.fetch(MODEL, other), other, 64)
+    assert d.stats()["remote_bad"] == 1 and d.stats()["remote_blocks_read"] == 1
+    # a value of another type under a block's name (someone else's key): a miss, no exception
+    third = prompt(128, seed=6)
+    r.set(block_name(server.url, third, 0), b"not ours")
+    e = host("e", server.url)
+    assert e.fetch(MODEL, third).length == 0
+    assert e.stats()["remote_bad"] == 1
+    assert all("refused" in w.getMessage() for w in remote_warnings(caplog))
+
+
+# ------------------------------------------------------------------ faults
+
+
+def test_a_killed_server_never_reaches_the_engine_and_the_tier_recovers(server, host, caplog):
+    a, b = host("a", server.url, remote_timeout=0.3), host("b", server.url, remote_timeout=0.3)
+    put(a, prompt(128, seed=7))
+    assert b.fetch(MODEL, prompt(128, seed=7)).remote_tokens == 128
+    server.kill()
+    times = []
+    for i in range(5):
+        t0 = time.monotonic()
+        assert b.fetch(MODEL, prompt(192, seed=10 + i)).length == 0
+        times.append(time.monotonic() - t0)
+    assert max(times) < 1.5 and sum(times) < 2.5, times  # one timeout, then the breaker skips the server
+    put(a, prompt(192, seed=20))  # the local write happens; the copy is skipped
+    assert a.fetch(MODEL, prompt(192, seed=20)).length == 192
+    sa, sb = a.stats(), b.stats()
+    assert not sa["remote_up"] and not sb["remote_up"]
+    assert sa["remote_skipped"] >= 1 and sb["remote_bypassed"] >= 1 and sb["remote_errors"] >= 1
+    assert len(remote_warnings(caplog)) == 2  # one per store, however many calls failed
+    server.start()  # same port, empty (no persistence)
+    deadline = time.monotonic() + 15
+    fresh = prompt(128, seed=30)
+    while time.monotonic() < deadline:
+        put(a, fresh)  # re-put is a no-op once stored locally: new tokens each round
+        if b.fetch(MODEL, fresh).remote_tokens:
+            break
+        fresh = prompt(128, seed=int(fresh[0]))
+        time.sleep(0.2)
+    else:
+        pytest.fail("the remote tier did not recover after the server restarted")
+    assert a.stats()["remote_up"] and b.stats()["remote_up"]
+
+
+def test_a_hung_server_costs_a_fetch_one_timeout_and_puts_nothing(server, host):
+    a, b = host("a", server.url, remote_timeout=0.3), host("b", server.url, remote_timeout=0.3)
+    server.pause()  # accepts connections, answers nothing: the slow server case
+    try:
+        t0 = time.monotonic()
+        assert b.fetch(MODEL, prompt(128, seed=8)).length == 0
+        assert time.monotonic() - t0 < 1.5
+        t0 = time.monotonic()
+        a.put(MODEL, prompt(256, seed=9), kv_layers(prompt(256, seed=9)))
+        assert time.monotonic() - t0 < 0.5  # the engine never waits for the copies
+    finally:
+        server.resume()
+    a.flush()
+    assert a.fetch(MODEL, prompt(256, seed=9)).length == 256
+
+
+def test_copies_beyond_the_queue_bound_are_skipped_and_counted(server):
+    counters = Counters()
+    remote = Remote(server.url, None, counters, queue_bytes=1 << 20)
+    entries = []
+    for i in range(12):
+        rec = BlockRecord(key=i.to_bytes(16, "little"), parent=b"\0" * 16, root=b"\1" * 16, start=0, length=1,
+                          tokens=np.array([i], dtype=np.int32), nbytes=256 << 10)
+        e = Entry(rec, None)
+        e.payload = os.urandom(256 << 10)
+        entries.append(e)
+    server.pause()  # slower than the engine
+    try:
+        t0 = time.monotonic()
+        for e in entries:
+            remote.offer([e])
+        assert time.monotonic() - t0 < 0.2
+    finally:
+        server.resume()
+    assert remote.flush(10)
+    c = counters.snapshot()
+    assert c["remote_skipped"] >= 6 and c["remote_blocks_written"] + c["remote_skipped"] == 12
+    assert server.client().dbsize() == c["remote_blocks_written"]
+    remote.close()
+
+
+def test_an_unreachable_server_at_open_is_connected_later(tmp_path, caplog):
+    need_redis()
+    port = free_port()
+    url = f"redis://:{PASSWORD}@127.0.0.1:{port}/0"
+    t0 = time.monotonic()
+    store = PrefixStore(budget_gb=0.25, ssd_path=tmp_path / "a", block_size=BS, remote=url, remote_timeout=0.3)
+    assert time.monotonic() - t0 < 2
+    try:
+        assert len(remote_warnings(caplog)) == 1 and not store.stats()["remote_up"]
+        put(store, prompt(128, seed=11))
+        assert_hit_is(store.fetch(MODEL, prompt(128, seed=11)), prompt(128, seed=11), 128)  # local tiers work
+        server = RedisServer(tmp_path / "redis", port=port).start()
+        try:
+            deadline = time.monotonic() + 10
+            seed = 100
+            while not server.client().dbsize() and time.monotonic() < deadline:
+                put(store, prompt(128, seed=seed))
+                seed += 1
+                time.sleep(0.2)
+            assert server.client().dbsize() > 0 and store.stats()["remote_up"]
+        finally:
+            store.close()
+            server.kill()
+    finally:
+        store.close()
+
+
+def test_wrong_password_is_an_error_at_open_naming_the_url_without_it(server, tmp_path, monkeypatch):
+    monkeypatch.delenv("KVSTORE_REMOTE_PASSWORD", raising=False)
+    monkeypatch.delenv("REDISCLI_AUTH", raising=False)
+    with pytest.raises(RemoteConfigError) as e:
+        PrefixStore(ssd_path=tmp_path / "s", remote=f"redis://:hunter2@127.0.0.1:{server.port}/0")
+    assert f"redis://:***@127.0.0.1:{server.port}/0" in str(e.value) and "hunter2" not in str(e.value)
+    with pytest.raises(RemoteConfigError, match="credentials"):
+        PrefixStore(remote=f"redis://127.0.0.1:{server.port}/0")  # none given, one required
+    monkeypatch.setenv("KVSTORE_REMOTE_PASSWORD", PASSWORD)
+    with PrefixStore(ssd_path=tmp_path / "s", remote=f"redis://127.0.0.1:{server.port}/0") as store:
+        assert store.stats()["remote_up"]
+
+
+@pytest.mark.parametrize("url", ["http://:hunter2@host:6379", "redis://:hunter2@host:port/0", "redis://host/db2",
+                                 "unix://", "redis:///0", "redis://host:6379/0?timeout=3", "", 6379])
+def test_malformed_remote_urls_are_errors_at_open(url):
+    pytest.importorskip("redis")
+    with pytest.raises(RemoteConfigError) as e:
+        PrefixStore(remote=url)
+    assert "hunter2" not in str(e.value)
+
+
+def test_remote_timeout_must_be_positive():
+    with pytest.raises(ConfigError):
+        PrefixStore(remote="redis://127.0.0.1:1/0", remote_timeout=0)
+
+
+# ------------------------------------------------------------------ cluster
+
+
+def test_a_three_master_cluster_shares_blocks_spread_over_slots(tmp_path, host):
+    need_redis()
+    nodes = start_cluster(tmp_path / "cluster")
+    try:
+        a, b = host("a", nodes[0].url), host("b", nodes[2].url)
+        tokens = prompt(64 * 12 + 10, seed=12)
+        put(a, tokens)
+        hit = b.fetch(MODEL, tokens)
+        assert_hit_is(hit, tokens, len(tokens))
+        assert hit.remote_tokens == len(tokens) and b.stats()["remote_cluster"]
+        per_node = [int(n.cli("dbsize")) for n in nodes]
+        assert sum(per_node) == 13 + 1 and sum(1 for k in per_node if k) >= 2  # 13 blocks + the model registry
+        res = subprocess.run([sys.executable, "-m", "kvstore.adapters.cli", "stats", "--remote", nodes[1].url,
+                              "--json"], capture_output=True, text=True, timeout=60)
+        assert res.returncode == 0, res.stderr
+        assert json.loads(res.stdout)["blocks"] == 13 and json.loads(res.stdout)["cluster"]
+    finally:
+        for n in nodes:
+            n.kill()
+
+
+# ------------------------------------------------------------------ CLI
+
+
+def kvstore(*args, input=None):
+    return subprocess.run([sys.executable, "-m", "kvstore.adapters.cli", *map(str, args)], capture_output=True,
+                          text=True, input=input, timeout=60)
+
+
+def test_cli_stats_and_clear_act_on_one_models_remote_blocks(server, host):
+    a = host("a", server.url)
+    a.register_model("m1", {"name": "model-one"})
+    a.put("m1", prompt(130, seed=13), kv_layers(prompt(130, seed=13)))
+    a.put("m2", prompt(200, seed=14), kv_layers(prompt(200, seed=14)))
+    a.flush()
+    res = kvstore("stats", "--remote", server.url, "--json")
+    assert res.returncode == 0, res.stderr
+    st = json.loads(res.stdout)
+    assert st["models"]["model-one"]["blocks"] == 3 and st["models"]["m2"]["blocks"] == 4
+    assert st["maxmemory_policy"] == "allkeys-lru" and st["warnings"] == [] and "***" in st["url"]
+    assert kvstore("clear", "--remote", server.url, "--model", "model-one", input="n\n").returncode == 1
+    res = kvstore("clear", "--remote", server.url, "--model", "model-one", "--yes")
+    assert res.returncode == 0 and "deleted 3 blocks" in res.stdout, res.stdout + res.stderr
+    assert list(json.loads(kvstore("stats", "--remote", server.url, "--json").stdout)["models"]) == ["m2"]
+    b = host("b", server.url)
+    assert b.fetch("m1", prompt(130, seed=13)).length == 0
+    assert b.fetch("m2", prompt(200, seed=14)).length == 200
+    assert kvstore("stats").returncode == 2
+    bad = kvstore("stats", "--remote", f"redis://:hunter2@127.0.0.1:{server.port}/0")
+    assert bad.returncode == 2 and "credentials" in bad.stderr and "hunter2" not in bad.stderr
