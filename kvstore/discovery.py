@@ -1,20 +1,22 @@
 """A fetch that stops locally asks the remote tier for the rest of the chain.
 
-Block keys are content addresses, so the keys the prompt's next blocks
-would have are known without asking anyone (``KeyChain``): one pipelined
-round trip reads their index records (small), and the run of blocks whose
-records fit the prompt -- same root, parent, position and tokens -- is read in
-a second (payloads, in round trips of about 64 MiB). Every payload is
-decoded as a local one is (header, checksum, key binding), and its tokens are
-compared again: a corrupt, foreign or colliding value is refused and
-dropped from the server, never served.
+Block keys are content addresses, so the keys of the prompt's next full
+blocks are known without asking anyone (``KeyChain``). One pipelined round
+trip reads their index records (small) and, for the block the prompt ends
+inside, the stored children nearest to its tokens (``RemoteTier.probe``):
+the child sharing the longest prefix with the prompt is one of them, whatever
+came after it on the host that stored it. When the chain breaks earlier (the
+prompt diverges from what is stored), one more round trip asks the same of
+the block where it broke. The run of blocks whose records fit the prompt --
+same root, parent, position and tokens -- and the best partial child are read
+last (payloads, in round trips of about 64 MiB). Every payload is decoded as
+a local one is (header, checksum, key binding) and its tokens compared
+again: a corrupt, foreign or colliding value is refused and dropped from the
+server, never served.
 
 What was read joins the index below where the walk stopped, goes into RAM,
 and is written to the LMDB tier by the background writer (as a job of
-already encoded blocks, so it is never copied back to the remote). Only the
-full blocks of the prompt and an exact tail (a repeat of a stored prompt's
-length) can be found this way: other partial blocks need a listing of
-children that the remote does not keep.
+already encoded blocks, so it is never copied back to the remote).
 """
 
 from __future__ import annotations
@@ -29,9 +31,9 @@ import numpy as np
 from .codec import Block, deserialize
 from .counters import Counters
 from .errors import BlockDecodeError
-from .hashing import KeyChain
+from .hashing import KeyChain, chain_key
 from .index import Node, RadixIndex
-from .lookup import Match
+from .lookup import Match, shared_prefix
 from .placement import Placement
 from .record import BlockRecord
 from .remote_sync import Remote
@@ -58,52 +60,97 @@ class Discovery:
         """Index the blocks of ``chain.tokens[:n]`` the remote holds beyond
         ``match``; returns their keys. Never raises; a down remote costs at
         most one timeout (then the breaker skips it)."""
-        probe = _probe(chain, n, len(match.full.nodes))
-        if not probe:
-            return set()
-        raw = self.remote.call(self.remote.tier.records, [key for key, *_ in probe])
-        if raw is None:
+        tier = self.remote.tier
+        bs = chain.block_size
+        first, full = len(match.full.nodes), n // bs
+        last = min(full, first + MAX_PROBE)
+        keys = [chain.key(i) for i in range(first, last)]
+        near = (chain.parent(full), chain.tokens[full * bs : n]) if last == full and n > full * bs else None
+        got = self.remote.call(tier.probe, root.key, keys, near)
+        if got is None:
             if not self.remote.breaker.allow():
                 self.counters.count("remote_bypassed")
             return set()
         self.counters.count("remote_lookups")
-        run = self._records(root, chain, probe, raw)
-        if not run:
+        raw, children = got
+        run = self._run(root, chain, first, raw)
+        stop = first + len(run)  # the first block not found by key
+        if stop < last:  # the prompt diverges inside block `stop`: its nearest stored sibling may share a prefix
+            near = (chain.parent(stop), chain.tokens[stop * bs : min(n, (stop + 1) * bs)])
+            children = self.remote.call(tier.neighbours, root.key, *near)
+        part = self._best_child(children, near[1]) if near is not None and children else None
+        wanted = [r.key for r in run] + ([part[0]] if part else [])
+        if not wanted:
             return set()
-        bufs = self.remote.call(self.remote.tier.payloads, [r.key for r in run], [r.nbytes for r in run])
-        got: list[tuple[BlockRecord, Block, bytes]] = []
-        for rec, buf in zip(run, bufs or []):
-            if buf is None:
-                break  # evicted by the server meanwhile
+        sizes = [r.nbytes for r in run] + ([0] if part else [])
+        entries = self.remote.call(tier.entries, wanted, sizes) or []
+        got_blocks: list[tuple[BlockRecord, Block, bytes]] = []
+        for rec, (_, buf) in zip(run, entries):
             block = self._decode(rec, buf)
             if block is None:
                 break
-            got.append((rec, block, buf))
-        if not got:
+            got_blocks.append((rec, block, buf))
+        if part and len(got_blocks) == len(run) and len(entries) == len(wanted):
+            leaf = self._partial(root, chain, stop, n, near[0], part, entries[-1])
+            if leaf is not None:
+                got_blocks.append(leaf)
+        if not got_blocks:
             return set()
-        self.counters.count("remote_blocks_read", len(got))
-        self.counters.count("remote_bytes_read", sum(len(b) for _, _, b in got))
-        return self._keep(match.full.last, got, chain)
+        self.counters.count("remote_blocks_read", len(got_blocks))
+        self.counters.count("remote_bytes_read", sum(len(b) for _, _, b in got_blocks))
+        return self._keep(match.full.last, got_blocks, chain)
 
     # ---------------------------------------------------------------- steps
 
-    def _records(self, root: Node, chain: KeyChain, probe: list, raw: list) -> list[BlockRecord]:
-        """The leading run of probed blocks whose records fit the prompt."""
+    def _run(self, root: Node, chain: KeyChain, first: int, raw: list) -> list[BlockRecord]:
+        """The leading run of probed full blocks whose records fit the prompt."""
+        bs = chain.block_size
         run = []
-        for (key, parent, start, length), r in zip(probe, raw):
+        for i, r in enumerate(raw, start=first):
             if r is None:
-                if length == chain.block_size:
-                    break  # the chain stops here: no later block can be used
-                continue
+                break  # the chain stops here: no later block can be used
+            key = chain.key(i)
             rec = BlockRecord.unpack(key, r) if isinstance(r, bytes) else None
-            why = _mismatch(rec, root.key, parent, start, length, chain.tokens)
+            why = _mismatch(rec, root.key, chain.parent(i), i * bs, bs, chain.tokens) if rec is not None \
+                else f"not a kvstore record ({r!r:.60})"
             if why:
-                self._refuse(key, why if rec is not None or isinstance(r, bytes) else f"not a kvstore block ({r})")
+                self._refuse(key, why)
                 break
             run.append(rec)
         return run
 
+    @staticmethod
+    def _best_child(children: list, tokens: np.ndarray) -> Optional[tuple[bytes, int, bytes]]:
+        """``(key, shared tokens, member)`` of the listed child sharing most with ``tokens``."""
+        best = None
+        for key, toks, member in children:
+            shared = shared_prefix(toks, tokens)
+            if shared and (best is None or shared > best[1]):
+                best = (key, shared, member)
+        return best
+
+    def _partial(self, root: Node, chain: KeyChain, i: int, n: int, parent: bytes, part: tuple,
+                 entry: tuple) -> Optional[tuple[BlockRecord, Block, bytes]]:
+        """The best partial child read back and checked: its record must be
+        the child of ``parent`` at block ``i`` and share tokens with the prompt."""
+        key, _, member = part
+        raw, buf = entry
+        if raw is None:
+            self.remote.call(self.remote.tier.forget_child, root.key, parent, member)  # evicted: a stale listing
+            return None
+        rec = BlockRecord.unpack(key, raw) if isinstance(raw, bytes) else None
+        bs = chain.block_size
+        why = "unreadable index record" if rec is None else _mismatch(rec, root.key, parent, i * bs, None,
+                                                                      chain.tokens)
+        if why:
+            self._refuse(key, why)
+            return None
+        block = self._decode(rec, buf)
+        return None if block is None else (rec, block, buf)
+
     def _decode(self, rec: BlockRecord, buf) -> Optional[Block]:
+        if buf is None:
+            return None  # evicted by the server since its record was read
         if not isinstance(buf, bytes):
             self._refuse(rec.key, f"not a kvstore block ({buf})")
             return None
@@ -167,27 +214,21 @@ class Discovery:
         return {nd.key for nd, _ in fresh}
 
 
-def _probe(chain: KeyChain, n: int, first: int) -> list[tuple[bytes, bytes, int, int]]:
-    """``(key, parent key, start, length)`` of the prompt's blocks from full
-    block ``first`` on, and its exact tail when every full block is probed."""
-    bs = chain.block_size
-    full = n // bs
-    last = min(full, first + MAX_PROBE)
-    out = [(chain.key(i), chain.parent(i), i * bs, bs) for i in range(first, last)]
-    tail = n - full * bs
-    if tail and last == full:
-        out.append((chain.tail_key(full, tail), chain.parent(full), full * bs, tail))
-    return out
-
-
-def _mismatch(rec: Optional[BlockRecord], root: bytes, parent: bytes, start: int, length: int,
+def _mismatch(rec: BlockRecord, root: bytes, parent: bytes, start: int, length: Optional[int],
               tokens: np.ndarray) -> Optional[str]:
-    if rec is None:
-        return "unreadable index record"
+    """Why a remote record cannot be the prompt's block at ``start``, or
+    ``None``. ``length=None``: a partial match (the stored block may go on
+    where the prompt does not, but must share its first tokens)."""
     if rec.root != root or rec.parent != parent:
         return "record of another chain"
-    if rec.start != start or rec.length != length:
-        return f"record at tokens {rec.start}+{rec.length}, expected {start}+{length}"
+    if rec.start != start:
+        return f"record at token {rec.start}, expected {start}"
+    if length is None:
+        if chain_key(parent, np.ascontiguousarray(rec.tokens, dtype="<i4")) != rec.key:
+            return "record tokens do not hash to its key"
+        return None if shared_prefix(rec.tokens, tokens[start : start + rec.length]) else "shares no token"
+    if rec.length != length:
+        return f"record of {rec.length} tokens, expected {length}"
     if not np.array_equal(rec.tokens, tokens[start : start + length]):
         return "tokens differ from the prompt (hash collision?)"
     return None

@@ -94,8 +94,8 @@ class Remote:
         self.queue_bytes = queue_bytes
         self._warned = False
         self._cond = threading.Condition()
-        self._queue: deque = deque()  # (key, root, payload, packed record) or (None, root, info, None)
-        self._queued = 0  # payload bytes in the queue
+        self._queue: deque = deque()  # (record, payload) of blocks, or (None, (root, model info))
+        self._queued = 0  # payload bytes queued or being sent (what the bound counts)
         self._busy = False  # a batch is being written
         self._stop = False
         self._thread: Optional[threading.Thread] = None
@@ -159,7 +159,7 @@ class Remote:
                 if self._stop or not self.breaker.allow() or (self._queued and self._queued + size > self.queue_bytes):
                     skipped += 1
                     continue
-                self._queue.append((e.key, e.record.root, e.payload, e.record.pack()))
+                self._queue.append((e.record, e.payload))
                 self._queued += size
             self._cond.notify()
         if skipped:
@@ -168,7 +168,7 @@ class Remote:
 
     def register_model(self, root: bytes, info: dict) -> None:
         with self._cond:
-            self._queue.append((None, root, info, None))
+            self._queue.append((None, (root, info)))
             self._cond.notify()
         self._ensure_thread()
 
@@ -188,9 +188,9 @@ class Remote:
             log.warning("kvstore: remote %s: %d MiB of copies not sent at close", self.url, self._queued >> 20)
         with self._cond:
             self._stop = True
-            dropped = sum(1 for it in self._queue if it[0] is not None)
+            dropped = sum(1 for rec, _ in self._queue if rec is not None)
+            self._queued -= sum(len(p) for rec, p in self._queue if rec is not None)
             self._queue.clear()
-            self._queued = 0
             self._cond.notify_all()
         if dropped:
             self.counters.count("remote_skipped", dropped)
@@ -217,23 +217,24 @@ class Remote:
                     return
                 batch, size = [], 0
                 while self._queue and len(batch) < BATCH_BLOCKS and (not batch or size < BATCH_BYTES):
-                    item = self._queue.popleft()
-                    batch.append(item)
-                    if item[0] is not None:
-                        size += len(item[2])
-                self._queued -= size
+                    rec, payload = self._queue.popleft()
+                    batch.append((rec, payload))
+                    if rec is not None:
+                        size += len(payload)
                 self._busy = True
             try:
                 self._send(batch, size)
             finally:
                 with self._cond:
+                    self._queued -= size
                     self._busy = False
                     self._cond.notify_all()
 
     def _send(self, batch: list, size: int) -> None:
-        blocks = [it for it in batch if it[0] is not None]
-        for _, root, info, _ in (it for it in batch if it[0] is None):
-            self.call(self.tier.register_model, root, info)
+        blocks = [(rec, payload) for rec, payload in batch if rec is not None]
+        for rec, model in batch:
+            if rec is None:
+                self.call(self.tier.register_model, *model)
         if not blocks:
             return
         try:

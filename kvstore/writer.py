@@ -140,12 +140,12 @@ class Writer:
                 with self.lock:
                     if not self._current(node, job):
                         continue
-                    if pl.admit_locked(node, block) and not to_disk:
-                        node.job = None  # durable where it goes: servable without waiting
-                    elif not to_disk:
-                        pl.forget_locked(node)  # fits in neither tier
-                        continue
-                    if found is None:
+                    if found is None:  # (found blocks went into RAM when they were read, as far as they fit)
+                        if pl.admit_locked(node, block) and not to_disk:
+                            node.job = None  # durable where it goes: servable without waiting
+                        elif not to_disk:
+                            pl.forget_locked(node)  # fits in neither tier
+                            continue
                         self.counters.count("blocks_stored")
                 if to_disk or to_remote:
                     entry = found

@@ -10,9 +10,19 @@ Each block is one Redis hash, ``kvstore:v1:<namespace>:{<block key hex>}``:
   one model's blocks without reading records.
 
 One key per block keeps payload and record together under Redis's own
-eviction (``allkeys-lru`` drops both or neither) and in one cluster slot; no
-command here spans two keys, so a Redis Cluster needs nothing more (the
-``{hashtag}`` pins the slot should a block ever get a second key). Keys carry
+eviction (``allkeys-lru`` drops both or neither) and in one cluster slot.
+
+Beside them, per parent block, a sorted set of its children,
+``kvstore:v1:<namespace>:kids:<root hex>:{<parent key hex>}``, whose members
+are each child's tokens (big-endian, so byte order is token order) followed by
+its key. A prompt whose block ends or diverges inside a stored block cannot
+compute that block's key; but the stored child sharing the longest prefix
+with the prompt's tokens is always a lexicographic neighbour of them, so two
+``ZRANGEBYLEX`` calls find it, in the same round trip as the records. A
+listing evicted or stale only loses partial matches (a missing child's
+member is removed when found).
+
+No command spans two keys, so a Redis Cluster needs nothing more. Keys carry
 the store's namespace in clear text, so Redis ACL key patterns can fence
 tenants sharing one server; the block keys themselves are salted by the
 namespace already (``hashing.root_key``).
@@ -26,14 +36,17 @@ from __future__ import annotations
 
 import os
 import re
+import threading
 from dataclasses import dataclass
 from typing import Iterator, Mapping, Optional, Sequence
 from urllib.parse import parse_qs, quote, unquote, urlsplit
 
 import msgpack
+import numpy as np
 
 from ..codec import deserialize
 from ..errors import BlockDecodeError, RemoteConfigError
+from ..record import BlockRecord
 from .base import Entry, Loaded, Use
 
 PREFIX = b"kvstore:v1:"  # v1: block bytes of codec format 2 and records of record.RECORD_VERSION 1
@@ -150,6 +163,7 @@ class RemoteTier:
         self.ns = namespace_tag(namespace).encode()
         self.timeout = timeout
         self.write_timeout = write_timeout
+        self._connecting = threading.Lock()
         self.reads = None  # short socket timeouts: the engine waits on these
         self.writes = None  # longer ones: large background batches
         self.cluster = False
@@ -164,6 +178,11 @@ class RemoteTier:
         """Open both clients and check the credentials. Raises
         ``RemoteConfigError`` for refused credentials or a missing client
         library; connection errors pass through (the caller retries later)."""
+        with self._connecting:
+            if not self.connected:
+                self._connect()
+
+    def _connect(self) -> None:
         try:
             import redis
         except ImportError:
@@ -227,6 +246,9 @@ class RemoteTier:
     def models_name(self) -> bytes:
         return PREFIX + self.ns + b":models"
 
+    def kids_name(self, root: bytes, parent: bytes) -> bytes:
+        return PREFIX + self.ns + b":kids:" + root.hex().encode() + b":{" + parent.hex().encode() + b"}"
+
     # -------------------------------------------------------------- protocol
 
     def load(self, wanted: Sequence[tuple[bytes, int]]) -> Loaded:
@@ -245,7 +267,7 @@ class RemoteTier:
         return out
 
     def store(self, entries: Sequence[Entry]) -> None:
-        self.put_many([(e.key, e.record.root, e.payload, e.record.pack()) for e in entries])
+        self.put_many([(e.record, e.payload) for e in entries])
 
     def remove(self, keys: Sequence[bytes]) -> list[bytes]:
         """Delete blocks (UNLINK: freed by the server in the background)."""
@@ -271,25 +293,56 @@ class RemoteTier:
         exception the server returned for that key (a foreign value)."""
         return self._each(self.reads, "hget", [self.key_name(k) for k in keys], FIELD_RECORD)
 
-    def payloads(self, keys: Sequence[bytes], sizes: Optional[Sequence[int]] = None) -> list:
-        """Each block's bytes (as ``records``), in round trips of about
-        ``READ_CHUNK`` bytes when ``sizes`` are known."""
+    def probe(self, root: bytes, keys: Sequence[bytes], near: Optional[tuple[bytes, np.ndarray]] = None):
+        """One round trip: the records of ``keys`` (as ``records``) and, with
+        ``near=(parent, tokens)``, the children of ``parent`` nearest to
+        ``tokens`` (as ``neighbours``; ``None`` without ``near``)."""
+        pipe = self.reads.pipeline(transaction=False)
+        for k in keys:
+            pipe.hget(self.key_name(k), FIELD_RECORD)
+        if near is not None:
+            self._near(pipe, root, *near)
+        res = pipe.execute(raise_on_error=False)
+        return res[: len(keys)], None if near is None else _children(res[len(keys):])
+
+    def neighbours(self, root: bytes, parent: bytes, tokens: np.ndarray) -> list[tuple[bytes, np.ndarray, bytes]]:
+        """``(key, tokens, member)`` of the stored children of ``parent`` that
+        sort next to ``tokens``: the one sharing the longest prefix with them
+        is among these."""
+        pipe = self.reads.pipeline(transaction=False)
+        self._near(pipe, root, parent, tokens)
+        return _children(pipe.execute(raise_on_error=False))
+
+    def _near(self, pipe, root: bytes, parent: bytes, tokens: np.ndarray) -> None:
+        name, q = self.kids_name(root, parent), _member(tokens, b"")
+        pipe.zrangebylex(name, b"[" + q, b"+", 0, 1)
+        pipe.zrevrangebylex(name, b"(" + q, b"-", 0, 1)
+
+    def forget_child(self, root: bytes, parent: bytes, member: bytes) -> None:
+        self.reads.zrem(self.kids_name(root, parent), member)
+
+    def entries(self, keys: Sequence[bytes], sizes: Optional[Sequence[int]] = None) -> list[tuple]:
+        """``(record, payload)`` of each block (each as ``records``), in round
+        trips of about ``READ_CHUNK`` bytes when ``sizes`` are known."""
         out: list = []
-        i = 0
-        while i < len(keys):
-            j, total = i, 0
-            while j < len(keys) and (j == i or sizes is None or total + sizes[j] <= READ_CHUNK):
-                total += 0 if sizes is None else sizes[j]
-                j += 1
-            out += self._each(self.reads, "hget", [self.key_name(k) for k in keys[i:j]], FIELD_PAYLOAD)
-            i = j
+        for chunk in _chunks(keys, sizes):
+            for r in self._each(self.reads, "hmget", [self.key_name(k) for k in chunk], FIELD_RECORD, FIELD_PAYLOAD):
+                out.append(tuple(r) if isinstance(r, list) else (r, r))
         return out
 
-    def put_many(self, items: Sequence[tuple[bytes, bytes, object, bytes]]) -> None:
-        """Write ``(key, root, payload, packed record)`` blocks in one pipeline."""
+    def payloads(self, keys: Sequence[bytes], sizes: Optional[Sequence[int]] = None) -> list:
+        """Each block's bytes (as ``records``)."""
+        return [p for chunk in _chunks(keys, sizes)
+                for p in self._each(self.reads, "hget", [self.key_name(k) for k in chunk], FIELD_PAYLOAD)]
+
+    def put_many(self, items: Sequence[tuple[BlockRecord, object]]) -> None:
+        """Write ``(record, payload)`` blocks, and list each under its parent,
+        in one pipeline."""
         pipe = self.writes.pipeline(transaction=False)
-        for key, root, payload, record in items:
-            pipe.hset(self.key_name(key), mapping={FIELD_PAYLOAD: payload, FIELD_RECORD: record, FIELD_ROOT: root})
+        for rec, payload in items:
+            pipe.hset(self.key_name(rec.key), mapping={FIELD_PAYLOAD: payload, FIELD_RECORD: rec.pack(),
+                                                        FIELD_ROOT: rec.root})
+            pipe.zadd(self.kids_name(rec.root, rec.parent), {_member(rec.tokens, rec.key): 0})
         pipe.execute()
 
     def register_model(self, root: bytes, info: dict) -> None:
@@ -329,7 +382,7 @@ class RemoteTier:
                     yield nm, nm[len(PREFIX):].rsplit(b":{", 1)[0].decode(errors="replace"), root, size
             names.clear()
 
-        for nm in self.reads.scan_iter(match=PREFIX + ns + b":{*}", count=1000):
+        for nm in self.reads.scan_iter(match=PREFIX + ns + b":{*}", count=1000, _type="hash"):
             names.append(nm)
             if len(names) >= batch:
                 yield from flush()
@@ -352,6 +405,31 @@ class RemoteTier:
         names = list(names)
         return sum(n for i in range(0, len(names), 1000)
                    for n in self._each(self.writes, "unlink", names[i : i + 1000]) if isinstance(n, int))
+
+
+def _member(tokens: np.ndarray, key: bytes) -> bytes:
+    return np.ascontiguousarray(tokens, dtype=">u4").tobytes() + key
+
+
+def _children(replies: list) -> list[tuple[bytes, np.ndarray, bytes]]:
+    out = []
+    for found in replies:
+        for m in found if isinstance(found, list) else []:
+            if isinstance(m, bytes) and len(m) > 16 and (len(m) - 16) % 4 == 0 and all(m != c[2] for c in out):
+                out.append((m[-16:], np.frombuffer(m[:-16], dtype=">u4").astype(np.int32), m))
+    return out
+
+
+def _chunks(keys: Sequence[bytes], sizes: Optional[Sequence[int]]) -> Iterator[Sequence[bytes]]:
+    """``keys`` in runs of about ``READ_CHUNK`` payload bytes (one run without sizes)."""
+    i = 0
+    while i < len(keys):
+        j, total = i, 0
+        while j < len(keys) and (j == i or sizes is None or total + sizes[j] <= READ_CHUNK):
+            total += 0 if sizes is None else sizes[j]
+            j += 1
+        yield keys[i:j]
+        i = j
 
 
 def _is_auth(e: BaseException) -> bool:

@@ -1,0 +1,496 @@
+#!/usr/bin/env python
+"""The shared remote tier (Redis / Valkey) over loopback: what a hit from it
+costs next to a local SSD hit and a cold prefill, and what two engine
+processes save by sharing one server.
+
+    python tools/remote_bench.py [--quick] [--only PART ...] [--out DIR]
+                                 [--url redis://...] [--write-docs]
+
+Without ``--url`` it starts its own ``redis-server`` (Debian's package) on a
+free loopback port with the settings the README recommends (``maxmemory``,
+``allkeys-lru``, no persistence). Figures are medians; baselines are measured
+in the same run.
+
+Parts:
+
+restore  fetch GB/s of a Llama-3-8B-shaped layer set (fp16 and q8 entries):
+         a remote hit (a fresh store, empty SSD) vs a local SSD hit
+         (page-cached) vs the client's own ceiling (pipelined HGETs of the
+         same bytes, nothing decoded).
+ttft     time to first token on the tiny llama: cold prefill vs a local SSD
+         hit vs a remote hit.
+replay   the seeded chat / agent trace of ``tools/bench.py`` on two engine
+         processes (real ``mlx_lm`` models), each with its own SSD store,
+         without and with one shared server: tokens recomputed and TTFT.
+         Requests go to the two hosts round-robin (no session affinity) or
+         by session; each request's copies are sent before the next request
+         is dispatched, so the figures are what sharing saves, not a race.
+
+Writes ``DIR/remote.json``; ``--write-docs`` (or a full run) rewrites the
+remote section of ``docs/benchmarks.md``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import platform
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any, Optional
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+import numpy as np  # noqa: E402
+
+from kvstore.tools.bench import (MiB, SIZES, _machine, fp16_nbytes, kv_layers, load_tiny, log,  # noqa: E402
+                                 make_trace, med, rand_tokens, run_tokens, stat, timed)
+
+PARTS = ("restore", "ttft", "replay")
+CONFIG = {
+    "quick": dict(repeats=3, restore=dict(layers=8, heads=8, dim=128, tokens=2048), ttft=[1024, 4096],
+                  replay="quick"),
+    "full": dict(repeats=5, restore=dict(layers=32, heads=8, dim=128, tokens=2048), ttft=[1024, 4096, 16384],
+                 replay="quick"),
+}
+REDIS_SETTINGS = ["--maxmemory", "8gb", "--maxmemory-policy", "allkeys-lru", "--save", "", "--appendonly", "no"]
+SECTION = ("<!-- begin remote_bench -->", "<!-- end remote_bench -->")
+
+
+# ---------------------------------------------------------------- server
+
+
+class Server:
+    """A redis-server of our own on loopback, or the one ``--url`` names."""
+
+    def __init__(self, url: Optional[str], tmp: Path):
+        self.proc: Optional[subprocess.Popen] = None
+        self.settings = "as found (--url)"
+        if url is not None:
+            self.url = url
+            return
+        exe = shutil.which("redis-server")
+        if exe is None:
+            sys.exit("redis-server not found: install it (apt-get install redis-server) or pass --url")
+        import socket
+
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        password = os.urandom(8).hex()
+        d = tmp / "redis"
+        d.mkdir()
+        self.proc = subprocess.Popen([exe, "--port", str(port), "--bind", "127.0.0.1", "--dir", str(d),
+                                      "--requirepass", password, *REDIS_SETTINGS, "--logfile", "redis.log"],
+                                     stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        self.settings = " ".join(a if a else '""' for a in REDIS_SETTINGS)
+        self.url = f"redis://:{password}@127.0.0.1:{port}/0"
+        deadline = time.monotonic() + 10
+        while True:
+            try:
+                self.version()
+                return
+            except Exception:
+                if time.monotonic() > deadline or self.proc.poll() is not None:
+                    raise
+                time.sleep(0.05)
+
+    def _tier(self):
+        from kvstore.tiers.remote import RemoteTier
+
+        tier = RemoteTier(self.url, timeout=5.0)
+        tier.connect()
+        return tier
+
+    def flush(self) -> None:
+        tier = self._tier()
+        try:
+            tier.reads.flushall()
+        finally:
+            tier.close()
+
+    def version(self) -> str:
+        tier = self._tier()
+        try:
+            info = tier.node_infos("server")[0]
+        finally:
+            tier.close()
+        name = "valkey" if "valkey_version" in info else "redis"
+        return f"{name} {info.get('valkey_version') or info.get('redis_version')}"
+
+    def stop(self) -> None:
+        if self.proc is not None:
+            self.proc.kill()
+            self.proc.wait()
+
+
+# --------------------------------------------------------------- restore
+
+
+def bench_restore(cfg: dict, R: int, tmp: Path, server: Server) -> dict:
+    from kvstore import PrefixStore
+    from kvstore.hashing import KeyChain, root_key
+    from kvstore.tiers.remote import RemoteTier
+
+    c = cfg["restore"]
+    rng = np.random.default_rng(10)
+    layers = kv_layers(rng, c["layers"], c["heads"], c["dim"], c["tokens"])
+    toks = rand_tokens(rng, c["tokens"], 100_000)
+    out_bytes = fp16_nbytes(layers)
+    key = "remote-bench-restore"
+    res: dict[str, Any] = {"shape": dict(c, block_size=256, dtype="float16"), "fp16_bytes": out_bytes, "entries": {}}
+    log(f"restore: {c['layers']} layers x {c['heads']} heads x {c['dim']} dim x {c['tokens']} tokens "
+        f"= {out_bytes / MiB:.0f} MiB fp16")
+    for bits in (None, 8):
+        name = "fp16" if bits is None else "q8"
+        quant = None if bits is None else (bits, 64)  # q8 handed over as Quantized: the CPU dequantize is not I/O
+        server.flush()
+        src = tmp / f"src-{name}"
+        with PrefixStore(budget_gb=64, ssd_path=src, block_size=256, kv_bits=bits, remote=server.url) as s:
+            s.put(key, toks, layers)
+            s.flush()
+            stored = s.nbytes
+            assert s.stats()["remote_blocks_written"] == c["tokens"] // 256
+        e: dict[str, Any] = {"stored_bytes": stored}
+        # local SSD, page-cached: nothing promoted (budget 0), every fetch reads LMDB
+        with PrefixStore(budget_gb=0, ssd_path=src) as s:
+            assert s.fetch(key, toks, quantized=quant).ssd_tokens == len(toks)
+            e["ssd_page_cached"] = stat(timed(lambda: s.fetch(key, toks, quantized=quant), R, warmup=1), stored)
+        # remote: each fetch on a fresh store with an empty SSD directory (its blocks then go to RAM and LMDB)
+        for label, with_ssd in (("remote_to_ram_and_ssd", True), ("remote_to_ram", False)):
+            ts = []
+            for i in range(R + 1):
+                path = tmp / f"fresh-{name}-{label}-{i}" if with_ssd else None
+                s = PrefixStore(budget_gb=64, ssd_path=path, remote=server.url)
+                t0 = time.perf_counter()
+                hit = s.fetch(key, toks, quantized=quant)
+                dt = time.perf_counter() - t0
+                assert hit.remote_tokens == len(toks), (hit.length, hit.remote_tokens)
+                del hit
+                s.close()
+                if path is not None:
+                    shutil.rmtree(path)
+                if i:
+                    ts.append(dt)  # the first fetch of the process warms its threads up
+            e[label] = stat(ts, stored)
+        # the client's ceiling: the same payloads through redis-py in one pipelined round trip per 64 MiB
+        tier = RemoteTier(server.url)
+        tier.connect()
+        chain = KeyChain(root_key(key), toks, 256)
+        keys = [chain.key(i) for i in range(len(toks) // 256)]
+        sizes = [stored // len(keys)] * len(keys)
+        e["client_hget"] = stat(timed(lambda: tier.payloads(keys, sizes), R, warmup=1), stored)
+        tier.close()
+        shutil.rmtree(src)
+        e["ratio"] = {"remote_vs_ssd_page_cached": e["ssd_page_cached"]["median_s"] / e["remote_to_ram_and_ssd"]["median_s"],
+                      "remote_vs_client_ceiling": e["client_hget"]["median_s"] / e["remote_to_ram_and_ssd"]["median_s"]}
+        res["entries"][name] = e
+        log(f"restore {name}: remote {e['remote_to_ram_and_ssd']['gbps']:.2f} GB/s (RAM only "
+            f"{e['remote_to_ram']['gbps']:.2f}), SSD page-cached {e['ssd_page_cached']['gbps']:.2f}, "
+            f"client ceiling {e['client_hget']['gbps']:.2f}")
+        gc.collect()
+    return res
+
+
+# ------------------------------------------------------------------ ttft
+
+
+def bench_ttft(cfg: dict, R: int, tmp: Path, server: Server) -> dict:
+    import mlx.core as mx
+    import mlx_lm
+    from mlx_lm.models import cache as C
+
+    from kvstore import PrefixStore
+    from kvstore.adapters.generate import generate, model_key, store_cache
+
+    model, tok, path = load_tiny("llama")
+    mkey = model_key(model, path)
+    rng = np.random.default_rng(40)
+    res: dict[str, Any] = {"model": "tiny llama (2 layers, 1 KV head, head_dim 64, fp16)", "lengths": {}}
+    for n in cfg["ttft"]:
+        prompt = rand_tokens(rng, n).tolist()
+        log(f"ttft: {n} tokens")
+        cold, cache = [], None
+        for _ in range(R):
+            cache = C.make_prompt_cache(model)
+            t0 = time.perf_counter()
+            for resp in mlx_lm.stream_generate(model, tok, prompt, max_tokens=1, prompt_cache=cache):
+                cold.append(time.perf_counter() - t0)
+                first = resp.token
+                break
+        mx.eval([c.state for c in cache])
+        full = prompt + [first]
+        server.flush()
+        src = tmp / f"ttft-{n}"
+        with PrefixStore(budget_gb=4, ssd_path=src, block_size=256, remote=server.url) as s:
+            store_cache(s, mkey, full, cache)
+            s.flush()
+        e: dict[str, Any] = {"cold": stat(cold)}
+        for label in ("ssd", "remote"):
+            ts, got = [], 0
+            for i in range(R):
+                p = src if label == "ssd" else tmp / f"ttft-{n}-fresh-{i}"
+                s = PrefixStore(budget_gb=4, ssd_path=p, block_size=256, remote=server.url if label == "remote" else None)
+                g = generate(model, tok, prompt, store=s, max_tokens=1)
+                ts.append(g.ttft_s)
+                got = g.remote_tokens if label == "remote" else g.ssd_tokens
+                s.close()
+                if label == "remote":
+                    shutil.rmtree(p)
+            e[label] = dict(stat(ts), cached_tokens=got)
+        shutil.rmtree(src)
+        base = e["cold"]["median_s"]
+        e["speedup_vs_cold"] = {k: base / e[k]["median_s"] for k in ("ssd", "remote")}
+        e["remote_vs_ssd_time"] = e["remote"]["median_s"] / e["ssd"]["median_s"]
+        res["lengths"][str(n)] = e
+        log(f"ttft {n}: cold {base * 1e3:.0f} ms, SSD hit {e['ssd']['median_s'] * 1e3:.0f} ms, remote hit "
+            f"{e['remote']['median_s'] * 1e3:.0f} ms")
+        del cache
+        gc.collect()
+    return res
+
+
+# ---------------------------------------------------------------- replay
+
+
+def bench_replay(cfg: dict, tmp: Path, server: Server) -> dict:
+    trace = make_trace(SIZES[cfg["replay"]]["replay"])
+    reqs = trace["requests"]
+    res: dict[str, Any] = {"trace": cfg["replay"], "requests": len(reqs), "prompt_tokens": trace["prompt_tokens"],
+                           "ideal_recomputed_tokens": trace["prompt_tokens"] - trace["ideal_cached_tokens"],
+                           "runs": {}}
+    log(f"replay: {len(reqs)} requests, {trace['prompt_tokens']:,} prompt tokens on two engine processes")
+    for routing in ("round_robin", "by_session"):
+        for system in ("own_stores", "shared_redis"):
+            server.flush()
+            url = server.url if system == "shared_redis" else None
+            hosts = [_Worker(tmp / f"{routing}-{system}-{h}", url, cfg["replay"]) for h in range(2)]
+            try:
+                t0 = time.perf_counter()
+                per = []
+                for i, r in enumerate(reqs):
+                    h = i % 2 if routing == "round_robin" else r["session"] % 2
+                    per.append(hosts[h].ask({"i": i}))
+                wall = time.perf_counter() - t0
+                stats = [w.ask({"stats": True}) for w in hosts]
+            finally:
+                for w in hosts:
+                    w.close()
+            cached = sum(p["cached"] for p in per)
+            run = {"recomputed_tokens": trace["prompt_tokens"] - cached, "cached_tokens": cached,
+                   "remote_tokens": sum(p["remote"] for p in per), "ttft_total_s": sum(p["ttft"] for p in per),
+                   "ttft_p50_s": med([p["ttft"] for p in per]), "wall_s": wall,
+                   "remote_bytes_written": sum(s.get("remote_bytes_written", 0) for s in stats),
+                   "remote_bytes_read": sum(s.get("remote_bytes_read", 0) for s in stats)}
+            res["runs"][f"{routing}/{system}"] = run
+            log(f"replay {routing} {system}: recomputed {run['recomputed_tokens']:,} tokens "
+                f"(remote hits {run['remote_tokens']:,}), TTFT total {run['ttft_total_s']:.1f} s")
+        own, shared = res["runs"][f"{routing}/own_stores"], res["runs"][f"{routing}/shared_redis"]
+        res[f"{routing}_recompute_shared_vs_own"] = shared["recomputed_tokens"] / max(1, own["recomputed_tokens"])
+        res[f"{routing}_ttft_shared_vs_own"] = shared["ttft_total_s"] / own["ttft_total_s"]
+    return res
+
+
+class _Worker:
+    """One engine process (``--worker``): requests in, counts out, over pipes."""
+
+    def __init__(self, ssd: Path, url: Optional[str], trace: str):
+        cmd = [sys.executable, str(Path(__file__).resolve()), "--worker", "--ssd", str(ssd), "--trace", trace]
+        if url:
+            cmd += ["--url", url]
+        self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+
+    def ask(self, msg: dict) -> dict:
+        self.proc.stdin.write(json.dumps(msg) + "\n")
+        self.proc.stdin.flush()
+        line = self.proc.stdout.readline()
+        if not line:
+            raise RuntimeError("a worker process died")
+        return json.loads(line)
+
+    def close(self) -> None:
+        self.proc.stdin.close()
+        self.proc.wait(timeout=120)
+
+
+def worker(ssd: str, url: Optional[str], trace_name: str) -> int:
+    """Serve requests of the trace by index, as one engine host would."""
+    import mlx.core as mx
+
+    from kvstore import PrefixStore
+    from kvstore.adapters.generate import fetch_cache, model_key, store_cache
+
+    trace = make_trace(SIZES[trace_name]["replay"])
+    model, _, path = load_tiny("llama")
+    mkey = model_key(model, path)
+    store = PrefixStore(budget_gb=1, ssd_path=ssd, block_size=256, kv_bits=8, remote=url)
+    for line in sys.stdin:
+        msg = json.loads(line)
+        if msg.get("stats"):
+            out = {k: v for k, v in store.stats().items() if isinstance(v, (int, float))}
+        else:
+            req = trace["requests"][msg["i"]]
+            prompt = req["prompt"].tolist()
+            t0 = time.perf_counter()
+            r = fetch_cache(store, model, mkey, prompt)
+            logits = run_tokens(model, r.cache, prompt[r.cached_tokens:])
+            mx.eval(mx.argmax(logits))
+            ttft = time.perf_counter() - t0
+            run_tokens(model, r.cache, req["response"].tolist(), logits=False)
+            store_cache(store, mkey, prompt + req["response"].tolist(), r.cache)
+            store.flush()  # its copies reach the server before the next request is dispatched
+            out = {"cached": r.cached_tokens, "remote": r.remote_tokens, "ttft": ttft}
+        sys.stdout.write(json.dumps(out) + "\n")
+        sys.stdout.flush()
+    store.close()
+    return 0
+
+
+# ------------------------------------------------------------------ docs
+
+
+def write_docs(results: dict, meta: dict, docs: Path) -> Path:
+    L: list[str] = [SECTION[0], "## remote: a shared tier on Redis over loopback\n"]
+    a = L.append
+    a(f"Generated by `python tools/remote_bench.py{' --quick' if meta['mode'] == 'quick' else ''}` ({meta['date']}, "
+      f"{meta['runtime_s'] / 60:.1f} min). Machine: {meta['machine']}; {meta['server']} on loopback "
+      f"({meta['settings']}), redis-py {meta['redis_py']}{' + hiredis' if meta['hiredis'] else ''}. Medians; "
+      "baselines from the same run. On a shared 2-core machine the server, the client and the engine compete for "
+      "the same cores, so loopback here is a floor, not what a network and a dedicated server give.\n")
+    p = results.get("restore")
+    if p:
+        sh = p["shape"]
+        a(f"**Restore** of a Llama-3-8B-shaped layer set, {sh['layers']} layers x {sh['heads']} KV heads x "
+          f"head_dim {sh['dim']} x {sh['tokens']} tokens ({p['fp16_bytes'] / MiB:.0f} MiB fp16), block size 256. "
+          "GB/s of stored bytes per `fetch` of the whole prefix; q8 entries handed over as `Quantized` (the CPU "
+          "dequantize is not I/O). *Remote hit*: a fresh store with an empty SSD directory, so every block comes "
+          "from the server (then goes into RAM and, in the background, LMDB). *Client ceiling*: redis-py reading "
+          "the same payloads with pipelined HGETs, nothing decoded.\n")
+        a("| entries | stored MiB | remote hit (RAM + SSD) | remote hit (RAM only store) | local SSD, page-cached "
+          "| client ceiling | remote / SSD time |")
+        a("|---|---|---|---|---|---|---|")
+        for name, e in p["entries"].items():
+            a(f"| {name} | {e['stored_bytes'] / MiB:.0f} | {e['remote_to_ram_and_ssd']['gbps']:.2f} | "
+              f"{e['remote_to_ram']['gbps']:.2f} | {e['ssd_page_cached']['gbps']:.2f} | "
+              f"{e['client_hget']['gbps']:.2f} | {1 / e['ratio']['remote_vs_ssd_page_cached']:.2f}x |")
+        a("")
+    p = results.get("ttft")
+    if p:
+        a(f"**Time to first token** on the {p['model']}: cold prefill vs a hit from the local SSD store "
+          "(reopened) vs a hit from the server (a fresh store, empty SSD).\n")
+        a("| prompt tokens | cold | local SSD hit | remote hit | remote hit vs cold | remote / SSD |")
+        a("|---|---|---|---|---|---|")
+        for n, e in p["lengths"].items():
+            a(f"| {int(n):,} | {e['cold']['median_s'] * 1e3:.0f} ms | {e['ssd']['median_s'] * 1e3:.1f} ms | "
+              f"{e['remote']['median_s'] * 1e3:.1f} ms | {e['speedup_vs_cold']['remote']:.0f}x faster | "
+              f"{e['remote_vs_ssd_time']:.2f}x |")
+        a("")
+    p = results.get("replay")
+    if p:
+        a(f"**Replay on two engine processes**: the `{p['trace']}` trace of `tools/bench.py` ({p['requests']} "
+          f"requests, {p['prompt_tokens']:,} prompt tokens), tiny llama, each process with its own q8 SSD store, "
+          "without and with one shared server. Round-robin sends consecutive requests of a conversation to "
+          "alternate hosts (a load balancer without affinity); by-session keeps each conversation on one host, so "
+          "only system prompts can cross. Each request's copies are sent before the next one is dispatched. "
+          f"A single cache of unbounded size would recompute {p['ideal_recomputed_tokens']:,} tokens.\n")
+        a("| routing | stores | tokens recomputed | of which served by the server | total TTFT | p50 TTFT |")
+        a("|---|---|---|---|---|---|")
+        for k, r in p["runs"].items():
+            routing, system = k.split("/")
+            a(f"| {routing.replace('_', '-')} | {'own SSD store each' if system == 'own_stores' else 'own + shared Redis'}"
+              f" | {r['recomputed_tokens']:,} | {r['remote_tokens']:,} | {r['ttft_total_s']:.1f} s | "
+              f"{r['ttft_p50_s'] * 1e3:.0f} ms |")
+        a("")
+        a(f"Sharing one server: tokens recomputed {p['round_robin_recompute_shared_vs_own']:.2f}x (round-robin) and "
+          f"{p['by_session_recompute_shared_vs_own']:.2f}x (by session) of what two separate stores recompute; "
+          f"total TTFT {p['round_robin_ttft_shared_vs_own']:.2f}x and {p['by_session_ttft_shared_vs_own']:.2f}x.\n")
+    a("```\npython tools/remote_bench.py --quick --out /tmp/rb       # starts its own redis-server on loopback\n"
+      "python tools/remote_bench.py --url redis://:PASSWORD@host:6379/0 --only restore ttft\n```\n")
+    a(SECTION[1])
+    path = docs / "benchmarks.md"
+    text = path.read_text() if path.exists() else "# Benchmarks\n"
+    block = "\n".join(L)
+    if SECTION[0] in text and SECTION[1] in text:
+        text = text[: text.index(SECTION[0])] + block + text[text.index(SECTION[1]) + len(SECTION[1]):]
+    else:
+        text = text.rstrip("\n") + "\n\n" + block + "\n"
+    path.write_text(text)
+    return path
+
+
+# ------------------------------------------------------------------ main
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(prog="remote_bench", description="kvstore's remote tier (see the docstring).")
+    ap.add_argument("--quick", action="store_true", help="smaller sizes (a few minutes on 2 cores)")
+    ap.add_argument("--only", nargs="+", choices=PARTS, metavar="PART", help=f"parts: {', '.join(PARTS)}")
+    ap.add_argument("--out", default="bench-out", help="output folder (default: bench-out)")
+    ap.add_argument("--url", help="use this server instead of starting one (it is FLUSHALLed!)")
+    ap.add_argument("--repeats", type=int)
+    ap.add_argument("--tmp", help="where SSD stores go (default: system temp)")
+    ap.add_argument("--write-docs", action="store_true", help="rewrite the remote section of docs/benchmarks.md")
+    ap.add_argument("--docs", default=str(ROOT / "docs"), help=argparse.SUPPRESS)
+    ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--ssd", help=argparse.SUPPRESS)
+    ap.add_argument("--trace", default="quick", help=argparse.SUPPRESS)
+    return ap.parse_args(argv)
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    if args.worker:
+        return worker(args.ssd, args.url, args.trace)
+    import mlx.core as mx
+    import redis
+
+    mode = "quick" if args.quick else "full"
+    cfg = CONFIG[mode]
+    R = args.repeats or cfg["repeats"]
+    parts = list(args.only) if args.only else list(PARTS)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix="kvstore-remote-bench-", dir=args.tmp))
+    server = Server(args.url, tmp)
+    try:
+        hiredis = True
+        import hiredis  # noqa: F401
+    except ImportError:
+        hiredis = False
+    meta = {"mode": mode, "date": time.strftime("%Y-%m-%d %H:%M"), "machine": _machine(), "mlx": mx.__version__,
+            "python": platform.python_version(), "server": server.version(), "settings": server.settings,
+            "redis_py": redis.__version__, "hiredis": hiredis, "repeats": R}
+    results: dict[str, Any] = {}
+    t_all = time.perf_counter()
+    try:
+        for part in parts:
+            t0 = time.perf_counter()
+            if part == "restore":
+                r = bench_restore(cfg, R, tmp, server)
+            elif part == "ttft":
+                r = bench_ttft(cfg, R, tmp, server)
+            else:
+                r = bench_replay(cfg, tmp, server)
+            r["runtime_s"] = time.perf_counter() - t0
+            results[part] = r
+    finally:
+        server.stop()
+        shutil.rmtree(tmp, ignore_errors=True)
+    meta["runtime_s"] = time.perf_counter() - t_all
+    (out / "remote.json").write_text(json.dumps({"meta": meta, "parts": results}, indent=1, default=str))
+    if args.write_docs or (mode == "full" and not args.only):
+        log(f"wrote {write_docs(results, meta, Path(args.docs))}")
+    log(f"total {meta['runtime_s']:.1f} s; results in {out}/remote.json")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
