@@ -356,6 +356,7 @@ def _clear_remote(url: str, namespace: Optional[str], model: Optional[str], yes:
     tier = _open_remote(url)
     try:
         n = tier.remove_names(names)
+        tier.remove_names(tier.listings(cat.roots(names), "*" if namespace is None else namespace))
     finally:
         tier.close()
     out.print(f"{cat.url}: deleted {n} blocks ({_size(nbytes)})")

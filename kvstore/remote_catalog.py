@@ -39,6 +39,11 @@ class RemoteCatalog:
         return [nm for nm, _, root, _ in self.blocks
                 if model is None or self.model_name(root).startswith(model) or root.hex().startswith(model)]
 
+    def roots(self, names: list[bytes]) -> list[bytes]:
+        """Model roots of these blocks."""
+        chosen = set(names)
+        return sorted({root for nm, _, root, _ in self.blocks if nm in chosen})
+
     def summary(self) -> dict:
         models: dict[str, dict] = {}
         for _, ns, root, size in self.blocks:

@@ -360,6 +360,9 @@ def test_cli_stats_and_clear_act_on_one_models_remote_blocks(server, host):
     res = kvstore("clear", "--remote", server.url, "--model", "model-one", "--yes")
     assert res.returncode == 0 and "deleted 3 blocks" in res.stdout, res.stdout + res.stderr
     assert list(json.loads(kvstore("stats", "--remote", server.url, "--json").stdout)["models"]) == ["m2"]
+    r = server.client()
+    assert not r.keys(PREFIX + b"-:kids:" + root_key("m1").hex().encode() + b":*")  # its listings went too
+    assert r.keys(PREFIX + b"-:kids:" + root_key("m2").hex().encode() + b":*")
     b = host("b", server.url)
     assert b.fetch("m1", prompt(130, seed=13)).length == 0
     assert b.fetch("m2", prompt(200, seed=14)).length == 200

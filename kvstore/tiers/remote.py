@@ -400,6 +400,13 @@ class RemoteTier:
                 continue  # a foreign value under our name: no names, blocks still count
         return out
 
+    def listings(self, roots: Sequence[bytes], namespace: Optional[str] = "*") -> list[bytes]:
+        """Names of the children listings of these models' blocks."""
+        ns = b"*" if namespace == "*" else namespace_tag(namespace).encode()
+        return [nm for root in roots
+                for nm in self.reads.scan_iter(match=PREFIX + ns + b":kids:" + root.hex().encode() + b":*",
+                                               count=1000, _type="zset")]
+
     def remove_names(self, names: Sequence[bytes]) -> int:
         """Delete keys found by ``scan``; returns how many were there."""
         names = list(names)
