@@ -149,7 +149,22 @@ def test_namespaces_hold_across_hosts(server, host):
     alice2 = host("alice2", server.url, namespace="alice")
     assert_hit_is(alice2.fetch(MODEL, tokens), tokens, 200)
     names = server.client().keys(PREFIX + b"*")
-    assert names and all(n.startswith(PREFIX + b"alice:") for n in names)  # ACL key patterns can fence tenants
+    assert names and all(n.startswith(PREFIX + b"alice:") for n in names)
+
+
+def test_redis_acls_fence_tenants_with_the_rule_the_readme_gives(server, host):
+    for user in ("alice", "bob"):  # README: ACL SETUSER tenant on >PASSWORD ~kvstore:v1:tenant:* ...
+        server.cli("ACL", "SETUSER", user, "on", f">{user}-pw", f"~kvstore:v1:{user}:*", "+@read", "+@write",
+                   "+@keyspace", "-@dangerous", "+info")
+    as_user = lambda user: f"redis://{user}:{user}-pw@127.0.0.1:{server.port}/0"  # noqa: E731
+    tokens = prompt(200, seed=3)
+    put(host("a", as_user("alice"), namespace="alice"), tokens)
+    assert_hit_is(host("b", as_user("alice"), namespace="alice").fetch(MODEL, tokens), tokens, 200)
+    # bob's credentials cannot even ask for alice's keys: the server refuses, the engine sees a miss
+    mallory = host("m", as_user("bob"), namespace="alice")
+    assert mallory.fetch(MODEL, tokens).length == 0
+    st = mallory.stats()
+    assert st["remote_errors"] == 1 and st["remote_blocks_read"] == 0 and not st["remote_up"]
 
 
 # ------------------------------------------------------------------ bad values

@@ -191,10 +191,12 @@ class RemoteTier:
         try:
             probe = self._client(redis, self.timeout, cluster=False)
             try:
-                info = probe.info("cluster")
+                try:  # (connecting authenticates: refused credentials raise here)
+                    self.cluster = bool(probe.info("cluster").get("cluster_enabled"))
+                except redis.exceptions.NoPermissionError:
+                    self.cluster = False  # a user without INFO (an ACL): taken for a single server
             finally:
                 probe.close()
-            self.cluster = bool(info.get("cluster_enabled"))
             if self.cluster and self.url.db:
                 raise RemoteConfigError(f"remote URL {self.url.shown}: a Redis Cluster has only database 0")
             reads, writes = (self._client(redis, t, self.cluster) for t in (self.timeout, self.write_timeout))
@@ -302,7 +304,7 @@ class RemoteTier:
             pipe.hget(self.key_name(k), FIELD_RECORD)
         if near is not None:
             self._near(pipe, root, *near)
-        res = pipe.execute(raise_on_error=False)
+        res = _per_key(pipe.execute(raise_on_error=False))
         return res[: len(keys)], None if near is None else _children(res[len(keys):])
 
     def neighbours(self, root: bytes, parent: bytes, tokens: np.ndarray) -> list[tuple[bytes, np.ndarray, bytes]]:
@@ -311,7 +313,7 @@ class RemoteTier:
         is among these."""
         pipe = self.reads.pipeline(transaction=False)
         self._near(pipe, root, parent, tokens)
-        return _children(pipe.execute(raise_on_error=False))
+        return _children(_per_key(pipe.execute(raise_on_error=False)))
 
     def _near(self, pipe, root: bytes, parent: bytes, tokens: np.ndarray) -> None:
         name, q = self.kids_name(root, parent), _member(tokens, b"")
@@ -354,7 +356,7 @@ class RemoteTier:
         pipe = client.pipeline(transaction=False)
         for name in names:
             getattr(pipe, command)(name, *args)
-        return pipe.execute(raise_on_error=False)
+        return _per_key(pipe.execute(raise_on_error=False))
 
     # ---------------------------------------------- maintenance (kvstore CLI)
 
@@ -412,6 +414,16 @@ class RemoteTier:
         names = list(names)
         return sum(n for i in range(0, len(names), 1000)
                    for n in self._each(self.writes, "unlink", names[i : i + 1000]) if isinstance(n, int))
+
+
+def _per_key(replies: list) -> list:
+    """Replies of a pipeline, with a value of another type under our name
+    (WRONGTYPE) left in place as that key's answer; any other error (no
+    permission, a cluster redirect, a server fault) is the call's failure."""
+    for r in replies:
+        if isinstance(r, Exception) and not str(r).startswith("WRONGTYPE"):
+            raise r
+    return replies
 
 
 def _member(tokens: np.ndarray, key: bytes) -> bytes:
