@@ -4,6 +4,7 @@ every number on the page comes from the results being reported or the run's
 
 from __future__ import annotations
 
+import re
 import shutil
 from pathlib import Path
 
@@ -323,5 +324,12 @@ def write_docs(results: dict, meta: dict, out: Path, docs: Path) -> Path:
       "python -m kvstore.tools.bench --quick    # small sizes, JSON + PNG in bench-out/\n"
       "kvstore bench --only replay --out /tmp/b # the same options through the console script\n```\n")
     path = docs / "benchmarks.md"
-    path.write_text("\n".join(L))
+    path.write_text("\n".join(L) + _kept_sections(path))
     return path
+
+
+def _kept_sections(path: Path) -> str:
+    """Sections other tools write (``<!-- begin NAME -->`` .. ``<!-- end NAME -->``,
+    e.g. tools/remote_bench.py), carried over when this page is rewritten."""
+    text = path.read_text() if path.exists() else ""
+    return "".join(f"\n{m.group(0)}\n" for m in re.finditer(r"<!-- begin (\S+) -->.*?<!-- end \1 -->", text, re.S))
