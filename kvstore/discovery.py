@@ -66,10 +66,11 @@ class Discovery:
         last = min(full, first + MAX_PROBE)
         keys = [chain.key(i) for i in range(first, last)]
         near = (chain.parent(full), chain.tokens[full * bs : n]) if last == full and n > full * bs else None
+        if not self.remote.breaker.allow():
+            self.counters.count("remote_bypassed")
+            return set()
         got = self.remote.call(tier.probe, root.key, keys, near)
         if got is None:
-            if not self.remote.breaker.allow():
-                self.counters.count("remote_bypassed")
             return set()
         self.counters.count("remote_lookups")
         raw, children = got

@@ -14,7 +14,8 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from kvstore import PrefixStore
+from kvstore import KVLayer, PrefixStore
+from kvstore.codec import Block, serialize
 from kvstore.counters import Counters
 from kvstore.errors import ConfigError, RemoteConfigError
 from kvstore.hashing import KeyChain, as_tokens, root_key
@@ -384,3 +385,28 @@ def test_cli_stats_and_clear_act_on_one_models_remote_blocks(server, host):
     assert kvstore("stats").returncode == 2
     bad = kvstore("stats", "--remote", f"redis://:hunter2@127.0.0.1:{server.port}/0")
     assert bad.returncode == 2 and "credentials" in bad.stderr and "hunter2" not in bad.stderr
+
+
+def test_the_remote_tier_keeps_the_tier_protocol(server):
+    tokens = prompt(128, seed=40)
+    chain = KeyChain(root_key(MODEL), as_tokens(tokens), BS)
+    layers = kv_layers(tokens)
+    entries = []
+    for i in range(2):
+        rows = [KVLayer(l.keys[:, :, i * BS:(i + 1) * BS], l.values[:, :, i * BS:(i + 1) * BS], i * BS) for l in layers]
+        rec = BlockRecord(key=chain.key(i), parent=chain.parent(i), root=chain.root, start=i * BS, length=BS,
+                          tokens=as_tokens(tokens[i * BS:(i + 1) * BS]), nbytes=0)
+        entries.append(Entry(rec, Block(rec.tokens, rows)))
+    tier = RemoteTier(server.url)
+    tier.connect()
+    try:
+        tier.store(entries)
+        wanted = [(e.key, e.record.start) for e in entries]
+        loaded = tier.load(wanted)
+        assert list(loaded.blocks) == [e.key for e in entries] and not loaded.bad
+        assert all(serialize(loaded.blocks[e.key], e.key) == e.payload for e in entries)  # the same bytes back
+        assert tier.usage() > 0 and tier.budget == 256 << 20  # the server's own figures
+        assert tier.remove([entries[1].key, b"\0" * 16]) == [entries[1].key]
+        assert list(tier.load(wanted).blocks) == [entries[0].key]
+    finally:
+        tier.close()
