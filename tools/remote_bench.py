@@ -51,8 +51,10 @@ if str(ROOT) not in sys.path:
 
 import numpy as np  # noqa: E402
 
-from kvstore.tools.bench import (MiB, SIZES, _machine, fp16_nbytes, kv_layers, load_tiny, log,  # noqa: E402
-                                 make_trace, med, rand_tokens, run_tokens, stat, timed)
+from kvstore.tools.bench.common import (MiB, fp16_nbytes, kv_layers, load_tiny, log, machine,  # noqa: E402
+                                        med, rand_tokens, run_tokens, stat, timed)
+from kvstore.tools.bench.replay import make_trace  # noqa: E402
+from kvstore.tools.bench.settings import SIZES  # noqa: E402
 
 PARTS = ("restore", "ttft", "replay")
 CONFIG = {
@@ -465,7 +467,7 @@ def main(argv=None) -> int:
         import hiredis  # noqa: F401
     except ImportError:
         hiredis = False
-    meta = {"mode": mode, "date": time.strftime("%Y-%m-%d %H:%M"), "machine": _machine(), "mlx": mx.__version__,
+    meta = {"mode": mode, "date": time.strftime("%Y-%m-%d %H:%M"), "machine": machine(), "mlx": mx.__version__,
             "python": platform.python_version(), "server": server.version(), "settings": server.settings,
             "redis_py": redis.__version__, "hiredis": hiredis, "repeats": R}
     results: dict[str, Any] = {}
