@@ -140,6 +140,32 @@ def test_engines_on_two_hosts_share_a_prompt_and_generate_as_cold(server, host, 
     assert first.tokens == reference and second.tokens == reference
 
 
+def test_two_kvstore_serve_hosts_share_a_system_prompt_through_the_server(server, tmp_path):
+    from kvstore.adapters.tiny_models import make_tiny_model
+
+    from .test_server import chat, start, stop
+    from .test_server import free_port as free_http_port
+
+    model = make_tiny_model("llama", tmp_path / "model")
+    ports = [free_http_port(), free_http_port()]
+    with open(tmp_path / "a.log", "wb") as la, open(tmp_path / "b.log", "wb") as lb:
+        procs = [start(model, tmp_path / f"store-{h}", port, log, "--remote", server.url, "--remote-timeout", "2")
+                 for h, port, log in zip("ab", ports, (la, lb))]
+        try:
+            first = chat(ports[0], "hello there")
+            blocks = lambda: len(server.client().keys(PREFIX + b"-:{*}"))  # noqa: E731
+            deadline = time.monotonic() + 30
+            while blocks() < first["prompt_tokens"] // 64 and time.monotonic() < deadline:
+                time.sleep(0.1)  # host a's copies are written behind its response
+            other = chat(ports[1], "how are you today")
+        finally:
+            for p in procs:
+                stop(p)
+    assert first["prompt_tokens_details"]["cached_tokens"] == 0
+    # host b never saw the system prompt: its few hundred tokens came from the server
+    assert other["prompt_tokens_details"]["cached_tokens"] > 0.8 * first["prompt_tokens"]
+
+
 def test_namespaces_hold_across_hosts(server, host):
     tokens = prompt(200, seed=2)
     alice = host("alice", server.url, namespace="alice")

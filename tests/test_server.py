@@ -22,9 +22,9 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def start(model, store, port, log):
+def start(model, store, port, log, *extra):
     cmd = [sys.executable, "-m", "kvstore.adapters.cli", "serve", "--model", str(model), "--ssd-path", str(store),
-           "--budget-gb", "1", "--block-size", "64", "--host", "127.0.0.1", "--port", str(port)]
+           "--budget-gb", "1", "--block-size", "64", "--host", "127.0.0.1", "--port", str(port), *extra]
     proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
     deadline = time.time() + 120
     while time.time() < deadline:
