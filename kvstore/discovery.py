@@ -225,7 +225,7 @@ def _mismatch(rec: BlockRecord, root: bytes, parent: bytes, start: int, length: 
     if rec.start != start:
         return f"record at token {rec.start}, expected {start}"
     if length is None:
-        if chain_key(parent, np.ascontiguousarray(rec.tokens, dtype="<i4")) != rec.key:
+        if chain_key(parent, rec.tokens) != rec.key:
             return "record tokens do not hash to its key"
         return None if shared_prefix(rec.tokens, tokens[start : start + rec.length]) else "shares no token"
     if rec.length != length:

@@ -118,6 +118,16 @@ def test_a_prompt_ending_or_diverging_inside_a_stored_block_hits_as_far_as_it_sh
     assert r.zcard(listing) == 0
 
 
+def test_image_token_ids_travel_too(server, host):
+    # image prompts carry negative ~60-bit ids (mlx-lm's Vision.cache_key): 64-bit tokens on the wire
+    tokens = prompt(70) + [-(1 << 59) - 7] * 100 + prompt(60, seed=1)
+    put(host("a", server.url), tokens)
+    b = host("b", server.url)
+    assert_hit_is(b.fetch(MODEL, tokens), tokens, len(tokens))
+    c = host("c", server.url)
+    assert_hit_is(c.fetch(MODEL, tokens, limit=200), tokens, 200)  # the tail block, found by its listing
+
+
 def test_engines_on_two_hosts_share_a_prompt_and_generate_as_cold(server, host, tmp_path):
     # a real mlx-lm model whose cache needs state snapshots (linear attention): the snapshot flag
     # travels with the remote record, else the other host could not serve the prefix at all

@@ -14,8 +14,7 @@ eviction (``allkeys-lru`` drops both or neither) and in one cluster slot.
 
 Beside them, per parent block, a sorted set of its children,
 ``kvstore:v1:<namespace>:kids:<root hex>:{<parent key hex>}``, whose members
-are each child's tokens (big-endian, so byte order is token order) followed by
-its key. A prompt whose block ends or diverges inside a stored block cannot
+are each child's tokens (8 bytes each, big-endian) followed by its key. A prompt whose block ends or diverges inside a stored block cannot
 compute that block's key; but the stored child sharing the longest prefix
 with the prompt's tokens is always a lexicographic neighbour of them, so two
 ``ZRANGEBYLEX`` calls find it, in the same round trip as the records. A
@@ -427,15 +426,15 @@ def _per_key(replies: list) -> list:
 
 
 def _member(tokens: np.ndarray, key: bytes) -> bytes:
-    return np.ascontiguousarray(tokens, dtype=">u4").tobytes() + key
+    return np.ascontiguousarray(tokens, dtype=">i8").tobytes() + key  # one width for every id (images: < 0)
 
 
 def _children(replies: list) -> list[tuple[bytes, np.ndarray, bytes]]:
     out = []
     for found in replies:
         for m in found if isinstance(found, list) else []:
-            if isinstance(m, bytes) and len(m) > 16 and (len(m) - 16) % 4 == 0 and all(m != c[2] for c in out):
-                out.append((m[-16:], np.frombuffer(m[:-16], dtype=">u4").astype(np.int32), m))
+            if isinstance(m, bytes) and len(m) > 16 and (len(m) - 16) % 8 == 0 and all(m != c[2] for c in out):
+                out.append((m[-16:], np.frombuffer(m[:-16], dtype=">i8").astype(np.int64), m))
     return out
 
 
