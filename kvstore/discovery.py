@@ -79,6 +79,9 @@ class Discovery:
         if stop < last:  # the prompt diverges inside block `stop`: its nearest stored sibling may share a prefix
             near = (chain.parent(stop), chain.tokens[stop * bs : min(n, (stop + 1) * bs)])
             children = self.remote.call(tier.neighbours, root.key, *near)
+        if children:
+            with self.lock:  # a child this process holds already is the local walk's business
+                children = [c for c in children if c[0] not in self.index]
         part = self._best_child(children, near[1]) if near is not None and children else None
         wanted = [r.key for r in run] + ([part[0]] if part else [])
         if not wanted:

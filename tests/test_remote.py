@@ -84,6 +84,10 @@ def test_a_prompt_put_on_one_host_is_a_bit_exact_hit_on_another(server, host, tm
     st = b.stats()
     assert st["remote_blocks_read"] == 5 and st["tokens_remote"] == 300 and st["remote_bad"] == 0
     assert a.stats()["remote_blocks_written"] == 5
+    # the host that stored them does not read its own blocks back when a later turn goes past them
+    turn2 = tokens + prompt(30, seed=9)
+    assert_hit_is(a.fetch(MODEL, turn2), turn2, 300)
+    assert a.stats()["remote_lookups"] == 1 and a.stats()["remote_blocks_read"] == 0
     # a longer prompt on the shared prefix: found remotely as far as its full blocks go
     longer = tokens[:256] + prompt(100, seed=1)
     c = host("c", server.url)
