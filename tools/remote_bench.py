@@ -398,8 +398,10 @@ def write_docs(results: dict, meta: dict, docs: Path) -> Path:
             a(f"A remote hit is a transfer and a decode in a row: {fp['client_hget']['median_s']:.2f} s + "
               f"{fp['decode']['median_s']:.2f} s = {parts:.2f} s of its {fp['remote_to_ram_and_ssd']['median_s']:.2f} s "
               "for fp16; the rest is assembling the layers, into buffers a fresh store's process has not used yet "
-              "(the decode alone and the SSD fetch are repeated in one process and reuse theirs). Loopback on 2 "
-              "shared cores also runs the server and the client on the engine's cores.\n")
+              "(the decode alone and the SSD fetch are repeated in one process and reuse theirs). The two remote "
+              "columns differ only in the background LMDB write of what was read, which here shares the 2 cores "
+              "with the fetch. Loopback on 2 shared cores also runs the server and the client on the engine's "
+              "cores.\n")
 
     p = results.get("ttft")
     if p:
