@@ -37,12 +37,12 @@ from dataclasses import dataclass
 from typing import Optional, Sequence, Union
 
 import mlx.core as mx
-import numpy as np
 
 from . import lookup
 from .assemble import assemble
 from .codec import Codec, layer_arrays
-from .cost import CostModel, Plan, machine_id
+from .cost import CostModel
+from .costing import FetchCosts
 from .counters import Counters
 from .errors import ConfigError, LayoutError, ReadOnlyError, StoreClosedError
 from .hashing import KeyChain, as_tokens, root_key
@@ -138,6 +138,7 @@ class PrefixStore:
             self._persist = Persist(disk, self._index, self._lock, self._counters, self._warn)
         self._placement = Placement(self._index, self._ram, self._persist, self._lock, self._counters,
                                     writable=not readonly)
+        self._costs = FetchCosts(self._cost, self._ram, self._persist, self._lock, self._counters)
         self._writer = Writer(self._placement, self._persist, self.codec, self._lock, self._counters,
                               max_pending=max(256 << 20, self._ram.budget), on_idle=self._save,
                               remote=None if readonly else self._remote)
@@ -147,7 +148,7 @@ class PrefixStore:
         self._closed = False
         if self._persist is not None:
             self._persist.load_index(self._index.root)
-            self._load_rates()
+            self._costs.load()
         _OPEN.add(self)
 
     # ------------------------------------------------------------ public API
@@ -213,7 +214,7 @@ class PrefixStore:
         try:
             for job in {id(p.job): p.job for p in pinned if p.job is not None and not p.in_ram}.values():
                 job.done.wait()
-            plan = self._plan(root.key, len(toks), pinned, length)
+            plan = self._costs.plan(root.key, len(toks), pinned, length)
             path = [p for p in pinned if p.start < plan.length]
             t0 = time.perf_counter()
             blocks, length, from_ram = self._placement.load(path, toks, plan.length)
@@ -242,7 +243,7 @@ class PrefixStore:
         ram_tokens = sum(min(p.end, length) - p.start for p, r in served if r and p.key not in fetched)
         hit = Hit(length, layers, ram_tokens, length - ram_tokens - remote_tokens, plan.skipped, plan.reason,
                   plan.load_s if length == plan.length else 0.0, remote_tokens)
-        self._observe(path, blocks, from_ram, length, plan, t_load, t_asm)
+        self._costs.observe(path, blocks, from_ram, length, plan, t_load, t_asm)
         self._counters.count("hits")
         self._counters.count("tokens_ram", hit.ram_tokens)
         self._counters.count("tokens_ssd", hit.ssd_tokens)
@@ -427,73 +428,11 @@ class PrefixStore:
 
     # ------------------------------------------------------------- helpers
 
-    # ------------------------------------------------------------- cost
-
-    def _plan(self, root: bytes, n_prompt: int, path: list[Node], servable: int) -> Plan:
-        """How much of the servable prefix to load (``cost``): per block its
-        tier and, on disk, whether its pages are cached (read outside the lock)."""
-        if not path:
-            return Plan(servable, servable)
-        with self._lock:
-            on_disk = [p.key for p in path if not p.in_ram]
-            sizes = [self._ram.get(p.key).nbytes if p.in_ram and self._ram.get(p.key) is not None
-                     else p.nbytes for p in path]
-            constrained = any(p.snap is not None or p.gap for p in path)
-        resident = {}
-        if on_disk and self._persist is not None:
-            try:
-                resident = self._persist.disk.resident(on_disk)
-            except Exception:
-                resident = {}
-        states = [_state(resident, p.key) if p.key in resident or not p.in_ram else "ram" for p in path]
-        limit_to = (lambda n: lookup.servable([p for p in path if p.start < n], n)) if constrained else None
-        plan = self._cost.plan(root.hex(), n_prompt, [p.start for p in path], [p.end for p in path], sizes,
-                               states, servable, limit_to)
-        plan.states = dict(zip((p.key for p in path), states))
-        return plan
-
-    def _observe(self, path: list[Node], blocks, from_ram: list[bool], length: int, plan: Plan,
-                 t_load: float, t_asm: float) -> None:
-        """Rates of this fetch, per state: RAM bytes cost their share of the
-        assembly; disk bytes the read too."""
-        states = plan.states
-        by_state: dict[str, int] = {}
-        for p, b, r in zip(path, blocks, from_ram):
-            if b is None or p.start >= length:
-                continue
-            share = b.nbytes * (min(p.end, length) - p.start) // max(1, p.length)
-            state = "ram" if r else states.get(p.key, "ssd_cold")
-            by_state[state] = by_state.get(state, 0) + share
-        total = sum(by_state.values())
-        disk = total - by_state.get("ram", 0)
-        for state, nbytes in by_state.items():
-            secs = t_asm * nbytes / max(1, total)
-            if state != "ram":
-                secs += t_load * nbytes / max(1, disk)
-            self._cost.observe_load(state, nbytes, secs)
-        if plan.load_s:
-            self._counters.count("predicted_us", int(plan.load_s * 1e6))
-            self._counters.count("actual_us", int((t_load + t_asm) * 1e6))
-
-    def _load_rates(self) -> None:
-        try:
-            saved = (self._persist.disk.get_info("rates") or {}).get(machine_id())
-        except Exception:
-            saved = None
-        if saved:
-            self._cost.merge_saved(saved)
-
     def _save(self) -> None:
         if self._persist is None or self.readonly:
             return
         self._persist.save()
-        if self._cost.dirty:
-            try:
-                rates = self._persist.disk.get_info("rates") or {}
-                rates[machine_id()] = self._cost.to_dict()
-                self._persist.disk.set_info("rates", rates)
-            except Exception as e:
-                self._persist.failed("saving measured rates to", e)
+        self._costs.save()
 
     def _warn(self, what: str, msg: str) -> None:
         if what not in self._warned:
@@ -505,11 +444,6 @@ class PrefixStore:
             raise StoreClosedError("this PrefixStore is closed; open a new one")
         if write and self.readonly:
             raise ReadOnlyError("this PrefixStore was opened read-only; open it without readonly=True to write")
-
-
-def _state(resident: dict, key: bytes) -> str:
-    frac = resident.get(key)
-    return "ssd_cached" if frac is not None and frac >= 0.9 else "ssd_cold"
 
 
 def _budget_bytes(gb: float, name: str) -> int:

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from functools import cached_property
-from typing import Mapping, Optional, Protocol, Sequence
+from typing import Mapping, Protocol, Sequence
 
 from ..codec import Block, serialize
 from ..record import BlockRecord
@@ -76,8 +76,3 @@ class Tier(Protocol):
     def usage(self) -> int: ...
 
     def close(self) -> None: ...
-
-
-def first_missing(wanted: Sequence[tuple[bytes, int]], found: Mapping[bytes, object]) -> Optional[int]:
-    """Index of the first wanted block not in ``found``."""
-    return next((i for i, (k, _) in enumerate(wanted) if k not in found), None)

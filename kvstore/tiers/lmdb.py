@@ -35,7 +35,7 @@ import lmdb
 import msgpack
 import numpy as np
 
-from ..codec import Block, deserialize
+from ..codec import deserialize
 from ..errors import BlockDecodeError, StorageError, StoreOpenError
 from ..record import BlockRecord
 from .base import Entry, Loaded, Use
