@@ -85,7 +85,9 @@ class PrefixStore:
     survives restarts and may be shared by several processes, bounded by
     ``disk_budget_gb`` (default: half the free space, at most 64 GiB).
     ``kv_bits`` stores KV quantized (an int, or ``(key_bits, value_bits)``);
-    ``None`` keeps the engine's dtype. Entries remember their own settings, so
+    ``None`` keeps the engine's dtype. ``rotate_keys`` rotates keys before
+    quantizing them (``kvstore.rotation``; ``None``: at 4 bits or fewer).
+    Entries remember their own settings, so
     a store reopened with other settings reads old entries correctly.
     ``namespace`` salts every key: tenants never share or see blocks.
     """
@@ -93,13 +95,14 @@ class PrefixStore:
     def __init__(self, budget_gb: float = 4.0, ssd_path=None, block_size: int = 256,
                  kv_bits: Union[None, int, tuple[Optional[int], Optional[int]]] = None,
                  kv_group_size: int = 64, namespace: Optional[str] = None,
-                 disk_budget_gb: Optional[float] = None, *, readonly: bool = False):
+                 disk_budget_gb: Optional[float] = None, *, readonly: bool = False,
+                 rotate_keys: Optional[bool] = None):
         if block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {block_size}")
         if budget_gb < 0:
             raise ValueError(f"budget_gb must be >= 0, got {budget_gb}")
         self.block_size = int(block_size)
-        self.codec = Codec.from_bits(kv_bits, kv_group_size)
+        self.codec = Codec.from_bits(kv_bits, kv_group_size, rotate_keys)
         self.namespace = namespace
         self.readonly = readonly
         self._lock = threading.RLock()
@@ -885,7 +888,7 @@ def _encode(job: _Job, node: Node, codec: Codec) -> Block:
 def _own(t: Tensor) -> Tensor:
     """A copy that does not keep the engine's whole buffer alive (slices are views)."""
     if isinstance(t, Quantized):
-        return Quantized(*(mx.contiguous(a) for a in t.arrays()), t.bits, t.group_size)
+        return t.with_arrays(*(mx.contiguous(a) for a in t.arrays()))
     return mx.contiguous(t)
 
 
@@ -940,12 +943,12 @@ def _concat(pieces: list[Tensor], quantized: Optional[tuple[int, int]]) -> Tenso
         qs = [convert(p, bits, gs) for p in pieces]
         if all(isinstance(q, Quantized) and (q.bits, q.group_size) == (qs[0].bits, qs[0].group_size) for q in qs):
             parts = [mx.concatenate([q.arrays()[i] for q in qs], axis=-2) for i in range(3)]
-            return Quantized(*parts, qs[0].bits, qs[0].group_size)
+            return qs[0].with_arrays(*parts)
         pieces = qs  # head dim no group divides: stays dense
-    if all(isinstance(p, Quantized) for p in pieces) and len({(p.bits, p.group_size) for p in pieces}) == 1:
-        # dequantize once over the whole prefix rather than per block
+    if all(isinstance(p, Quantized) for p in pieces) and len({p.settings for p in pieces}) == 1:
+        # dequantize (and unrotate) once over the whole prefix rather than per block
         parts = [mx.concatenate([p.arrays()[i] for p in pieces], axis=-2) for i in range(3)]
-        return Quantized(*parts, pieces[0].bits, pieces[0].group_size).dequantize()
+        return pieces[0].with_arrays(*parts).dequantize()
     dense = [p.dequantize() if isinstance(p, Quantized) else p for p in pieces]
     return dense[0] if len(dense) == 1 else mx.concatenate(dense, axis=-2)
 
