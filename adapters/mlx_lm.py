@@ -295,13 +295,14 @@ def _dense(t: Tensor) -> mx.array:
 def _quantize(t: Tensor, bits: int, group_size: int) -> Quantized:
     """``t`` as a ``Quantized`` with the given settings, requantizing if needed.
 
-    Same settings: used as is (no fp16 intermediate). Other settings: goes
-    through the dequantized values, the best that can be done. Dense: the same
+    Same settings: used as is (no fp16 intermediate). Other settings, or rows
+    stored rotated (the engine attends to plain keys): goes through the
+    dequantized values, the best that can be done. Dense: the same
     ``mx.quantize`` call mlx-lm's ``to_quantized`` makes, so the result is
     bit-identical to the engine quantizing its own cache.
     """
     if isinstance(t, Quantized):
-        if t.bits == bits and t.group_size == group_size:
+        if t.bits == bits and t.group_size == group_size and t.rotation is None:
             return t
         t = t.dequantize()
     return Quantized(*mx.quantize(t, group_size=group_size, bits=bits), bits, group_size)
