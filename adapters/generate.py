@@ -27,6 +27,7 @@ from mlx_lm.models import cache as C
 
 from kvstore import PrefixStore
 
+from .gguf import gguf_fingerprint, is_gguf
 from .mlx_lm import cache_offset, cache_to_layers, layers_to_cache, layout_signature, model_fingerprint
 
 __all__ = ["model_key", "fetch_cache", "prefill", "store_cache", "stream_generate", "generate", "Generation"]
@@ -35,13 +36,16 @@ _KEYS: dict[int, str] = {}  # id(model) -> key; modules are dicts, hence unhasha
 
 
 def model_key(model: nn.Module, model_path: Union[str, Path, None] = None, extra: str = "") -> str:
-    """The store key of a loaded model: its folder's fingerprint when the
-    folder is known, else a digest of the loaded weights (config, every
-    parameter's name, shape, dtype and first and last 64 KiB) — never a name."""
+    """The store key of a loaded model: its folder's (or GGUF file's)
+    fingerprint when the path is known, else a digest of the loaded weights
+    (config, every parameter's name, shape, dtype and first and last 64 KiB) —
+    never a name."""
     if extra == "" and id(model) in _KEYS:
         return _KEYS[id(model)]
     if model_path is not None and Path(model_path, "config.json").is_file():
         key = model_fingerprint(model_path, model, extra)
+    elif model_path is not None and is_gguf(model_path):
+        key = gguf_fingerprint(model_path, model, extra)
     else:
         h = xxhash.xxh3_128(b"kvstore-loaded-model-v1")
         args = getattr(model, "args", None)

@@ -1546,7 +1546,10 @@ def write_docs(results: dict, meta: dict, out: Path, docs: Path) -> Path:
       "python tools/bench.py --quick    # small sizes, < 5 min, JSON + PNG in bench-out/\n"
       "python tools/bench.py --only replay --out /tmp/b\n```\n")
     path = docs / "benchmarks.md"
-    path.write_text("\n".join(L))
+    from kvstore.tools.fidelity import kept_section
+
+    kept = kept_section(path)  # the trained-model fidelity section is written by tools/fidelity.py: keep it
+    path.write_text("\n".join(L) + (f"\n{kept}\n" if kept else ""))
     return path
 
 
