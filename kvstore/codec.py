@@ -107,7 +107,7 @@ def _fit_group(dim: int, group_size: int) -> Optional[int]:
 
 
 # Rotating keys before quantizing them is the default at or below this many bits (see docs/benchmarks.md)
-ROTATE_KEYS_BELOW_OR_AT: Optional[int] = None
+ROTATE_KEYS_BELOW_OR_AT: Optional[int] = 4
 
 
 @dataclass(frozen=True)

@@ -76,6 +76,7 @@ def test_a_rotated_block_roundtrips_through_its_header():
     k = outlier_keys(rows=5)
     q = convert(k, 4, 64, rotation=DEFAULT_SEED)
     block = Block(np.arange(5, dtype=np.int32), [KVLayer(q, k, 0, None)])
+    assert block.describe() == ("K4r/V16 g64", "float16")  # what `kvstore inspect` shows
     buf = serialize(block)
     assert int.from_bytes(buf[4:6], "little") == 3
     entry = read_header(buf).layers[0]

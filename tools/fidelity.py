@@ -20,8 +20,11 @@ setting, over every continuation position of every text:
   and the mean identical-prefix fraction.
 
 The dense row stores the engine's own dtype: its errors are exactly zero,
-which checks the harness. Writes ``DIR/fidelity.json``; ``--write-docs``
-replaces the fidelity section of ``docs/benchmarks.md``.
+which checks the harness. The model runs in ``load_gguf``'s default dtype:
+fp16 on a GPU, fp32 on a CPU (mlx's half-precision CPU kernels are very slow),
+and its KV cache with it. Writes ``DIR/fidelity.json`` and ``DIR/fidelity.md``;
+``--write-docs`` replaces the fidelity section of ``docs/benchmarks.md`` (which
+``tools/bench.py`` keeps when it rewrites the page).
 
 Importable: ``run(...)`` returns the result dict (the test suite runs a short case).
 """
@@ -237,7 +240,7 @@ def run(model_spec: str = "smollm2", texts: Optional[list[Text]] = None, prefix:
             log(f"fidelity: text {ti + 1}/{len(used)} ({t.name}) done, {time.perf_counter() - t0:.0f} s")
     positions = acc[settings[0]].positions
     return {
-        "model": str(model_spec), "model_path": str(path), "kv_dtype": kv_dtype, "device": str(mx.default_device()),
+        "model": str(model_spec), "model_path": str(path), "kv_dtype": kv_dtype, "device": "gpu" if mx.default_device() == mx.gpu else "cpu",
         "mlx": mx.__version__, "machine": f"{platform.system()} {platform.machine()}",
         "prefix": prefix, "cont": cont, "greedy_tokens": greedy, "continuation_tokens": positions,
         "texts": [{"name": t.name, "tokens": len(ids)} for t, ids in used],
@@ -273,10 +276,52 @@ def table(res: dict) -> str:
                  f"{r['kl_max']:.2e} | {r['top1_agree']:.2%} | {r['ppl']:.4f} ({r['ppl_cold']:.4f}) | "
                  f"{r['ppl_delta_pct']:+.3f}% | {g} | {gp} |")
     L.append("")
+    L += [f"- {line}" for line in summary(res)]
+    L.append("")
+    chosen = list(res["rows"])
+    settings = "" if chosen == list(SETTINGS) else " --settings " + " ".join(f"'{c}'" if " " in c else c
+                                                                            for c in chosen)
     L.append(f"Command: `python tools/fidelity.py --out DIR --prefix {res['prefix']} --cont {res['cont']} "
-             f"--greedy {res['greedy_tokens']}` ({res['seconds']:.0f} s).\n")
+             f"--greedy {res['greedy_tokens']}{settings}` ({res['seconds'] / 60:.0f} min).\n")
     L.append(_MARK_END)
     return "\n".join(L)
+
+
+def _bits(name: str) -> tuple[Optional[int], Optional[int]]:
+    b = SETTINGS[name]["kv_bits"]
+    return (b, b) if b is None or isinstance(b, int) else b
+
+
+def summary(res: dict) -> list[str]:
+    """The targets (q8: top-1 >= 99.5 %, perplexity within 0.1 %; best 4-bit setting within 1 %) and
+    what rotating keys changed, read off the rows."""
+    rows, out = res["rows"], []
+    verdict = lambda ok: "**met**" if ok else "**not met**"  # noqa: E731
+    if "q8" in rows:
+        r = rows["q8"]
+        out.append(f"q8 entries: top-1 agreement {r['top1_agree']:.2%} (target >= 99.5%: "
+                   f"{verdict(r['top1_agree'] >= 0.995)}), perplexity {r['ppl_delta_pct']:+.3f}% "
+                   f"(target within 0.1%: {verdict(abs(r['ppl_delta_pct']) <= 0.1)}).")
+    four = [n for n in rows if all(b is not None and b <= 4 for b in _bits(n))]
+    if four:
+        by_ppl = min(four, key=lambda n: abs(rows[n]["ppl_delta_pct"]))
+        by_kl = min(four, key=lambda n: rows[n]["kl_mean"])
+        r = rows[by_ppl]
+        line = (f"Best 4-bit setting by perplexity: {by_ppl}, {r['ppl_delta_pct']:+.3f}% (target within 1%: "
+                f"{verdict(abs(r['ppl_delta_pct']) <= 1.0)}), top-1 {r['top1_agree']:.2%}")
+        if by_kl != by_ppl:
+            k = rows[by_kl]
+            line += (f"; lowest mean KL: {by_kl} ({k['kl_mean']:.2e}, perplexity {k['ppl_delta_pct']:+.3f}%, "
+                     f"top-1 {k['top1_agree']:.2%})")
+        out.append(line + ".")
+    for plain, rot in (("q4", "q4 rotK"), ("q4 g32", "q4 g32 rotK")):
+        if plain in rows and rot in rows:
+            a, b = rows[plain], rows[rot]
+            out.append(f"Rotating keys, {plain} -> {rot}: key error {a['key_rel_err']:.4f} -> {b['key_rel_err']:.4f}, "
+                       f"mean KL {a['kl_mean']:.2e} -> {b['kl_mean']:.2e}, perplexity "
+                       f"{a['ppl_delta_pct']:+.3f}% -> {b['ppl_delta_pct']:+.3f}%, top-1 {a['top1_agree']:.2%} -> "
+                       f"{b['top1_agree']:.2%}.")
+    return out
 
 
 def splice_docs(section: str, doc: Path) -> None:
