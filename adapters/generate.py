@@ -27,6 +27,7 @@ from mlx_lm.models import cache as C
 
 from kvstore import PrefixStore
 
+from .gguf import gguf_fingerprint, is_gguf
 from .mlx_lm import caches_to_layers, layers_to_caches, layout_signature, model_fingerprint
 
 __all__ = ["model_key", "models_key", "fetch_cache", "prefill", "store_cache", "stream_generate", "generate",
@@ -37,8 +38,8 @@ _KEYS: dict[int, dict[Optional[str], str]] = {}
 
 
 def model_key(model: nn.Module, model_path: Union[str, Path, None] = None, extra: str = "") -> str:
-    """The store key of a loaded model: its folder's fingerprint when the
-    folder is known, else a digest of the loaded weights (config, every
+    """The store key of a loaded model: its folder's (or GGUF file's)
+    fingerprint when the path is known, else a digest of the loaded weights (config, every
     parameter's name, shape, dtype and first and last 64 KiB) — never a name.
     Remembered per model and folder, so the answer never depends on which
     call came first."""
@@ -48,6 +49,8 @@ def model_key(model: nn.Module, model_path: Union[str, Path, None] = None, extra
         return known[folder]
     if folder is not None and Path(folder, "config.json").is_file():
         key = model_fingerprint(folder, model, extra)
+    elif folder is not None and is_gguf(folder):
+        key = gguf_fingerprint(folder, model, extra)
     else:
         h = xxhash.xxh3_128(b"kvstore-loaded-model-v1")
         args = getattr(model, "args", None)

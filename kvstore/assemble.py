@@ -64,13 +64,13 @@ def _concat(pieces: list[Tensor], quantized: Optional[tuple[int, int]]) -> Tenso
     if quantized is not None:
         bits, gs = quantized
         qs = [convert(p, bits, gs) for p in pieces]
-        if all(isinstance(q, Quantized) and (q.bits, q.group_size) == (qs[0].bits, qs[0].group_size) for q in qs):
+        if all(isinstance(q, Quantized) and q.settings == qs[0].settings for q in qs):
             parts = [mx.concatenate([q.arrays()[i] for q in qs], axis=-2) for i in range(3)]
-            return Quantized(*parts, qs[0].bits, qs[0].group_size)
+            return qs[0].with_arrays(*parts)
         pieces = qs  # head dim no group divides: stays dense
-    if all(isinstance(p, Quantized) for p in pieces) and len({(p.bits, p.group_size) for p in pieces}) == 1:
-        # dequantize once over the whole prefix rather than per block
+    if all(isinstance(p, Quantized) for p in pieces) and len({p.settings for p in pieces}) == 1:
+        # dequantize (and unrotate) once over the whole prefix rather than per block
         parts = [mx.concatenate([p.arrays()[i] for p in pieces], axis=-2) for i in range(3)]
-        return Quantized(*parts, pieces[0].bits, pieces[0].group_size).dequantize()
+        return pieces[0].with_arrays(*parts).dequantize()
     dense = [p.dequantize() if isinstance(p, Quantized) else p for p in pieces]
     return dense[0] if len(dense) == 1 else mx.concatenate(dense, axis=-2)

