@@ -20,10 +20,11 @@ A tensor is either a dense ``mx.array`` or a ``Quantized`` triple as
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
-from typing import Optional, Union
+from typing import Optional, Sequence, Union
 
 import mlx.core as mx
 
+from .errors import LayoutError
 from .rotation import unrotate
 
 
@@ -160,3 +161,23 @@ class StateLayer:
 
 
 Layer = Union[KVLayer, StateLayer]
+
+
+def check_layers(layers: Sequence[Layer], n: int) -> None:
+    """Raise ``LayoutError`` unless ``layers`` fit a prompt of ``n`` tokens
+    (what ``PrefixStore.put`` accepts)."""
+    if not isinstance(layers, (list, tuple)) or not layers:
+        raise LayoutError("layers must be a non-empty list of KVLayer / StateLayer")
+    for i, l in enumerate(layers):
+        if isinstance(l, KVLayer):
+            ks, vs = l.keys.shape, l.values.shape
+            if len(ks) != 4 or len(vs) != 4:
+                raise LayoutError(f"layer {i}: keys/values must be [batch, heads, tokens, dim], got {ks} and {vs}")
+            if ks[0] != 1 or ks[:3] != vs[:3]:
+                raise LayoutError(f"layer {i}: keys {ks} and values {vs} must share batch (1), heads and tokens")
+            if l.stop != n:
+                raise LayoutError(f"layer {i}: rows cover tokens [{l.start}, {l.stop}) but the prompt has {n} tokens")
+            if l.start < 0 or l.start > n:
+                raise LayoutError(f"layer {i}: start {l.start} outside [0, {n}]")
+        elif not isinstance(l, StateLayer):
+            raise LayoutError(f"layer {i}: expected KVLayer or StateLayer, got {type(l).__name__}")

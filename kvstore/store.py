@@ -44,10 +44,10 @@ from .codec import Codec, layer_arrays
 from .cost import CostModel
 from .costing import FetchCosts
 from .counters import Counters
-from .errors import ConfigError, LayoutError, ReadOnlyError, StoreClosedError
+from .errors import ConfigError, ReadOnlyError, StoreClosedError
 from .hashing import KeyChain, as_tokens, root_key
 from .index import Node, RadixIndex
-from .layers import KVLayer, Layer, StateLayer
+from .layers import KVLayer, Layer, StateLayer, check_layers
 from .discovery import Discovery
 from .persist import Persist
 from .placement import Placement
@@ -166,7 +166,7 @@ class PrefixStore:
         self._check_open(write=True)
         toks = as_tokens(tokens)
         n = len(toks)
-        _check_layers(layers, n)
+        check_layers(layers, n)
         if n == 0:
             return 0
         # Evaluate here: mlx streams are per thread, so the background thread
@@ -455,24 +455,6 @@ def _budget_bytes(gb: float, name: str) -> int:
 
 
 # ------------------------------------------------------------------ layers
-
-
-def _check_layers(layers: Sequence[Layer], n: int) -> None:
-    if not isinstance(layers, (list, tuple)) or not layers:
-        raise LayoutError("layers must be a non-empty list of KVLayer / StateLayer")
-    for i, l in enumerate(layers):
-        if isinstance(l, KVLayer):
-            ks, vs = l.keys.shape, l.values.shape
-            if len(ks) != 4 or len(vs) != 4:
-                raise LayoutError(f"layer {i}: keys/values must be [batch, heads, tokens, dim], got {ks} and {vs}")
-            if ks[0] != 1 or ks[:3] != vs[:3]:
-                raise LayoutError(f"layer {i}: keys {ks} and values {vs} must share batch (1), heads and tokens")
-            if l.stop != n:
-                raise LayoutError(f"layer {i}: rows cover tokens [{l.start}, {l.stop}) but the prompt has {n} tokens")
-            if l.start < 0 or l.start > n:
-                raise LayoutError(f"layer {i}: start {l.start} outside [0, {n}]")
-        elif not isinstance(l, StateLayer):
-            raise LayoutError(f"layer {i}: expected KVLayer or StateLayer, got {type(l).__name__}")
 
 
 _OPEN: "weakref.WeakSet[PrefixStore]" = weakref.WeakSet()

@@ -19,13 +19,10 @@ is the store's decision (``persist``).
 
 from __future__ import annotations
 
-import ctypes
 import errno
-import mmap
 import logging
 import os
 import shutil
-import threading
 import time
 from contextlib import contextmanager
 from pathlib import Path
@@ -33,12 +30,13 @@ from typing import Callable, Iterator, Mapping, Optional, Sequence
 
 import lmdb
 import msgpack
-import numpy as np
 
 from ..codec import deserialize
 from ..errors import BlockDecodeError, StorageError, StoreOpenError
 from ..record import BlockRecord
 from .base import Entry, Loaded, Use
+from .gate import Gate
+from .residency import resident_fraction
 
 log = logging.getLogger("kvstore")
 
@@ -57,50 +55,6 @@ def unpack(buf) -> dict:
     return msgpack.unpackb(buf, raw=False)
 
 
-class _Gate:
-    """Shared for transactions, exclusive for ``set_mapsize`` (which LMDB
-    allows only while this process has no transaction open)."""
-
-    def __init__(self):
-        self._cond = threading.Condition()
-        self._shared = 0
-        self._excl = False
-
-    def acquire_shared(self) -> None:
-        with self._cond:
-            while self._excl:
-                self._cond.wait()
-            self._shared += 1
-
-    def release_shared(self) -> None:
-        with self._cond:
-            self._shared -= 1
-            self._cond.notify_all()
-
-    @contextmanager
-    def shared(self):
-        self.acquire_shared()
-        try:
-            yield
-        finally:
-            self.release_shared()
-
-    @contextmanager
-    def exclusive(self):
-        with self._cond:
-            while self._excl:
-                self._cond.wait()
-            self._excl = True
-            while self._shared:
-                self._cond.wait()
-        try:
-            yield
-        finally:
-            with self._cond:
-                self._excl = False
-                self._cond.notify_all()
-
-
 def is_disk_full(e: BaseException) -> bool:
     return isinstance(e, lmdb.Error) and ("No space left" in str(e) or getattr(e, "errno", None) == errno.ENOSPC) \
         or isinstance(e, OSError) and e.errno == errno.ENOSPC
@@ -115,7 +69,7 @@ class LmdbTier:
     def __init__(self, path, budget_bytes: Optional[int] = None, readonly: bool = False):
         self.path = Path(path).expanduser()
         self.readonly = readonly
-        self._gate = _Gate()
+        self._gate = Gate()
         self._check_path()
         self.budget = int(budget_bytes) if budget_bytes is not None else self._default_budget()
         self.env = self._open()
@@ -415,7 +369,7 @@ class LmdbTier:
             for key in keys:
                 buf = self.payload(txn, key)
                 if buf is not None:
-                    out[key] = _resident_fraction(buf)
+                    out[key] = resident_fraction(buf)
         return out
 
     def records(self, txn: lmdb.Transaction, bad: Optional[list] = None) -> Iterator[BlockRecord]:
@@ -468,29 +422,6 @@ class LmdbTier:
         with self.reader() as txn:
             keys = [r.key for r in self.records(txn, bad) if root is None or r.root == root]
         return len(self.remove(keys + (bad if root is None else [])))
-
-
-_PAGE = mmap.PAGESIZE
-try:
-    _libc = ctypes.CDLL(None, use_errno=True)
-    _mincore = _libc.mincore
-    _mincore.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.POINTER(ctypes.c_ubyte))
-except (OSError, AttributeError):
-    _mincore = None
-
-
-def _resident_fraction(buf) -> Optional[float]:
-    """mincore(2) over the mapped pages of ``buf`` (a view of LMDB's map)."""
-    if _mincore is None or len(buf) == 0:
-        return None
-    addr = np.frombuffer(buf, dtype=np.uint8).ctypes.data
-    start = addr - addr % _PAGE
-    length = addr + len(buf) - start
-    pages = -(-length // _PAGE)
-    vec = (ctypes.c_ubyte * pages)()
-    if _mincore(start, length, vec) != 0:
-        return None
-    return int(np.count_nonzero(np.frombuffer(vec, dtype=np.uint8) & 1)) / pages
 
 
 def _pages(stat: dict) -> int:
