@@ -25,7 +25,7 @@ from mlx_lm.generate import generation_stream, maybe_quantize_kv_cache
 from mlx_lm.generate import stream_generate as _mlx_stream_generate
 from mlx_lm.models import cache as C
 
-from kvstore import PrefixStore
+from kvstore import Hit, PrefixStore
 
 from .gguf import gguf_fingerprint, is_gguf
 from .mlx_lm import caches_to_layers, layers_to_caches, layout_signature, model_fingerprint
@@ -106,6 +106,7 @@ class Restored:
     ram_tokens: int = 0
     ssd_tokens: int = 0
     remote_tokens: int = 0
+    hit: Optional[Hit] = None
 
 
 def fetch_cache(store: PrefixStore, model: nn.Module, key: str, tokens: Sequence[int], *,
@@ -122,7 +123,7 @@ def fetch_cache(store: PrefixStore, model: nn.Module, key: str, tokens: Sequence
         return Restored([c for m in models for c in C.make_prompt_cache(m, max_kv_size=max_kv_size)], 0)
     cache = layers_to_caches(hit.layers, models, length=hit.length, kv_bits=kv_bits, kv_group_size=kv_group_size,
                              quantized_kv_start=quantized_kv_start, max_kv_size=max_kv_size)
-    return Restored(cache, hit.length, hit.ram_tokens, hit.ssd_tokens, hit.remote_tokens)
+    return Restored(cache, hit.length, hit.ram_tokens, hit.ssd_tokens, hit.remote_tokens, hit)
 
 
 def store_cache(store: PrefixStore, key: str, tokens: Sequence[int], cache: Sequence[Any], *,
@@ -202,8 +203,8 @@ def stream_generate(model: nn.Module, tokenizer, prompt: Union[str, Sequence[int
     if model_path is not None:
         store.register_model(key, {"path": str(Path(model_path).resolve()), "name": Path(model_path).name})
     qkw = dict(kv_bits=kv_bits, kv_group_size=kv_group_size, quantized_kv_start=quantized_kv_start)
+    t_fetch = time.perf_counter()
     got = fetch_cache(store, model, key, tokens, max_kv_size=max_kv_size, draft_model=draft, **qkw)
-    t_fetched = time.perf_counter()
     cache = got.cache
     res.prompt_tokens, res.cached_tokens = len(tokens), got.cached_tokens
     res.ram_tokens, res.ssd_tokens, res.remote_tokens = got.ram_tokens, got.ssd_tokens, got.remote_tokens
@@ -219,8 +220,9 @@ def stream_generate(model: nn.Module, tokenizer, prompt: Union[str, Sequence[int
             if not generated:
                 now = time.perf_counter()
                 res.ttft_s = now - t0
-                # what the engine's prefill of the uncached part cost: the store weighs loading against it
-                store.observe_prefill(key, got.cached_tokens, len(tokens), now - t_fetched)
+                # what this request cost from fetch to first token: the store learns prefill and the
+                # real cost of its hits from it (on a GPU, arrays move to the device in the first forward)
+                store.observe_request(key, len(tokens), got.hit, now - t_fetch)
             generated.append(resp.token)
             res.text += resp.text
             res.finish_reason = resp.finish_reason

@@ -99,6 +99,7 @@ class Plan:
 class _Rate:
     bytes_per_s: float
     observed: int = 0
+    end_to_end: bool = False  # measured to the engine's first token (what the engine really paid)
 
 
 @dataclass
@@ -123,15 +124,22 @@ class CostModel:
 
     # ------------------------------------------------------------ observing
 
-    def observe_load(self, state: str, nbytes: int, seconds: float) -> None:
+    def observe_load(self, state: str, nbytes: int, seconds: float, end_to_end: bool = False) -> None:
+        """A load of ``nbytes`` from ``state`` took ``seconds``. The store times
+        its fetch to arrays; an adapter that times the whole hit (to the
+        first token) reports ``end_to_end``: on a GPU, arrays still move to
+        the device inside the first forward pass, so from then on only such
+        observations count for that source."""
         if nbytes <= 0 or seconds <= 0:
             return
         rate = nbytes / seconds
         with self._lock:
             self.dirty = True
             r = self.rates.get(state)
-            if r is None or r.observed == 0:
-                self.rates[state] = _Rate(rate, 1)
+            if r is not None and r.end_to_end and not end_to_end:
+                return
+            if r is None or r.observed == 0 or (end_to_end and not r.end_to_end):
+                self.rates[state] = _Rate(rate, 1, end_to_end)
             else:
                 r.bytes_per_s = (1 - _EWMA) * r.bytes_per_s + _EWMA * rate
                 r.observed += 1
@@ -219,16 +227,16 @@ class CostModel:
     def to_dict(self) -> dict:
         with self._lock:
             self.dirty = False
-            return {"rates": {s: [r.bytes_per_s, r.observed] for s, r in self.rates.items()},
+            return {"rates": {s: [r.bytes_per_s, r.observed, r.end_to_end] for s, r in self.rates.items()},
                     "prefill": {k: [list(o) for o in v] for k, v in self.prefill_obs.items()}}
 
     def merge_saved(self, saved: dict) -> None:
         """Start from estimates a previous run of this machine saved."""
         try:
             with self._lock:
-                for s, (rate, n) in saved.get("rates", {}).items():
+                for s, (rate, n, *e2e) in saved.get("rates", {}).items():
                     if s in STATES and s not in self.rates and rate > 0:
-                        self.rates[s] = _Rate(float(rate), int(n))
+                        self.rates[s] = _Rate(float(rate), int(n), bool(e2e and e2e[0]))
                 for k, obs in saved.get("prefill", {}).items():
                     if k not in self.prefill_obs:
                         self.prefill_obs[k] = deque(((int(a), int(b), float(t)) for a, b, t in obs),

@@ -54,7 +54,7 @@ class FetchCosts:
         return plan
 
     def observe(self, path: list[Node], blocks, from_ram: list[bool], length: int, plan: Plan,
-                t_load: float, t_asm: float) -> None:
+                t_load: float, t_asm: float) -> dict[str, int]:
         """Rates of a served fetch, per source: RAM bytes cost their share of
         the assembly, disk bytes their share of the read too."""
         by_state: dict[str, int] = {}
@@ -73,6 +73,23 @@ class FetchCosts:
         if plan.load_s:
             self.counters.count("predicted_us", int(plan.load_s * 1e6))
             self.counters.count("actual_us", int((t_load + t_asm) * 1e6))
+        return by_state
+
+    def observe_request(self, model: str, n_prompt: int, cached: int, source_bytes: dict[str, int],
+                        seconds: float) -> None:
+        """An engine's request from fetch to first token: all prefill when
+        nothing was served; else what the prefill model does not explain was
+        the load (host to device moves included)."""
+        if cached == 0:
+            self.cost.observe_prefill(model, 0, n_prompt, seconds)
+            return
+        pm = self.cost.prefill_model(model)
+        total = sum(source_bytes.values())
+        load_s = seconds - (pm.seconds(cached, n_prompt) if pm is not None else 0.0)
+        if pm is None or load_s <= 0 or not total:
+            return
+        for state, nbytes in source_bytes.items():
+            self.cost.observe_load(state, nbytes, load_s * nbytes / total, end_to_end=True)
 
     def load(self) -> None:
         """Start from what earlier runs on this machine measured."""

@@ -33,7 +33,7 @@ import math
 import threading
 import time
 import weakref
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Optional, Sequence, Union
 
 import mlx.core as mx
@@ -72,6 +72,7 @@ class Hit:
     skipped_tokens: int = 0  # stored tokens not served because recomputing them is faster
     skip_reason: str = ""
     predicted_s: float = 0.0  # what the cost model expected loading ``length`` to take
+    source_bytes: dict = field(default_factory=dict)  # bytes served per source (``cost.STATES``)
     remote_tokens: int = 0  # of ``length``, tokens whose blocks this fetch read from the remote tier
 
     def __bool__(self) -> bool:
@@ -245,7 +246,7 @@ class PrefixStore:
         ram_tokens = sum(min(p.end, length) - p.start for p, r in served if r and p.key not in fetched)
         hit = Hit(length, layers, ram_tokens, length - ram_tokens - remote_tokens, plan.skipped, plan.reason,
                   plan.load_s if length == plan.length else 0.0, remote_tokens)
-        self._costs.observe(path, blocks, from_ram, length, plan, t_load, t_asm)
+        hit.source_bytes = self._costs.observe(path, blocks, from_ram, length, plan, t_load, t_asm)
         self._counters.count("hits")
         self._counters.count("tokens_ram", hit.ram_tokens)
         self._counters.count("tokens_ssd", hit.ssd_tokens)
@@ -256,6 +257,14 @@ class PrefixStore:
         """Whether prefills of this model have been observed (here or by an
         earlier run on this machine)."""
         return self._cost.prefill_model(root_key(model_key, self.namespace).hex()) is not None
+
+    def observe_request(self, model_key: Union[str, bytes], tokens: int, hit: Optional[Hit], seconds: float) -> None:
+        """An engine's request of ``tokens`` took ``seconds`` from its fetch to
+        its first token, after ``hit`` (``None`` or empty: a cold prefill).
+        Adapters report this after each request; it is what
+        ``fetch_policy="auto"`` learns prefill and the real cost of a hit from."""
+        self._costs.observe_request(root_key(model_key, self.namespace).hex(), tokens, hit.length if hit else 0,
+                                    hit.source_bytes if hit else {}, seconds)
 
     def observe_prefill(self, model_key: Union[str, bytes], start: int, stop: int, seconds: float) -> None:
         """The engine computed tokens ``[start, stop)`` after a cached prefix of

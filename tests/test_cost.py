@@ -118,3 +118,24 @@ def test_store_skips_by_cost_reports_it_and_keeps_rates_across_restart(tmp_path)
         assert again.fetch(M, p).skipped_tokens == 64  # now in RAM: the learned rates decide
     with PrefixStore(ssd_path=path, block_size=BS, fetch_policy="always") as forced:
         assert forced.fetch(M, p).length == 64
+
+
+def test_a_hit_timed_to_the_first_token_corrects_the_load_rate(tmp_path):
+    """The store times its fetch to arrays; on a GPU the arrays then still move
+    to the device inside the engine's first forward. An adapter's report of the
+    whole request charges what the prefill model does not explain to the load,
+    and from then on the store's own (too cheap) timings of that source no
+    longer count: an expensive hit is then declined."""
+    p = _prompt(64)
+    with PrefixStore(ssd_path=tmp_path / "store", block_size=BS) as store:
+        store.put(M, p, kv_layers(p))
+        store.flush()
+        for n in (100, 1000, 4000):  # cold requests: 1M tokens/s
+            store.observe_request(M, n, None, n * 1e-6)
+        hit = store.fetch(M, p, limit=63)
+        assert hit.length == 63 and hit.source_bytes["ram"] > 0  # the fetch alone looks cheap: served
+        store.observe_request(M, 64, hit, 1.0)  # but the engine waited a second for its first token
+        rate = store.stats()["cost"]["rates"]["ram"]
+        assert rate["gb_per_s"] < hit.source_bytes["ram"] / 0.9 / 1e9
+        again = store.fetch(M, p, limit=63)  # timed cheap again by the store: does not count any more
+        assert again.length == 0 and again.skipped_tokens == 63

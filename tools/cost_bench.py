@@ -87,8 +87,9 @@ def run(model_path: str | None, lengths: list[int], kinds: list[str], repeats: i
                         row = {"tokens": n, "kv": kind, "source": source}
                         times = {p: [] for p in POLICIES}
                         cached = {p: [] for p in POLICIES}
-                        for _ in range(repeats):  # policies interleaved: the machine's noise falls on each alike
-                            for policy in POLICIES:
+                        order = list(POLICIES)
+                        for rep in range(repeats):  # policies interleaved, and in turn first: noise and what a
+                            for policy in order[rep % 3:] + order[:rep % 3]:  # request leaves behind fall alike
                                 s.fetch_policy = policy
                                 t, r = _ttft(model, tokenizer, s, prompt, path, source)
                                 times[policy].append(t)
