@@ -101,7 +101,9 @@ class LmdbTier:
                 f"kvstore may own (a new path is created); nothing was written.")
         if p.is_dir():
             entries = {e.name for e in p.iterdir()}
-            if entries and "data.mdb" not in entries:
+            # a lock file alone is a store another process is creating right now (it reserves the lock
+            # file before LMDB writes data.mdb): open it too
+            if entries and "data.mdb" not in entries and entries != {"lock.mdb"}:
                 raise StoreOpenError(
                     f"{p} holds files that are not a kvstore store ({', '.join(sorted(entries)[:3])}...). "
                     f"Choose an empty or new directory for ssd_path; nothing was written.")

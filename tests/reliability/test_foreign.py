@@ -201,3 +201,21 @@ def test_format2_store_is_read_then_marked_as_this_format(tmp_path):
     assert _format_version(path) == FORMAT_VERSION
     res = subprocess.run(D.kvstore_cli() + ["verify", str(path)], capture_output=True, text=True, timeout=120)
     assert res.returncode == 0, res.stdout + res.stderr
+
+
+def test_a_store_another_process_is_creating_opens(tmp_path):
+    """A new store's process reserves the lock file before LMDB writes data.mdb:
+    a second process opening the directory in that moment sees only lock.mdb,
+    which is a store being made, not a foreign directory."""
+    path = tmp_path / "store"
+    path.mkdir()
+    (path / "lock.mdb").write_bytes(b"")
+    toks = D.tokens(4, 40)
+    with PrefixStore(ssd_path=path, block_size=D.BLOCK) as store:
+        store.put("m", toks, D.layers_for(toks))
+    with PrefixStore(ssd_path=path, block_size=D.BLOCK) as store:
+        assert D.hit_problem(store.fetch("m", toks), toks) is None
+    (tmp_path / "other").mkdir()
+    (tmp_path / "other" / "notes.txt").write_text("x")
+    with pytest.raises(StoreOpenError, match="not a kvstore store"):
+        PrefixStore(ssd_path=tmp_path / "other")
