@@ -72,8 +72,8 @@ class Hit:
     skipped_tokens: int = 0  # stored tokens not served because recomputing them is faster
     skip_reason: str = ""
     predicted_s: float = 0.0  # what the cost model expected loading ``length`` to take
-    source_bytes: dict = field(default_factory=dict)  # bytes served per source (``cost.STATES``)
     remote_tokens: int = 0  # of ``length``, tokens whose blocks this fetch read from the remote tier
+    source_bytes: dict = field(default_factory=dict)  # bytes served per source (``cost.STATES``)
 
     def __bool__(self) -> bool:
         return self.length > 0
@@ -244,8 +244,9 @@ class PrefixStore:
         served = [(p, r) for p, r in zip(path, from_ram) if p.start < length]
         remote_tokens = sum(min(p.end, length) - p.start for p, _ in served if p.key in fetched)
         ram_tokens = sum(min(p.end, length) - p.start for p, r in served if r and p.key not in fetched)
-        hit = Hit(length, layers, ram_tokens, length - ram_tokens - remote_tokens, plan.skipped, plan.reason,
-                  plan.load_s if length == plan.length else 0.0, remote_tokens)
+        hit = Hit(length, layers, ram_tokens=ram_tokens, ssd_tokens=length - ram_tokens - remote_tokens,
+                  skipped_tokens=plan.skipped, skip_reason=plan.reason,
+                  predicted_s=plan.load_s if length == plan.length else 0.0, remote_tokens=remote_tokens)
         hit.source_bytes = self._costs.observe(path, blocks, from_ram, length, plan, t_load, t_asm)
         self._counters.count("hits")
         self._counters.count("tokens_ram", hit.ram_tokens)
