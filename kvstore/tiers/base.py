@@ -22,7 +22,8 @@ from dataclasses import dataclass, field
 from functools import cached_property
 from typing import Mapping, Protocol, Sequence
 
-from ..codec import Block, serialize
+from ..codec import Block, deserialize, serialize
+from ..errors import BlockDecodeError
 from ..record import BlockRecord
 
 
@@ -57,6 +58,17 @@ class Loaded:
 
     blocks: dict[bytes, Block] = field(default_factory=dict)
     bad: dict[bytes, str] = field(default_factory=dict)
+
+
+def decode_into(out: Loaded, key: bytes, start: int, buf) -> bool:
+    """Decode one stored value into ``out`` (checked, bound to ``key``); False,
+    with the reason in ``out.bad``, when it is not a good block."""
+    try:
+        out.blocks[key] = deserialize(buf, start, key=key)
+        return True
+    except BlockDecodeError as e:
+        out.bad[key] = str(e)
+        return False
 
 
 class Tier(Protocol):

@@ -31,10 +31,9 @@ from typing import Callable, Iterator, Mapping, Optional, Sequence
 import lmdb
 import msgpack
 
-from ..codec import deserialize
-from ..errors import BlockDecodeError, StorageError, StoreOpenError
+from ..errors import StorageError, StoreOpenError
 from ..record import BlockRecord
-from .base import Entry, Loaded, Use
+from .base import Entry, Loaded, Use, decode_into
 from .gate import Gate
 from .residency import resident_fraction
 
@@ -283,12 +282,7 @@ class LmdbTier:
         with self.reader() as txn:
             for key, start in wanted:
                 buf = self.payload(txn, key)
-                if buf is None:
-                    break
-                try:
-                    out.blocks[key] = deserialize(buf, start, key=key)
-                except BlockDecodeError as e:
-                    out.bad[key] = str(e)
+                if buf is None or not decode_into(out, key, start, buf):
                     break
         return out
 

@@ -43,10 +43,9 @@ from urllib.parse import parse_qs, quote, unquote, urlsplit
 import msgpack
 import numpy as np
 
-from ..codec import deserialize
-from ..errors import BlockDecodeError, RemoteConfigError
+from ..errors import RemoteConfigError
 from ..record import BlockRecord
-from .base import Entry, Loaded, Use
+from .base import Entry, Loaded, Use, decode_into
 
 PREFIX = b"kvstore:v1:"  # v1: block bytes of codec format 2 and records of record.RECORD_VERSION 1
 FIELD_PAYLOAD, FIELD_RECORD, FIELD_ROOT = b"p", b"r", b"m"
@@ -260,10 +259,7 @@ class RemoteTier:
                 if buf is not None:
                     out.bad[key] = f"not a kvstore block ({buf})"
                 break
-            try:
-                out.blocks[key] = deserialize(buf, start, key=key)
-            except BlockDecodeError as e:
-                out.bad[key] = str(e)
+            if not decode_into(out, key, start, buf):
                 break
         return out
 
