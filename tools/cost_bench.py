@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import shutil
 import statistics
 import tempfile
@@ -32,21 +31,11 @@ from mlx_lm import load
 
 from kvstore import PrefixStore
 from kvstore.adapters.generate import generate, model_key
+from kvstore.tools.bench.common import drop_page_cache
 
 SOURCES = ("ram", "ssd_cached", "ssd_cold")
 POLICIES = {"never": "cold_ms", "always": "forced_ms", "auto": "auto_ms"}
 KV = {"fp16": None, "q8": 8, "q4": 4}
-
-
-def _drop_cache(path: Path) -> None:
-    """Evict the store's file from the page cache (no root needed)."""
-    for f in path.glob("*.mdb"):
-        fd = os.open(f, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-        finally:
-            os.close(fd)
 
 
 def _prompt(tokenizer, n: int, seed: int) -> list[int]:
@@ -56,7 +45,8 @@ def _prompt(tokenizer, n: int, seed: int) -> list[int]:
 
 def _ttft(model, tokenizer, store, prompt, path, source: str) -> tuple[float, object]:
     if source == "ssd_cold":
-        _drop_cache(path)
+        for f in path.glob("*.mdb"):  # the store's files, evicted from the page cache (no root needed)
+            drop_page_cache(f)
     r = generate(model, tokenizer, prompt, store=store, max_tokens=1)
     store.flush()  # the answer's new block is written before the next request is timed
     return r.ttft_s, r

@@ -51,7 +51,7 @@ if str(ROOT) not in sys.path:
 
 import numpy as np  # noqa: E402
 
-from kvstore.tools.bench.common import (MiB, fp16_nbytes, kv_layers, load_tiny, log, machine,  # noqa: E402
+from kvstore.tools.bench.common import (MiB, cold_ttft, fp16_nbytes, kv_layers, load_tiny, log, machine,  # noqa: E402
                                         med, rand_tokens, run_tokens, stat, timed)
 from kvstore.tools.bench.replay import make_trace  # noqa: E402
 from kvstore.tools.bench.settings import SIZES  # noqa: E402
@@ -212,10 +212,6 @@ def bench_restore(cfg: dict, R: int, tmp: Path, server: Server) -> dict:
 
 
 def bench_ttft(cfg: dict, R: int, tmp: Path, server: Server) -> dict:
-    import mlx.core as mx
-    import mlx_lm
-    from mlx_lm.models import cache as C
-
     from kvstore import PrefixStore
     from kvstore.adapters.generate import generate, model_key, store_cache
 
@@ -226,15 +222,7 @@ def bench_ttft(cfg: dict, R: int, tmp: Path, server: Server) -> dict:
     for n in cfg["ttft"]:
         prompt = rand_tokens(rng, n).tolist()
         log(f"ttft: {n} tokens")
-        cold, cache = [], None
-        for _ in range(R):
-            cache = C.make_prompt_cache(model)
-            t0 = time.perf_counter()
-            for resp in mlx_lm.stream_generate(model, tok, prompt, max_tokens=1, prompt_cache=cache):
-                cold.append(time.perf_counter() - t0)
-                first = resp.token
-                break
-        mx.eval([c.state for c in cache])
+        cold, cache, first = cold_ttft(model, tok, prompt, R)
         full = prompt + [first]
         server.flush()
         src = tmp / f"ttft-{n}"

@@ -312,3 +312,21 @@ def mlx_speed(c: dict, repeats: int) -> dict:
             "matmul_gflops": flops / run(lambda: x @ y) / 1e9,
             "numpy_matmul_gflops": flops / med(timed(lambda: xn @ yn, repeats, warmup=1)) / 1e9,
             "matmul_size": m}
+
+
+def cold_ttft(model, tok, prompt: list[int], repeats: int) -> tuple[list[float], Any, int]:
+    """Plain mlx-lm's time to first token, ``repeats`` times: (times, the
+    last run's cache, evaluated, and the token it generated)."""
+    import mlx_lm
+    from mlx_lm.models import cache as C
+
+    times, cache, first = [], None, None
+    for _ in range(repeats):
+        cache = C.make_prompt_cache(model)
+        t0 = time.perf_counter()
+        for resp in mlx_lm.stream_generate(model, tok, prompt, max_tokens=1, prompt_cache=cache):
+            times.append(time.perf_counter() - t0)
+            first = resp.token
+            break
+    mx.eval([c.state for c in cache])
+    return times, cache, first

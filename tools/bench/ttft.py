@@ -9,10 +9,9 @@ import time
 from pathlib import Path
 from typing import Any
 
-import mlx.core as mx
 import numpy as np
 
-from .common import describe_model, drop_page_cache, load_tiny, log, rand_tokens, stat
+from .common import cold_ttft, describe_model, drop_page_cache, load_tiny, log, rand_tokens, stat
 
 
 def run(cfg: dict, R: int, tmp: Path) -> dict:
@@ -34,16 +33,7 @@ def run(cfg: dict, R: int, tmp: Path) -> dict:
         prompt = rand_tokens(rng, n).tolist()
         log(f"ttft: {n} tokens")
         # cold: plain mlx-lm, no cache; the last cold run's cache seeds every cache below
-        cold, cache = [], None
-        for _ in range(R):
-            cache = C.make_prompt_cache(model)
-            t0 = time.perf_counter()
-            first = None
-            for resp in mlx_lm.stream_generate(model, tok, prompt, max_tokens=1, prompt_cache=cache):
-                first = resp.token
-                cold.append(time.perf_counter() - t0)
-                break
-        mx.eval([cc.state for cc in cache])
+        cold, cache, first = cold_ttft(model, tok, prompt, R)
         full = prompt + [first]  # what the cache holds after one generated token
         e: dict[str, Any] = {"cold": stat(cold)}
         # kvstore RAM
