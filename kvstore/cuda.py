@@ -1,0 +1,169 @@
+"""The CUDA runtime calls mlx does not expose, for moving KV between host and GPU.
+
+mlx's CUDA backend keeps every array in managed memory (``cudaMallocManaged``)
+and has no host->device copy of its own: a host-filled array reaches the GPU
+by page faults when a kernel first reads it (~2 GB/s on an H100), and a
+device-resident one comes back to the host the same way. The runtime that
+mlx already loaded moves the same pages in bulk: ``cudaMemPrefetchAsync``
+migrates a range at copy-engine speed. This module finds that runtime (the
+library already mapped into the process, so the context is mlx's own) and
+calls it through ctypes; ``runtime()`` is ``None`` wherever there is no CUDA
+(the CPU, Apple silicon), and callers then do nothing.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import threading
+from typing import Optional
+
+import mlx.core as mx
+import numpy as np
+
+_HOST = -1  # cudaCpuDeviceId
+
+
+class _Location(ctypes.Structure):
+    _fields_ = [("type", ctypes.c_int), ("id", ctypes.c_int)]  # cudaMemLocation
+
+
+class Runtime:
+    """The few CUDA runtime calls the store makes, on the library mlx uses."""
+
+    def __init__(self, lib: ctypes.CDLL):
+        self.lib = lib
+        v = ctypes.c_int(0)
+        self._check(lib.cudaRuntimeGetVersion(ctypes.byref(v)), "cudaRuntimeGetVersion")
+        self.version = v.value
+        dev = ctypes.c_int(0)
+        self._check(lib.cudaGetDevice(ctypes.byref(dev)), "cudaGetDevice")
+        self.device = dev.value
+        lib.cudaMemPrefetchAsync.restype = ctypes.c_int
+        if self.version >= 13000:  # (ptr, count, cudaMemLocation, flags, stream)
+            lib.cudaMemPrefetchAsync.argtypes = [ctypes.c_void_p, ctypes.c_size_t, _Location, ctypes.c_uint,
+                                                 ctypes.c_void_p]
+        else:  # (ptr, count, device, stream)
+            lib.cudaMemPrefetchAsync.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_void_p]
+        lib.cudaStreamSynchronize.argtypes = [ctypes.c_void_p]
+        lib.cudaMemcpy.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+        lib.cudaMemcpyAsync.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int,
+                                        ctypes.c_void_p]
+        lib.cudaHostAlloc.argtypes = [ctypes.POINTER(ctypes.c_void_p), ctypes.c_size_t, ctypes.c_uint]
+        lib.cudaHostRegister.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_uint]
+        lib.cudaHostUnregister.argtypes = [ctypes.c_void_p]
+        lib.cudaStreamCreateWithFlags.argtypes = [ctypes.POINTER(ctypes.c_void_p), ctypes.c_uint]
+        attr = ctypes.c_int(0)
+        lib.cudaDeviceGetAttribute(ctypes.byref(attr), 89, self.device)  # cudaDevAttrConcurrentManagedAccess
+        self.concurrent_managed = bool(attr.value)
+
+    @staticmethod
+    def _check(err: int, what: str) -> None:
+        if err != 0:
+            raise RuntimeError(f"{what} failed with CUDA error {err}")
+
+    def prefetch(self, ptr: int, nbytes: int, to_device: bool) -> None:
+        """Start moving ``[ptr, ptr + nbytes)`` of managed memory to the GPU
+        (or back to the host); ``sync()`` waits for every move started."""
+        if nbytes <= 0 or not self.concurrent_managed:
+            return
+        dst = self.device if to_device else _HOST
+        if self.version >= 13000:
+            loc = _Location(1 if to_device else 2, dst if to_device else 0)  # Device / Host
+            err = self.lib.cudaMemPrefetchAsync(ptr, nbytes, loc, 0, None)
+        else:
+            err = self.lib.cudaMemPrefetchAsync(ptr, nbytes, dst, None)
+        self._check(err, "cudaMemPrefetchAsync")
+
+    def sync(self, stream=None) -> None:
+        self._check(self.lib.cudaStreamSynchronize(stream), "cudaStreamSynchronize")
+
+    def copy(self, dst: int, src: int, nbytes: int, stream=None) -> None:
+        """Copy ``nbytes`` between any two addresses (the copy engine; async
+        on ``stream`` when the host side is pinned, else it returns when done)."""
+        if nbytes > 0:
+            self._check(self.lib.cudaMemcpyAsync(dst, src, nbytes, 4, stream), "cudaMemcpyAsync")  # Default
+
+    def stream(self):
+        s = ctypes.c_void_p()
+        self._check(self.lib.cudaStreamCreateWithFlags(ctypes.byref(s), 1), "cudaStreamCreate")  # non-blocking
+        return s
+
+    def pinned(self, nbytes: int) -> np.ndarray:
+        """Page-locked host memory (kept for the process's life) as a byte array."""
+        p = ctypes.c_void_p()
+        self._check(self.lib.cudaHostAlloc(ctypes.byref(p), nbytes, 0), "cudaHostAlloc")
+        return np.ctypeslib.as_array((ctypes.c_uint8 * nbytes).from_address(p.value))
+
+    def register(self, ptr: int, nbytes: int, readonly: bool = True) -> None:
+        self._check(self.lib.cudaHostRegister(ptr, nbytes, 8 if readonly else 0), "cudaHostRegister")
+
+    def unregister(self, ptr: int) -> None:
+        self._check(self.lib.cudaHostUnregister(ptr), "cudaHostUnregister")
+
+
+_lock = threading.Lock()
+_runtime: Optional[Runtime] = None
+_probed = False
+
+
+def runtime() -> Optional[Runtime]:
+    """The CUDA runtime mlx runs on, or None (no CUDA, or ``KVSTORE_NO_PREFETCH=1``)."""
+    global _runtime, _probed
+    if _probed:
+        return _runtime
+    with _lock:
+        if not _probed:
+            _runtime = _find()
+            _probed = True
+    return _runtime
+
+
+def _find() -> Optional[Runtime]:
+    if os.environ.get("KVSTORE_NO_PREFETCH") == "1":
+        return None
+    try:
+        if not mx.cuda.is_available():
+            return None
+    except AttributeError:
+        return None
+    for path in _loaded_cudart() + ["libcudart.so.13", "libcudart.so.12", "libcudart.so"]:
+        try:
+            return Runtime(ctypes.CDLL(path))
+        except (OSError, AttributeError, RuntimeError):
+            continue
+    return None
+
+
+def _loaded_cudart() -> list[str]:
+    """Paths of the CUDA runtime libraries already mapped into this process."""
+    try:
+        with open("/proc/self/maps") as f:
+            return sorted({line.split()[-1] for line in f if "libcudart.so" in line})
+    except OSError:
+        return []
+
+
+def address(a: mx.array) -> int:
+    """Where an evaluated array's data starts (host view of managed memory; no copy)."""
+    return np.asarray(a).__array_interface__["data"][0] if a.size else 0
+
+
+def to_device(arrays: list[mx.array]) -> None:
+    """Move host-filled arrays to the GPU in bulk before a kernel faults them in."""
+    rt = runtime()
+    if rt is None or not arrays:
+        return
+    for a in arrays:
+        rt.prefetch(address(a), a.nbytes, True)
+    rt.sync()
+
+
+def to_host(arrays: list[mx.array]) -> None:
+    """Move device-resident arrays to host memory in bulk before the CPU reads them."""
+    rt = runtime()
+    if rt is None or not arrays:
+        return
+    for a in arrays:
+        rt.prefetch(address(a), a.nbytes, False)
+    rt.sync()
