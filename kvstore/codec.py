@@ -42,6 +42,7 @@ import msgpack
 import numpy as np
 import xxhash
 
+from . import cuda
 from .errors import BlockDecodeError, ConfigError
 from .hashing import TOKEN_DTYPES, narrowest
 from .layers import KVLayer, Layer, Quantized, StateLayer, Tensor, tensor_rows
@@ -257,8 +258,14 @@ def serialize(block: Block, key: bytes = b"") -> bytearray:
     start = _align(_PREFIX.size + len(msgpack.packb(fields, use_bin_type=True)))
     out = bytearray(start + w.size)
     payload = memoryview(out)[start:]
+    rt = cuda.runtime()
+    base = np.frombuffer(payload, np.uint8).ctypes.data if rt is not None and len(payload) else 0
     for off, arr in w.parts:
-        if arr.nbytes:  # a zero-size array has no bytes (and memoryview cannot cast it)
+        if not arr.nbytes:  # a zero-size array has no bytes (and memoryview cannot cast it)
+            continue
+        if rt is not None:  # device-resident managed memory: the copy engine, not page faults
+            rt.copy(base + off, arr.ctypes.data, arr.nbytes)
+        else:
             payload[off : off + arr.nbytes] = memoryview(arr).cast("B")
     fields["sum"] = xxhash.xxh3_64_intdigest(payload)
     header = msgpack.packb(fields, use_bin_type=True)

@@ -53,26 +53,22 @@ class FetchCosts:
         plan.states = dict(zip((p.key for p in path), states))
         return plan
 
-    def observe(self, path: list[Node], blocks, from_ram: list[bool], length: int, plan: Plan,
-                t_load: float, t_asm: float) -> dict[str, int]:
-        """Rates of a served fetch, per source: RAM bytes cost their share of
-        the assembly, disk bytes their share of the read too."""
+    def observe(self, path: list[Node], sizes: list[int], from_ram: list[bool], length: int, plan: Plan,
+                seconds: float) -> dict[str, int]:
+        """Rates of a served fetch, per source, each charged its share of the
+        time by bytes (blocks are read and assembled in one pass)."""
         by_state: dict[str, int] = {}
-        for p, b, r in zip(path, blocks, from_ram):
-            if b is None or p.start >= length:
+        for p, nbytes, r in zip(path, sizes, from_ram):
+            if p.start >= length:
                 continue
             state = "ram" if r else plan.states.get(p.key, "ssd_cold")
-            by_state[state] = by_state.get(state, 0) + b.nbytes * (min(p.end, length) - p.start) // max(1, p.length)
+            by_state[state] = by_state.get(state, 0) + nbytes * (min(p.end, length) - p.start) // max(1, p.length)
         total = sum(by_state.values())
-        disk = total - by_state.get("ram", 0)
         for state, nbytes in by_state.items():
-            secs = t_asm * nbytes / max(1, total)
-            if state != "ram":
-                secs += t_load * nbytes / max(1, disk)
-            self.cost.observe_load(state, nbytes, secs)
+            self.cost.observe_load(state, nbytes, seconds * nbytes / max(1, total))
         if plan.load_s:
             self.counters.count("predicted_us", int(plan.load_s * 1e6))
-            self.counters.count("actual_us", int((t_load + t_asm) * 1e6))
+            self.counters.count("actual_us", int(seconds * 1e6))
         return by_state
 
     def observe_request(self, model: str, n_prompt: int, cached: int, source_bytes: dict[str, int],

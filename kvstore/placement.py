@@ -16,11 +16,14 @@ from __future__ import annotations
 
 import logging
 import time
+from dataclasses import dataclass
 from typing import Optional
 
 import numpy as np
 
-from .codec import Block
+from .codec import Block, block_arrays
+from .cuda import to_device
+from .gather import Stored, gather
 from .counters import Counters
 from .index import Node, RadixIndex
 from .lookup import servable
@@ -40,6 +43,8 @@ class Placement:
         self.lock = lock
         self.counters = counters
         self.writable = writable
+        self._promoting: dict = {}  # key -> future of its pending promotion
+        self._promote_pool = None
         if persist is not None:
             persist.forget = self.forget_locked
 
@@ -134,49 +139,134 @@ class Placement:
             return self.persist.tokens(node)
         return None
 
-    def load(self, path: list[Node], toks: np.ndarray, length: int) -> tuple[list[Block], int, list[bool]]:
-        """Blocks of ``path`` checked against the prompt; a bad block cuts the
-        hit (and leaves the store). Returns blocks, servable length, and which
-        blocks came from RAM. Called unlocked with ``path`` pinned."""
-        wanted = [(p.key, p.start) for p in path]
+    def load(self, path: list[Node], toks: np.ndarray, length: int,
+             quantized: Optional[tuple[int, int]] = None) -> "Served":
+        """The layers of ``path``'s blocks for ``[0, length)``, checked against
+        the prompt; a bad block cuts the hit (and leaves the store). Disk blocks
+        are read and assembled inside one read transaction, straight from the
+        mapped pages (``gather``), and promoted to RAM afterwards, off the
+        caller's path. Called unlocked with ``path`` pinned."""
+        self.wait_promotions([p.key for p in path])
         with self.lock:
-            blocks: list[Optional[Block]] = [self.ram.get(k) for k, _ in wanted]
-        from_ram = [b is not None for b in blocks]
-        bad: dict[bytes, str] = {}
-        missing = [w for w, b in zip(wanted, blocks) if b is None]
-        if missing and self.persist is not None:  # RAM only: a block dropped while we waited is a miss
+            items: list = [self.ram.get(p.key) for p in path]
+        from_ram = [b is not None for b in items]
+        bad: list[tuple[Node, str]] = []  # dropped after the read transaction: no write inside one
+        if all(from_ram) or self.persist is None:
+            served = self._serve(path, items, from_ram, toks, length, quantized, bad)
+        else:
             try:
-                loaded = self.persist.disk.load(missing)
-                bad.update(loaded.bad)
-                blocks = [b if b is not None else loaded.blocks.get(k) for (k, _), b in zip(wanted, blocks)]
+                disk = self.persist.disk
+                with disk.reader() as txn:
+                    for i, p in enumerate(path):
+                        if items[i] is None:
+                            got = disk.stored(txn, p.key, p.start)
+                            if isinstance(got, str):
+                                bad.append((p, got))
+                                break
+                            if got is None:
+                                break
+                            items[i] = got
+                    served = self._serve(path, items, from_ram, toks, length, quantized, bad)
             except Exception as e:
                 self.persist.warn("read", f"kvstore: reading {self.persist.disk.path} failed: {e}")
+                k = next((i for i, r in enumerate(from_ram) if not r), len(path))
+                served = self._serve(path[:k], items[:k], from_ram[:k], toks, length, quantized, bad)
+        for p, why in bad:
+            self._drop_bad(p, why)
+        self.promote_later([p for p, r in zip(path, served.from_ram) if not r])
+        return served
+
+    def _serve(self, path, items, from_ram, toks, length, quantized, bad: list) -> "Served":
+        """Cut at the first missing or foreign block, gather, and retry
+        shorter when a payload fails its checksum."""
         good = 0
-        for p, b in zip(path, blocks):
-            if b is None or not _matches(b, toks, p.start, min(p.end, length)):
-                if b is not None:
-                    bad[p.key] = "tokens do not match the prompt (hash collision?)"
+        for p, it in zip(path, items):
+            if it is None:
+                break
+            if not _matches(it, toks, p.start, min(p.end, length)):
+                bad.append((p, "tokens do not match the prompt (hash collision?)"))
                 break
             good += 1
-        for p in path:
-            if p.key in bad:
-                self._drop_bad(p, bad[p.key])
-        if good < len(path):
-            length = min(length, path[good].start)
-            path, blocks, from_ram = path[:good], blocks[:good], from_ram[:good]
-            length = servable(path, length) if path else 0
-        served = [p for p in path if p.start < length]
+        while True:
+            if good < len(path):
+                path, items, from_ram = path[:good], items[:good], from_ram[:good]
+                length = servable(path, min(length, path[-1].end)) if path else 0
+            if length == 0:
+                return Served([], 0, [], [])
+            path_used = [p for p in path if p.start < length]
+            k = len(path_used)
+            try:
+                got = gather(items[:k], length, quantized)
+            except Exception as e:  # blocks that do not fit together (a reused model key, a bad index record)
+                log.warning("kvstore: stored blocks for this prompt do not fit together (%s); serving a miss", e)
+                return Served([], 0, [], [])
+            if got.bad is None:
+                break
+            bad.append((path_used[got.bad], "payload checksum mismatch"))
+            good = got.bad
         now = time.time()
         with self.lock:
-            for p, b, r in zip(served, blocks, from_ram):
-                if not r and self.index.get(p.key) is p and not p.in_ram:
-                    self.promote_locked(p, b)
+            for p in path_used:
                 if p.on_disk and self.persist is not None:
                     self.persist.used_locked(p, now)
             # ancestors end up more recent than descendants: eviction takes leaves first
-            self.ram.touch({p.key: Use(now) for p in reversed(served)})
-        self.counters.used([p for p in served if p.on_disk], now)
-        return blocks, length, from_ram
+            self.ram.touch({p.key: Use(now) for p in reversed(path_used)})
+        self.counters.used([p for p in path_used if p.on_disk], now)
+        return Served(got.layers, got.length, from_ram[:k], [it.nbytes for it in items[:k]])
+
+    # ----------------------------------------------------------- promotion
+
+    def promote_later(self, nodes: list[Node]) -> None:
+        """Decode blocks just served from disk into RAM on a thread of its
+        own: the hit that read them does not wait for the copies."""
+        nodes = [p for p in nodes if p.on_disk and p.nbytes <= self.ram.budget]
+        if not nodes or self.persist is None:
+            return
+        fut = self._promoter().submit(self._promote, nodes)
+        with self.lock:
+            for p in nodes:
+                self._promoting[p.key] = fut
+
+    def settle(self) -> None:
+        """Wait for every promotion started so far."""
+        with self.lock:
+            futs = {id(f): f for f in self._promoting.values()}
+        for f in futs.values():
+            f.result()
+
+    def wait_promotions(self, keys: list[bytes]) -> None:
+        with self.lock:
+            futs = {id(f): f for k in keys if (f := self._promoting.get(k)) is not None}
+        for f in futs.values():
+            f.result()
+
+    def _promoter(self):
+        if self._promote_pool is None:
+            from concurrent.futures import ThreadPoolExecutor
+            self._promote_pool = ThreadPoolExecutor(1, thread_name_prefix="kvstore-promote")
+        return self._promote_pool
+
+    def _promote(self, nodes: list[Node]) -> None:
+        try:
+            loaded = self.persist.disk.load([(p.key, p.start) for p in nodes])
+            blocks = [loaded.blocks.get(p.key) for p in nodes]
+            to_device([a for b in blocks if b is not None for a in block_arrays(b)])
+            with self.lock:
+                for p, b in zip(nodes, blocks):
+                    if b is not None and self.index.get(p.key) is p and not p.in_ram:
+                        self.promote_locked(p, b)
+                self.make_room_locked(0)
+        except Exception as e:  # a cache: a failed promotion only means the next hit reads the disk again
+            log.debug("kvstore: promotion failed: %s", e)
+        finally:
+            with self.lock:
+                for p in nodes:
+                    self._promoting.pop(p.key, None)
+
+    def close(self) -> None:
+        if self._promote_pool is not None:
+            self._promote_pool.shutdown(wait=True)
+            self._promote_pool = None
 
     def _drop_bad(self, node: Node, why: str) -> None:
         self.counters.count("corrupt_blocks")
@@ -188,6 +278,18 @@ class Placement:
             self.persist.delete(keys)
 
 
-def _matches(block: Block, toks: np.ndarray, start: int, stop: int) -> bool:
+def _matches(item, toks: np.ndarray, start: int, stop: int) -> bool:
+    tokens = item.tokens() if isinstance(item, Stored) else item.tokens
     m = stop - start
-    return m <= len(block.tokens) and np.array_equal(block.tokens[:m], toks[start:stop])
+    return m <= len(tokens) and np.array_equal(tokens[:m], toks[start:stop])
+
+
+@dataclass
+class Served:
+    """What ``load`` served: layers of ``[0, length)``, and per block used,
+    whether it came from RAM and its stored bytes."""
+
+    layers: list
+    length: int
+    from_ram: list[bool]
+    nbytes: list[int]

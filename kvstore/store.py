@@ -12,7 +12,7 @@ the work --
 - ``placement``: RAM admission, promotion, eviction; loading a path;
 - ``persist``: the disk side (writes, budget, full device, index at open);
 - ``writer``: the background thread that encodes and writes what ``put`` queued;
-- ``assemble``: blocks to one tensor per layer;
+- ``gather`` (``assemble`` for the rare layouts): blocks to one tensor per layer;
 - ``counters``: what the store counts;
 - ``remote_sync`` and ``discovery``: the shared remote tier (Redis / Valkey),
   after LMDB: copies written behind, the rest of a chain found on fetch.
@@ -39,7 +39,6 @@ from typing import Optional, Sequence, Union
 import mlx.core as mx
 
 from . import lookup
-from .assemble import assemble
 from .codec import Codec, layer_arrays
 from .cost import CostModel
 from .costing import FetchCosts
@@ -220,7 +219,7 @@ class PrefixStore:
             plan = self._costs.plan(root.key, len(toks), pinned, length)
             path = [p for p in pinned if p.start < plan.length]
             t0 = time.perf_counter()
-            blocks, length, from_ram = self._placement.load(path, toks, plan.length)
+            got = self._placement.load(path, toks, plan.length, quantized)
             t_load = time.perf_counter() - t0
         finally:
             with self._lock:
@@ -228,26 +227,17 @@ class PrefixStore:
                 self._placement.make_room_locked(0)  # blocks promoted while pinned may have left RAM over budget
         self._counters.count("tokens_requested", len(toks))
         self._counters.count("tokens_skipped_cost", plan.skipped)
+        length, layers, from_ram = got.length, got.layers, got.from_ram
         if length == 0:
             self._counters.count("misses")
             return Hit(skipped_tokens=plan.skipped, skip_reason=plan.reason)
-        try:
-            t1 = time.perf_counter()
-            layers = assemble([b for b in blocks if b is not None], length, quantized)
-            mx.eval([a for l in layers if l is not None for a in layer_arrays(l)])
-            t_asm = time.perf_counter() - t1
-        except Exception as e:  # blocks that do not fit together (a reused model key, a bad index record)
-            self._warn("assemble", f"kvstore: stored blocks for this prompt do not fit together ({e}); "
-                                   f"serving a miss")
-            self._counters.count("misses")
-            return Hit()
         served = [(p, r) for p, r in zip(path, from_ram) if p.start < length]
         remote_tokens = sum(min(p.end, length) - p.start for p, _ in served if p.key in fetched)
         ram_tokens = sum(min(p.end, length) - p.start for p, r in served if r and p.key not in fetched)
         hit = Hit(length, layers, ram_tokens=ram_tokens, ssd_tokens=length - ram_tokens - remote_tokens,
                   skipped_tokens=plan.skipped, skip_reason=plan.reason,
                   predicted_s=plan.load_s if length == plan.length else 0.0, remote_tokens=remote_tokens)
-        hit.source_bytes = self._costs.observe(path, blocks, from_ram, length, plan, t_load, t_asm)
+        hit.source_bytes = self._costs.observe(path, got.nbytes, from_ram, length, plan, t_load)
         self._counters.count("hits")
         self._counters.count("tokens_ram", hit.ram_tokens)
         self._counters.count("tokens_ssd", hit.ssd_tokens)
@@ -351,9 +341,10 @@ class PrefixStore:
 
     def flush(self, timeout: Optional[float] = None) -> None:
         """Wait until every queued block is encoded and written (and its
-        remote copy sent or skipped)."""
+        remote copy sent or skipped), and blocks served from disk are in RAM."""
         deadline = None if timeout is None else time.monotonic() + timeout
         self._writer.flush(timeout)
+        self._placement.settle()
         self._save()
         if self._remote is not None:
             self._remote.flush(None if deadline is None else max(0.0, deadline - time.monotonic()))
@@ -365,6 +356,7 @@ class PrefixStore:
         self.flush()
         self._closed = True
         self._writer.stop()
+        self._placement.close()
         if self._remote is not None:
             self._remote.close()
         if self._persist is not None:

@@ -26,12 +26,14 @@ import shutil
 import time
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Callable, Iterator, Mapping, Optional, Sequence
+from typing import Callable, Iterator, Mapping, Optional, Sequence, Union
 
 import lmdb
 import msgpack
 
-from ..errors import StorageError, StoreOpenError
+from ..codec import check_key, read_header
+from ..errors import BlockDecodeError, StorageError, StoreOpenError
+from ..gather import Stored
 from ..record import BlockRecord
 from .base import Entry, Loaded, Use, decode_into
 from .gate import Gate
@@ -344,6 +346,20 @@ class LmdbTier:
     def payload(self, txn: lmdb.Transaction, key: bytes):
         """A block's bytes: a view of the map, valid inside ``txn`` only."""
         return txn.get(key, db=self.dbs[b"blocks"])
+
+    def stored(self, txn: lmdb.Transaction, key: bytes, start: int) -> Union[Stored, str, None]:
+        """A block's bytes with its header checked and bound to ``key`` (its
+        payload is not checked yet: ``Stored.intact``), the reason it is bad,
+        or ``None`` when absent. Valid inside ``txn`` only."""
+        buf = self.payload(txn, key)
+        if buf is None:
+            return None
+        try:
+            h = read_header(buf)
+            check_key(h, key)
+        except BlockDecodeError as e:
+            return str(e)
+        return Stored(key, start, memoryview(buf), h)
 
     def record(self, txn: lmdb.Transaction, key: bytes) -> Optional[BlockRecord]:
         """The block's index record; ``None`` when missing or malformed."""

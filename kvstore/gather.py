@@ -1,0 +1,348 @@
+"""A hit's blocks to one tensor per layer, with one copy of each stored byte.
+
+Blocks come from RAM (``Block``: mlx arrays) or from disk (``Stored``: the
+block's bytes as LMDB maps them, valid inside the read transaction, header
+checked, payload not yet). Where every block holds full rows of plain
+attention layers under one setting (the common case), the hit is built in
+one pass over the bytes, blocks side by side on a thread pool, each block's
+checksum verified by the thread that moves it:
+
+- **host memory** (the CPU, Apple silicon): each block's rows are copied from
+  the mapped pages straight into the final per-layer arrays;
+- **CUDA** (mlx keeps arrays in managed memory and has no host->device copy):
+  each block's bytes go through a pinned staging buffer to one device buffer
+  on the copy engine (``kvstore.cuda``), and the layers are cut out of it on
+  the GPU. Blocks of one layout are a ``[blocks, bytes]`` matrix whose column
+  ranges are one layer's arrays, so one strided view per layer and part
+  replaces a concatenation of per-block pieces.
+
+Quantized parts are assembled per layer before anything is dequantized.
+Anything else (state snapshots, sliding windows, mixed settings, an engine
+asking for other quantization) is decoded block by block for ``assemble``.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Optional, Sequence, Union
+
+import mlx.core as mx
+import numpy as np
+import xxhash
+
+from . import cuda
+from .assemble import assemble
+from .codec import Block, Header, deserialize, np_dtype
+from .errors import BlockDecodeError
+from .layers import KVLayer, Layer, Quantized
+
+_STAGE = 16 << 20  # bytes per pinned staging buffer (two per I/O thread)
+_MAX_THREADS = 8
+_DTYPE = {"float16": mx.float16, "bfloat16": mx.bfloat16, "float32": mx.float32, "uint32": mx.uint32}
+
+
+@dataclass
+class Stored:
+    """A block as its stored bytes: ``buf`` is the whole value (an mmap view
+    valid only inside its read transaction), ``header`` already validated."""
+
+    key: bytes
+    start: int
+    buf: memoryview
+    header: Header
+
+    @property
+    def payload(self) -> memoryview:
+        return self.buf[self.header.payload_start :]
+
+    @property
+    def nbytes(self) -> int:
+        return len(self.buf)
+
+    def tokens(self) -> np.ndarray:
+        name, _, off, _ = self.header.fields["tok"]
+        return np.frombuffer(self.payload, dtype=np_dtype(name), count=self.header.ntokens, offset=off)
+
+    def intact(self) -> bool:
+        """The payload checksum (xxh3 releases the GIL: threads hash side by side)."""
+        return xxhash.xxh3_64_intdigest(self.payload) == self.header.fields["sum"]
+
+    def decode(self) -> Block:
+        return deserialize(self.buf, self.start, key=self.key)
+
+
+Item = Union[Block, Stored]
+
+
+@dataclass
+class Gathered:
+    """Layers of ``[0, length)``; or, when a block failed its checksum, no
+    layers and ``bad``, its index (the caller serves the blocks before it)."""
+
+    layers: list[Optional[Layer]]
+    length: int
+    bad: Optional[int] = None
+
+
+_pool: Optional[ThreadPoolExecutor] = None
+_pool_lock = threading.Lock()
+_local = threading.local()
+
+
+def _threads() -> int:
+    return max(1, min(os.cpu_count() or 1, _MAX_THREADS))
+
+
+def _executor() -> ThreadPoolExecutor:
+    global _pool
+    with _pool_lock:
+        if _pool is None:
+            _pool = ThreadPoolExecutor(_threads(), thread_name_prefix="kvstore-io")
+        return _pool
+
+
+def _map(fn, n: int) -> list:
+    if n < 2 or _threads() < 2:
+        return [fn(i) for i in range(n)]
+    return list(_executor().map(fn, range(n)))
+
+
+# ------------------------------------------------------------------ layout
+
+
+def _spec(item: Item) -> Optional[tuple]:
+    """Per layer, the settings and per-array (dtype, heads, width) of a block
+    of full-row attention layers; ``None`` when the fast path cannot take it."""
+    out = []
+    if isinstance(item, Stored):
+        n = item.header.ntokens
+        for e in item.header.layers:
+            if e is None or "s" in e or e.get("w") is not None or e.get("o", 0) != 0:
+                return None
+            ts = []
+            for t in (e["k"], e["v"]):
+                arrays = t["a"] if "q" in t else [t["a"]]
+                if any(d[1][-2] != n or len(d[1]) != 4 or d[1][0] != 1 for d in arrays):
+                    return None
+                ts.append((tuple(t["q"]) if "q" in t else None, t.get("r"),
+                           tuple((d[0], d[1][1], d[1][3]) for d in arrays)))
+            out.append(tuple(ts))
+        return tuple(out)
+    n = len(item.tokens)
+    for layer in item.layers:
+        if not isinstance(layer, KVLayer) or layer.window is not None:
+            return None
+        ts = []
+        for t in (layer.keys, layer.values):
+            q = isinstance(t, Quantized)
+            arrays = t.arrays() if q else (t,)
+            if any(a.ndim != 4 or a.shape[0] != 1 or a.shape[2] != n for a in arrays):
+                return None
+            if any(str(a.dtype).split(".")[-1] not in _DTYPE for a in arrays):
+                return None
+            ts.append(((t.bits, t.group_size) if q else None, t.rotation if q else None,
+                       tuple((str(a.dtype).split(".")[-1], a.shape[1], a.shape[3]) for a in arrays)))
+        out.append(tuple(ts))
+    return tuple(out)
+
+
+def _fast_spec(items: Sequence[Item], quantized: Optional[tuple[int, int]]) -> Optional[tuple]:
+    specs = {_spec(it) for it in items}
+    if len(specs) != 1:
+        return None
+    spec = specs.pop()
+    if spec is None or not spec:
+        return None
+    if quantized is not None:  # handed over as they are, or not at all here
+        if any(q != tuple(quantized) or r is not None for layer in spec for q, r, _ in layer):
+            return None
+    return spec
+
+
+def gather(items: Sequence[Item], length: int, quantized: Optional[tuple[int, int]] = None) -> Gathered:
+    """One tensor per layer (``Quantized`` when the engine asks for the stored
+    settings) for rows ``[0, length)`` of consecutive blocks from position 0."""
+    used, pos = [], 0
+    for it in items:
+        if pos >= length:
+            break
+        used.append(it)
+        pos += it.header.ntokens if isinstance(it, Stored) else len(it.tokens)
+    items = used
+    spec = _fast_spec(items, quantized)
+    if spec is None:
+        return _slow(items, length, quantized)
+    spans = []
+    pos = 0
+    for it in items:
+        n = it.header.ntokens if isinstance(it, Stored) else len(it.tokens)
+        spans.append((pos, min(n, length - pos)))
+        pos += n
+    rt = cuda.runtime()
+    parts, bad = (_fill_device if rt is not None else _fill_host)(items, spans, spec, length)
+    if bad is not None:
+        return Gathered([], 0, bad)
+    layers: list[Optional[Layer]] = []
+    for layer, lspec in zip(parts, spec):
+        tensors = []
+        for arrays, (q, r, _) in zip(layer, lspec):
+            if q is None:
+                tensors.append(arrays[0])
+            else:
+                t = Quantized(*arrays, q[0], q[1], r)
+                tensors.append(t if quantized is not None else t.dequantize())
+        layers.append(KVLayer(tensors[0], tensors[1], 0, None))
+    return Gathered(layers, length, bad)
+
+
+def _slow(items: Sequence[Item], length: int, quantized) -> Gathered:
+    """Decode block by block (checksums included) and concatenate."""
+    blocks: list[Block] = []
+    for i, it in enumerate(items):
+        if isinstance(it, Stored):
+            try:
+                it = it.decode()
+            except BlockDecodeError:
+                return Gathered([], 0, i)
+        blocks.append(it)
+    return Gathered(assemble(blocks, length, quantized), length)
+
+
+# ------------------------------------------------------------- host memory
+
+
+def _np(a: mx.array) -> np.ndarray:
+    return np.asarray(a.view(mx.uint16) if a.dtype == mx.bfloat16 else a)
+
+
+def _stored_arrays(item: Stored) -> list:
+    """Per layer, per tensor, the (dtype, shape, offset, bytes) of each array."""
+    return [[t["a"] if "q" in t else [t["a"]] for t in (e["k"], e["v"])] for e in item.header.layers]
+
+
+def _fill_host(items, spans, spec, length):
+    dests = [[[mx.zeros((1, h, length, w), _DTYPE[name]) for name, h, w in arrays] for _, _, arrays in layer]
+             for layer in spec]
+    flat = [a for layer in dests for t in layer for a in t]
+    mx.eval(flat)
+    views = [[[_np(a) for a in t] for t in layer] for layer in dests]
+    mx.eval([a for layer in dests for t in layer for a in t])  # bf16 views share the buffer
+
+    def move(i: int) -> bool:
+        item, (s, n) = items[i], spans[i]
+        if isinstance(item, Stored):
+            if not item.intact():
+                return False
+            payload = item.payload
+            for lv, la in zip(views, _stored_arrays(item)):
+                for tv, ta in zip(lv, la):
+                    for dst, (name, shape, off, nb) in zip(tv, ta):
+                        src = np.frombuffer(payload, np_dtype(name), nb // np_dtype(name).itemsize, off)
+                        np.copyto(dst[0, :, s : s + n], src.reshape(shape)[0, :, :n])
+        else:
+            for lv, layer in zip(views, item.layers):
+                for tv, t in zip(lv, (layer.keys, layer.values)):
+                    for dst, a in zip(tv, t.arrays() if isinstance(t, Quantized) else (t,)):
+                        np.copyto(dst[0, :, s : s + n], _np(a)[0, :, :n])
+        return True
+
+    ok = _map(move, len(items))
+    bad = next((i for i, good in enumerate(ok) if not good), None)
+    return dests, bad
+
+
+# -------------------------------------------------------------------- CUDA
+
+
+def _staging(rt: "cuda.Runtime"):
+    """This thread's CUDA stream and two pinned buffers (made once per thread)."""
+    st = getattr(_local, "stage", None)
+    if st is None:
+        st = _local.stage = (rt.stream(), [rt.pinned(_STAGE), rt.pinned(_STAGE)])
+    return st
+
+
+def _upload(rt: "cuda.Runtime", dst: int, payload: memoryview) -> None:
+    """Payload bytes to device address ``dst``: host copies into alternating
+    pinned buffers overlap the copy engine's transfers of the previous one."""
+    stream, bufs = _staging(rt)
+    src = np.frombuffer(payload, np.uint8)
+    pending = [False, False]
+    for j, off in enumerate(range(0, len(src), _STAGE)):
+        k = j % 2
+        if pending[k]:
+            rt.sync(stream)  # the transfer that used this buffer is done
+            pending = [False, False]
+        n = min(_STAGE, len(src) - off)
+        np.copyto(bufs[k][:n], src[off : off + n])
+        rt.copy(dst + off, bufs[k].ctypes.data, n, stream)
+        pending[k] = True
+    rt.sync(stream)
+
+
+def _fill_device(items, spans, spec, length):
+    rt = cuda.runtime()
+    stored = [i for i, it in enumerate(items) if isinstance(it, Stored)]
+    offsets: dict[int, int] = {}
+    total = 0
+    for i in stored:
+        offsets[i] = total
+        total += -(-len(items[i].payload) // 64) * 64
+    views: dict[str, mx.array] = {}
+    if stored:
+        dev = mx.zeros((total,), mx.uint8)  # written on the GPU: its pages live there
+        mx.eval(dev)
+        mx.synchronize()
+        base = cuda.address(dev)
+
+        def move(j: int) -> bool:
+            item = items[stored[j]]
+            if not item.intact():
+                return False
+            _upload(rt, base + offsets[stored[j]], item.payload)
+            return True
+
+        ok = dict(zip(stored, _map(move, len(stored))))
+        views = {name: dev.view(dt) for name, dt in _DTYPE.items()}
+    else:
+        ok = {}
+    bad = next((i for i in stored if not ok[i]), None)
+    end = len(items) if bad is None else bad
+    # runs of consecutive stored blocks of one byte layout, each cut as a strided matrix
+    pieces: list[list[list[list[mx.array]]]] = [[[[] for _ in t[2]] for t in layer] for layer in spec]
+    i = 0
+    while i < end:
+        item = items[i]
+        if not isinstance(item, Stored):
+            n = spans[i][1]
+            for lp, layer in zip(pieces, item.layers):
+                for tp, t in zip(lp, (layer.keys, layer.values)):
+                    for p, a in zip(tp, t.arrays() if isinstance(t, Quantized) else (t,)):
+                        p.append(a[..., :n, :])
+            i += 1
+            continue
+        j = i + 1
+        size = len(item.payload)
+        while (j < end and isinstance(items[j], Stored) and len(items[j].payload) == size
+               and items[j].header.layers == item.header.layers and offsets[j] - offsets[j - 1] == size
+               and size % 64 == 0):
+            j += 1
+        m = j - i
+        rows = sum(spans[k][1] for k in range(i, j))
+        stride = -(-size // 64) * 64
+        for lp, la in zip(pieces, _stored_arrays(item)):
+            for tp, ta in zip(lp, la):
+                for p, (name, shape, off, nb) in zip(tp, ta):
+                    isz = np_dtype(name).itemsize
+                    flat = views[name][offsets[i] // isz : (offsets[i] + m * stride) // isz]
+                    x = flat.reshape(m, stride // isz)[:, off // isz : (off + nb) // isz]
+                    _, h, r, w = shape
+                    x = x.reshape(m, h, r, w).transpose(1, 0, 2, 3).reshape(1, h, m * r, w)
+                    p.append(x[..., :rows, :])
+        i = j
+    out = [[[p[0] if len(p) == 1 else mx.concatenate(p, axis=2) for p in tp] for tp in lp] for lp in pieces]
+    mx.eval([a for lp in out for tp in lp for a in tp])
+    return out, bad

@@ -1,0 +1,103 @@
+"""The one-copy read path (``kvstore.gather``): blocks straight from their
+stored bytes, or from RAM, into one tensor per layer. It must give exactly
+what decoding every block and concatenating gives, cut a hit at a corrupt
+block, and mix RAM and disk blocks in one prompt."""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+from kvstore import PrefixStore
+from kvstore.codec import Codec, Block, read_header, serialize
+from kvstore.gather import Stored, _slow, gather
+from kvstore.hashing import KeyChain, root_key
+from kvstore.layers import KVLayer, Quantized, take_rows
+
+from ._helpers import bits_of, kv_layers
+
+BS = 16
+
+
+def _blocks(tokens: np.ndarray, codec: Codec, heads: int = 2, dim: int = 64, dtype=mx.float16) -> list[Stored]:
+    """The prompt's blocks as the LMDB tier would hand them over."""
+    layers = kv_layers(tokens, n_layers=3, heads=heads, dim=dim, dtype=dtype)
+    chain = KeyChain(root_key("m"), tokens, BS)
+    out = []
+    for i, s in enumerate(range(0, len(tokens), BS)):
+        e = min(len(tokens), s + BS)
+        kv = [KVLayer(codec.compress_keys(take_rows(l.keys, s, e)), codec.compress_values(take_rows(l.values, s, e)),
+                      s) for l in layers]
+        buf = memoryview(bytes(serialize(Block(tokens[s:e], kv), chain.key(i))))
+        out.append(Stored(chain.key(i), s, buf, read_header(buf)))
+    return out
+
+
+def _same(a, b) -> None:
+    assert len(a) == len(b)
+    for x, y in zip(a, b):
+        for t, u in ((x.keys, y.keys), (x.values, y.values)):
+            if isinstance(t, Quantized):
+                assert isinstance(u, Quantized) and t.settings == u.settings
+                for p, q in zip(t.arrays(), u.arrays()):
+                    assert np.array_equal(bits_of(p), bits_of(q))
+            else:
+                assert t.shape == u.shape and np.array_equal(bits_of(t), bits_of(u))
+
+
+@pytest.mark.parametrize("bits", [None, 8, 4])
+@pytest.mark.parametrize("length", [64, 57, 16, 9])
+def test_one_copy_read_equals_decoding_every_block(bits, length):
+    """Full and partial last blocks, dense and quantized entries (dequantized
+    for a dense engine): the same bits as decode + concatenate."""
+    items = _blocks(np.arange(100, 164, dtype=np.int32), Codec.from_bits(bits))
+    fast, slow = gather(items, length), _slow(items, length, None)
+    assert fast.length == slow.length == length and fast.bad is None
+    _same(fast.layers, slow.layers)
+
+
+def test_bf16_rows_and_a_short_tail_block():
+    items = _blocks(np.arange(7, 7 + 40, dtype=np.int32), Codec.from_bits(None), dtype=mx.bfloat16)
+    _same(gather(items, 40).layers, _slow(items, 40, None).layers)
+
+
+def test_quantized_engine_gets_the_stored_triples():
+    """An engine running a quantized cache of the stored settings gets them as they are."""
+    items = _blocks(np.arange(50, 98, dtype=np.int32), Codec.from_bits(8))
+    got = gather(items, 40, quantized=(8, 64))
+    assert all(isinstance(l.keys, Quantized) and l.keys.shape[-2] == 40 for l in got.layers)
+    _same(got.layers, _slow(items, 40, (8, 64)).layers)
+
+
+def test_ram_and_disk_blocks_mix_in_one_prompt():
+    """Blocks from RAM (decoded) and from disk (bytes) in one hit."""
+    items = _blocks(np.arange(300, 364, dtype=np.int32), Codec.from_bits(None))
+    mixed = [items[0].decode(), items[1], items[2].decode(), items[3]]
+    _same(gather(mixed, 60).layers, _slow(items, 60, None).layers)
+
+
+def test_a_corrupt_payload_is_reported_not_served():
+    items = _blocks(np.arange(1, 65, dtype=np.int32), Codec.from_bits(None))
+    raw = bytearray(items[2].buf)
+    raw[-5] ^= 0xFF  # a payload byte: the header still reads, the checksum does not
+    items[2] = Stored(items[2].key, items[2].start, memoryview(bytes(raw)), read_header(raw))
+    got = gather(items, 64)
+    assert got.bad == 2 and got.length == 0 and not got.layers
+
+
+def test_store_serves_a_prompt_part_from_ram_part_from_disk(tmp_path):
+    """Through the store: the first blocks promoted to RAM by an earlier hit,
+    the rest read from the LMDB file; the KV is the stored KV exactly."""
+    toks = np.arange(1000, 1064, dtype=np.int32)
+    want = kv_layers(toks, n_layers=2, heads=2, dim=32)
+    with PrefixStore(budget_gb=1, ssd_path=tmp_path / "s", block_size=BS) as s:
+        s.put("m", toks, want)
+    with PrefixStore(budget_gb=1, ssd_path=tmp_path / "s", block_size=BS) as s:
+        assert s.fetch("m", toks[:32]).ssd_tokens == 32
+        s.flush()  # promotions done
+        hit = s.fetch("m", toks)
+        assert (hit.length, hit.ram_tokens, hit.ssd_tokens) == (64, 32, 32)
+        for got, exp in zip(hit.layers, want):
+            assert np.array_equal(bits_of(got.keys), bits_of(exp.keys))
+            assert np.array_equal(bits_of(got.values), bits_of(exp.values))

@@ -1,0 +1,190 @@
+"""The SSD tier against the machine's own limits, measured in one run.
+
+For each entry type, one prompt's KV (random fp16 rows of a given model
+shape) goes through a store on disk, and each figure is a median over
+``--repeats`` with a plain baseline of the same bytes in the same run:
+
+- ``put_ms``: what ``put`` blocks the caller; ``flush_GBps``: put -> on disk
+  (written and committed), vs ``write_fsync_GBps`` (a plain file write + fsync);
+- ``fetch_ram``, ``fetch_ssd_cached``, ``fetch_ssd_cold``: a fetch to ready
+  arrays (on CUDA: on the device), the RAM tier emptied for SSD reads and
+  the store closed and its file dropped from the page cache for cold ones;
+- baselines: ``read_cached`` / ``read_cold`` (``np.fromfile`` into a fresh
+  buffer), and on CUDA the same read followed by mlx's own route to the GPU
+  (``mx.array`` + first kernel), which is what an engine without kvstore gets.
+
+    python -m kvstore.tools.ssd_bench --tokens 8192 --layers 32 --heads 8 --dim 128 --kv fp16 q8 q4 --out DIR
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+import mlx.core as mx
+import numpy as np
+
+from kvstore import PrefixStore, cuda
+from kvstore.layers import KVLayer
+from kvstore.tools.bench.common import drop_page_cache, write_file
+
+KV = {"fp16": None, "q8": 8, "q4": 4}
+
+
+def _layers(tokens: int, layers: int, heads: int, dim: int, seed: int = 0) -> list[KVLayer]:
+    keys = mx.random.split(mx.random.key(seed), 2 * layers)
+    out = []
+    for i in range(layers):
+        k1, k2 = keys[2 * i], keys[2 * i + 1]
+        shape = (1, heads, tokens, dim)
+        out.append(KVLayer(mx.random.normal(shape, key=k1).astype(mx.float16),
+                           mx.random.normal(shape, key=k2).astype(mx.float16)))
+    mx.eval([t for l in out for t in (l.keys, l.values)])
+    return out
+
+
+def _ready(hit) -> None:
+    arrays = [a for l in hit.layers for t in (l.keys, l.values)
+              for a in (t.arrays() if hasattr(t, "arrays") else (t,))]
+    mx.eval(arrays)
+    mx.synchronize()
+
+
+def _drop(path: Path) -> None:
+    for f in path.glob("*.mdb"):
+        drop_page_cache(f)
+
+
+def _gbps(nbytes: int, secs: list[float]) -> float:
+    return nbytes / statistics.median(secs) / 1e9
+
+
+def _baselines(tmp: Path, nbytes: int, repeats: int) -> dict:
+    f = tmp / "plain.bin"
+    w = []
+    for _ in range(repeats):
+        t = time.perf_counter()
+        write_file(f, nbytes)
+        w.append(time.perf_counter() - t)
+    out = {"write_fsync_GBps": _gbps(nbytes, w)}
+    np.fromfile(f, np.uint8)  # written pages settle before reads are timed
+    for name, cold in (("read_cached", False), ("read_cold", True)):
+        ts, dev = [], []
+        for _ in range(repeats):
+            if cold:
+                drop_page_cache(f)
+            t = time.perf_counter()
+            buf = np.fromfile(f, np.uint8)
+            ts.append(time.perf_counter() - t)
+            if cuda.runtime() is not None:  # the engine's own way to the GPU: mx.array, then a kernel reads it
+                a = mx.array(buf.view(np.float16))
+                mx.eval(a.reshape(-1, 4096)[:, :1] + 0)
+                mx.synchronize()
+                dev.append(time.perf_counter() - t)
+                del a
+        out[f"{name}_GBps"] = _gbps(nbytes, ts)
+        if dev:
+            out[f"{name}_to_device_GBps"] = _gbps(nbytes, dev)
+    f.unlink()
+    return out
+
+
+def run(tokens: int, layers: int, heads: int, dim: int, kinds: list[str], repeats: int, tmp: Path) -> dict:
+    src = _layers(tokens, layers, heads, dim)
+    prompt = np.arange(5, tokens + 5, dtype=np.int32)
+    res: dict = {"tokens": tokens, "shape": [layers, heads, dim], "device": str(mx.default_device()),
+                 "cuda_copy_engine": cuda.runtime() is not None, "date": time.strftime("%Y-%m-%d %H:%M"),
+                 "rows": []}
+    for kind in kinds:
+        path = tmp / f"store-{kind}"
+        row: dict = {"kv": kind}
+        put_ms, flush = [], []
+        for rep in range(repeats):
+            shutil.rmtree(path, ignore_errors=True)
+            with PrefixStore(budget_gb=64, ssd_path=path, kv_bits=KV[kind], fetch_policy="always") as s:
+                t = time.perf_counter()
+                s.put("bench", prompt, src)
+                t1 = time.perf_counter()
+                s.flush()
+                t2 = time.perf_counter()
+                put_ms.append((t1 - t) * 1e3)
+                flush.append(t2 - t)
+                stored = s.stats()["ssd_bytes"]
+        row["put_ms"] = statistics.median(put_ms)
+        row["stored_bytes"] = stored
+        row["flush_GBps"] = _gbps(stored, flush)
+        base = _baselines(tmp, stored, repeats)
+        row.update(base)
+        row["flush_vs_write_fsync"] = row["flush_GBps"] / base["write_fsync_GBps"]
+        with PrefixStore(budget_gb=64, ssd_path=path, fetch_policy="always") as s:
+            ts = {"fetch_ram": [], "fetch_ssd_cached": []}
+            s.fetch("bench", prompt)  # read once: warm and in RAM
+            s.flush()
+            for _ in range(repeats):
+                t = time.perf_counter()
+                hit = s.fetch("bench", prompt)
+                _ready(hit)
+                ts["fetch_ram"].append(time.perf_counter() - t)
+                assert hit.ram_tokens == tokens, hit
+                del hit
+                s.trim_ram(0)
+                t = time.perf_counter()
+                hit = s.fetch("bench", prompt)
+                _ready(hit)
+                ts["fetch_ssd_cached"].append(time.perf_counter() - t)
+                assert hit.ssd_tokens == tokens, hit
+                del hit
+                s.flush()
+        cold = []
+        for _ in range(repeats):
+            _drop(path)
+            with PrefixStore(budget_gb=0, ssd_path=path, fetch_policy="always") as s:
+                t = time.perf_counter()
+                hit = s.fetch("bench", prompt)
+                _ready(hit)
+                cold.append(time.perf_counter() - t)
+                assert hit.ssd_tokens == tokens, hit
+                del hit
+        ts["fetch_ssd_cold"] = cold
+        for name, t in ts.items():
+            row[f"{name}_ms"] = statistics.median(t) * 1e3
+            row[f"{name}_GBps"] = _gbps(stored, t)
+        dev = "_to_device" if "read_cached_to_device_GBps" in base else ""
+        row["ssd_cached_vs_read"] = row["fetch_ssd_cached_GBps"] / base[f"read_cached{dev}_GBps"]
+        row["ssd_cold_vs_read"] = row["fetch_ssd_cold_GBps"] / base[f"read_cold{dev}_GBps"]
+        res["rows"].append(row)
+        print(json.dumps(row), flush=True)
+        shutil.rmtree(path, ignore_errors=True)
+    return res
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(prog="ssd_bench", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--tokens", type=int, default=4096)
+    ap.add_argument("--layers", type=int, default=32)
+    ap.add_argument("--heads", type=int, default=8)
+    ap.add_argument("--dim", type=int, default=128)
+    ap.add_argument("--kv", nargs="+", default=list(KV), choices=list(KV))
+    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--dir", type=Path, default=None, help="where the stores go (default: a temporary folder)")
+    ap.add_argument("--out", type=Path, default=None, help="write ssd.json here")
+    args = ap.parse_args(argv)
+    tmp = Path(tempfile.mkdtemp(prefix="ssd-bench-", dir=args.dir))
+    try:
+        res = run(args.tokens, args.layers, args.heads, args.dim, args.kv, args.repeats, tmp)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    if args.out:
+        args.out.mkdir(parents=True, exist_ok=True)
+        (args.out / "ssd.json").write_text(json.dumps(res, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
