@@ -1,0 +1,24 @@
+#!/usr/bin/env bash
+# The GPU figures of docs/benchmarks.md, on the device machine, after staging mlx there
+# (../shared/gpu/README.md: unpack.sh 1, then unpack.sh 2). Nothing is pip-installed there, so the
+# repository runs from its root with kvstore/adapters and kvstore/tools linked in.
+#   bash tools/gpu_bench.sh routes OUT     # mlx's host<->device routes vs the copy engine (1 GiB)
+#   bash tools/gpu_bench.sh ssd OUT        # tools/ssd_bench.py at 8K and 32K tokens, Llama-3-8B KV shape
+#   LENGTHS="2048 8192" bash tools/gpu_bench.sh cost OUT   # cost_bench TTFT table on an 8B-shaped llama
+set -euo pipefail
+source /tmp/site/env.sh
+ln -sfn ../adapters kvstore/adapters
+ln -sfn ../tools kvstore/tools
+export PYTHONUNBUFFERED=1
+M=/tmp/llama-8b
+case $1 in
+  routes) python3 -m kvstore.tools.gpu_routes --mib 1024 --repeats 3 --out "$2/routes.json" ;;
+  ssd) for n in ${TOKENS:-8192 32768}; do
+         python3 -m kvstore.tools.ssd_bench --tokens "$n" --kv ${KVS:-fp16 q8 q4} --repeats 3 --dir /tmp --out "$2/ssd-$n"
+       done ;;
+  cost) python3 -c "from kvstore.adapters.tiny_models import make_tiny_model as m; m('llama', '$M', hidden_size=4096,
+num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8, intermediate_size=14336, head_dim=128,
+max_position_embeddings=65536)"
+        python3 -m kvstore.tools.cost_bench --model "$M" --lengths ${LENGTHS:-2048 8192 32768} --kv ${KVS:-fp16 q8 q4} \
+          --repeats "${REPEATS:-3}" --out "$2" ;;
+esac
