@@ -40,6 +40,7 @@ from .errors import BlockDecodeError
 from .layers import KVLayer, Layer, Quantized
 
 _STAGE = 16 << 20  # bytes per pinned staging buffer (two per I/O thread)
+_DEVICE_BUF = 1 << 30  # bytes per device buffer blocks are copied into
 _MAX_THREADS = 8
 _DTYPE = {"float16": mx.float16, "bfloat16": mx.bfloat16, "float32": mx.float32, "uint32": mx.uint32}
 
@@ -286,29 +287,32 @@ def _upload(rt: "cuda.Runtime", dst: int, payload: memoryview) -> None:
 def _fill_device(items, spans, spec, length):
     rt = cuda.runtime()
     stored = [i for i, it in enumerate(items) if isinstance(it, Stored)]
-    offsets: dict[int, int] = {}
-    total = 0
+    sizes: list[int] = []  # device buffers of at most _DEVICE_BUF bytes (mlx shapes are 32-bit)
+    where: dict[int, tuple[int, int]] = {}  # block -> (buffer, offset)
     for i in stored:
-        offsets[i] = total
-        total += -(-len(items[i].payload) // 64) * 64
-    views: dict[str, mx.array] = {}
+        size = -(-len(items[i].payload) // 64) * 64
+        if not sizes or sizes[-1] + size > _DEVICE_BUF:
+            sizes.append(0)
+        where[i] = (len(sizes) - 1, sizes[-1])
+        sizes[-1] += size
+    ok: dict[int, bool] = {}
+    views: list[dict[str, mx.array]] = []
     if stored:
-        dev = mx.zeros((total,), mx.uint8)  # written on the GPU: its pages live there
-        mx.eval(dev)
+        devs = [mx.zeros((n,), mx.uint8) for n in sizes]  # written on the GPU: their pages live there
+        mx.eval(devs)
         mx.synchronize()
-        base = cuda.address(dev)
+        bases = [cuda.address(d) for d in devs]
 
         def move(j: int) -> bool:
             item = items[stored[j]]
             if not item.intact():
                 return False
-            _upload(rt, base + offsets[stored[j]], item.payload)
+            b, off = where[stored[j]]
+            _upload(rt, bases[b] + off, item.payload)
             return True
 
         ok = dict(zip(stored, _map(move, len(stored))))
-        views = {name: dev.view(dt) for name, dt in _DTYPE.items()}
-    else:
-        ok = {}
+        views = [{name: d.view(dt) for name, dt in _DTYPE.items()} for d in devs]
     bad = next((i for i in stored if not ok[i]), None)
     end = len(items) if bad is None else bad
     # runs of consecutive stored blocks of one byte layout, each cut as a strided matrix
@@ -326,9 +330,9 @@ def _fill_device(items, spans, spec, length):
             continue
         j = i + 1
         size = len(item.payload)
-        while (j < end and isinstance(items[j], Stored) and len(items[j].payload) == size
-               and items[j].header.layers == item.header.layers and offsets[j] - offsets[j - 1] == size
-               and size % 64 == 0):
+        while (j < end and isinstance(items[j], Stored) and len(items[j].payload) == size and size % 64 == 0
+               and items[j].header.layers == item.header.layers and where[j][0] == where[i][0]
+               and where[j][1] - where[j - 1][1] == size):
             j += 1
         m = j - i
         rows = sum(spans[k][1] for k in range(i, j))
@@ -337,7 +341,8 @@ def _fill_device(items, spans, spec, length):
             for tp, ta in zip(lp, la):
                 for p, (name, shape, off, nb) in zip(tp, ta):
                     isz = np_dtype(name).itemsize
-                    flat = views[name][offsets[i] // isz : (offsets[i] + m * stride) // isz]
+                    b, o = where[i]
+                    flat = views[b][name][o // isz : (o + m * stride) // isz]
                     x = flat.reshape(m, stride // isz)[:, off // isz : (off + nb) // isz]
                     _, h, r, w = shape
                     x = x.reshape(m, h, r, w).transpose(1, 0, 2, 3).reshape(1, h, m * r, w)
