@@ -56,6 +56,15 @@ def _ready(hit) -> None:
     mx.synchronize()
 
 
+def _check(hit, src: list[KVLayer], kind: str) -> None:
+    """The KV served is the KV stored: exact for fp16, within quantization error otherwise."""
+    tol = 0.0 if kind == "fp16" else 0.05 if kind == "q8" else 0.6
+    for li in (0, len(src) - 1):
+        for got, want in ((hit.layers[li].keys, src[li].keys), (hit.layers[li].values, src[li].values)):
+            err = mx.max(mx.abs(got.astype(mx.float32) - want.astype(mx.float32))).item()
+            assert got.shape == want.shape and err <= tol, (kind, li, got.shape, err)
+
+
 def _drop(path: Path) -> None:
     for f in path.glob("*.mdb"):
         drop_page_cache(f)
@@ -133,6 +142,7 @@ def run(tokens: int, layers: int, heads: int, dim: int, kinds: list[str], repeat
                 _ready(hit)
                 ts["fetch_ram"].append(time.perf_counter() - t)
                 assert hit.ram_tokens == tokens, hit
+                _check(hit, src, kind)
                 del hit
                 s.trim_ram(0)
                 t = time.perf_counter()
@@ -140,6 +150,7 @@ def run(tokens: int, layers: int, heads: int, dim: int, kinds: list[str], repeat
                 _ready(hit)
                 ts["fetch_ssd_cached"].append(time.perf_counter() - t)
                 assert hit.ssd_tokens == tokens, hit
+                _check(hit, src, kind)
                 del hit
                 s.flush()
         cold = []
@@ -151,6 +162,7 @@ def run(tokens: int, layers: int, heads: int, dim: int, kinds: list[str], repeat
                 _ready(hit)
                 cold.append(time.perf_counter() - t)
                 assert hit.ssd_tokens == tokens, hit
+                _check(hit, src, kind)
                 del hit
         ts["fetch_ssd_cold"] = cold
         for name, t in ts.items():
