@@ -365,8 +365,8 @@ def _quantize(t: Tensor, bits: int, group_size: int) -> Quantized:
     (``codec.convert``: same settings pass through, others are requantized from
     the dequantized values, dense goes through the same ``mx.quantize`` call as
     mlx-lm's ``to_quantized``, so the result is bit-identical to the engine
-    quantizing its own cache). Rows stored with rotated keys go through their
-    dequantized values: the engine attends to plain keys."""
+    quantizing its own cache). Rows stored rotated (keys or values) go through
+    their dequantized values: the engine attends to plain rows."""
     if isinstance(t, Quantized) and t.rotation is not None:
         t = t.dequantize()
     q = convert(t, bits, group_size)

@@ -16,7 +16,8 @@ Wire format of a block (little-endian)::
 A quantized tensor may hold rows rotated before quantizing (``"r"``: the
 seed of ``kvstore.rotation``'s transform); a block holding one is written as
 format version 3, any other as version 2, so older readers refuse rotated
-blocks instead of serving rotated keys as plain ones. Both versions are read.
+blocks instead of serving rotated keys or values as plain ones. Both versions
+are read. Keys and values record their rotation separately.
 
 The header is validated (checksum, dtypes, shapes against byte counts, every
 array inside the buffer) before anything is allocated, so a hostile or torn
@@ -119,8 +120,15 @@ def _fit_group(dim: int, group_size: int) -> Optional[int]:
     return None
 
 
-# Rotating keys before quantizing them is the default at or below this many bits (see docs/benchmarks.md)
+# Rotating keys / values before quantizing them is the default at or below this many bits (None: never
+# by default). Both measured better at 4 bits on SmolLM2-135M (docs/benchmarks.md, fidelity section):
+# keys q4 +2.61% -> +1.18% perplexity; values too, q4 rotK +1.18% -> +0.64%, K8/V4 +0.93% -> +0.34%.
 ROTATE_KEYS_BELOW_OR_AT: Optional[int] = 4
+ROTATE_VALUES_BELOW_OR_AT: Optional[int] = 4
+
+
+def _default_rotation(bits: Optional[int], limit: Optional[int]) -> bool:
+    return bits is not None and limit is not None and bits <= limit
 
 
 @dataclass(frozen=True)
@@ -129,12 +137,15 @@ class Codec:
     otherwise ``mx.quantize`` with that many bits (keys and values separately).
     ``rotate_keys`` rotates keys by ``kvstore.rotation``'s fixed Hadamard
     transform before quantizing them (undone on restore): outlier channels
-    then spread over their group instead of setting its scale."""
+    then spread over their group instead of setting its scale.
+    ``rotate_values`` does the same to values (attention output is linear in
+    V, so ``V = V' R`` on restore is exact up to quantization)."""
 
     key_bits: Optional[int] = None
     value_bits: Optional[int] = None
     group_size: int = 64
     rotate_keys: bool = False
+    rotate_values: bool = False
 
     def __post_init__(self):
         for b in (self.key_bits, self.value_bits):
@@ -144,27 +155,33 @@ class Codec:
             raise ConfigError(f"kv_group_size must be one of {GROUP_SIZES}, got {self.group_size}")
         if self.rotate_keys and self.key_bits is None:
             raise ConfigError("rotate_keys needs quantized keys (key bits, not None)")
+        if self.rotate_values and self.value_bits is None:
+            raise ConfigError("rotate_values needs quantized values (value bits, not None)")
 
     @classmethod
     def from_bits(cls, kv_bits: Union[None, int, tuple], group_size: int = 64,
-                  rotate_keys: Optional[bool] = None) -> "Codec":
+                  rotate_keys: Optional[bool] = None, rotate_values: Optional[bool] = None) -> "Codec":
         """``kv_bits``: an int for both, or ``(key_bits, value_bits)``.
-        ``rotate_keys=None`` rotates keys of ``ROTATE_KEYS_BELOW_OR_AT`` bits or fewer."""
+        ``rotate_keys=None`` rotates keys of ``ROTATE_KEYS_BELOW_OR_AT`` bits or fewer,
+        ``rotate_values=None`` values of ``ROTATE_VALUES_BELOW_OR_AT`` bits or fewer."""
         k, v = (kv_bits, kv_bits) if kv_bits is None or isinstance(kv_bits, int) else kv_bits
         if rotate_keys is None:
-            rotate_keys = k is not None and ROTATE_KEYS_BELOW_OR_AT is not None and k <= ROTATE_KEYS_BELOW_OR_AT
-        return cls(k, v, group_size, bool(rotate_keys))
+            rotate_keys = _default_rotation(k, ROTATE_KEYS_BELOW_OR_AT)
+        if rotate_values is None:
+            rotate_values = _default_rotation(v, ROTATE_VALUES_BELOW_OR_AT)
+        return cls(k, v, group_size, bool(rotate_keys), bool(rotate_values))
 
     def compress_keys(self, t: Tensor) -> Tensor:
         return convert(t, self.key_bits, self.group_size, DEFAULT_SEED if self.rotate_keys else None)
 
     def compress_values(self, t: Tensor) -> Tensor:
-        return convert(t, self.value_bits, self.group_size)
+        return convert(t, self.value_bits, self.group_size, DEFAULT_SEED if self.rotate_values else None)
 
     def describe(self) -> str:
         if self.key_bits is None and self.value_bits is None:
             return "as given"
-        return f"K{self.key_bits or 16}{'r' if self.rotate_keys else ''}/V{self.value_bits or 16} g{self.group_size}"
+        return (f"K{self.key_bits or 16}{'r' if self.rotate_keys else ''}/"
+                f"V{self.value_bits or 16}{'r' if self.rotate_values else ''} g{self.group_size}")
 
 
 def convert(t: Tensor, bits: Optional[int], group_size: int, rotation: Optional[int] = None) -> Tensor:

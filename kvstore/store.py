@@ -91,7 +91,8 @@ class PrefixStore:
     ``disk_budget_gb`` (default: half the free space, at most 64 GiB).
     ``kv_bits`` stores KV quantized (an int, or ``(key_bits, value_bits)``);
     ``None`` keeps the engine's dtype. ``rotate_keys`` rotates keys before
-    quantizing them (``kvstore.rotation``; ``None``: at 4 bits or fewer).
+    quantizing them (``kvstore.rotation``; ``None``: at 4 bits or fewer),
+    ``rotate_values`` values (``None``: at 4 bits or fewer too).
     Entries remember their own settings, so
     a store reopened with other settings reads old entries correctly.
     ``namespace`` salts every key: tenants never share or see blocks.
@@ -113,11 +114,12 @@ class PrefixStore:
                  kv_bits: Union[None, int, tuple[Optional[int], Optional[int]]] = None,
                  kv_group_size: int = 64, namespace: Optional[str] = None,
                  disk_budget_gb: Optional[float] = None, *, readonly: bool = False, fetch_policy: str = "auto",
-                 remote: Optional[str] = None, remote_timeout: float = 0.5, rotate_keys: Optional[bool] = None):
+                 remote: Optional[str] = None, remote_timeout: float = 0.5, rotate_keys: Optional[bool] = None,
+                 rotate_values: Optional[bool] = None):
         if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < 1:
             raise ConfigError(f"block_size must be an int >= 1, got {block_size!r}")
         self.block_size = block_size
-        self.codec = Codec.from_bits(kv_bits, kv_group_size, rotate_keys)
+        self.codec = Codec.from_bits(kv_bits, kv_group_size, rotate_keys, rotate_values)
         self.namespace = namespace
         self.readonly = readonly
         self._lock = threading.RLock()

@@ -1,5 +1,6 @@
-"""Rotated keys: a fixed orthogonal Hadamard transform with seeded sign flips
-before quantizing, undone on restore; recorded per tensor in the block header."""
+"""Rotated keys and values: a fixed orthogonal Hadamard transform with seeded
+sign flips before quantizing, undone on restore; recorded per tensor in the
+block header."""
 
 from __future__ import annotations
 
@@ -151,3 +152,121 @@ def test_rotated_keys_restored_through_a_store_equal_what_was_stored(tmp_path):
         assert isinstance(keys, Quantized) and keys.rotation is None
         plain_err = err(convert(layers[0].keys, 4, 64).dequantize(), layers[0].keys)
         assert err(keys.dequantize(), layers[0].keys) < plain_err + err(hit.layers[0].keys, layers[0].keys)
+
+
+# ------------------------------------------------------------------ rotated values
+
+
+def attend(keys: mx.array, values: mx.array, seed: int = 3) -> mx.array:
+    """Softmax attention of a few fixed queries over ``keys`` / ``values`` (float32)."""
+    q = mx.array(np.random.default_rng(seed).normal(0, 1, size=(1, keys.shape[1], 4, keys.shape[-1])), mx.float32)
+    k, v = keys.astype(mx.float32), values.astype(mx.float32)
+    w = mx.softmax((q @ k.swapaxes(-1, -2)) / np.sqrt(k.shape[-1]), axis=-1)
+    return w @ v
+
+
+def test_rotated_q4_values_restore_closer_than_plain_q4_and_so_does_attention():
+    """Values with outlier channels: rotated before q4 they come back nearer
+    the originals, and since attention output is linear in V, so does it."""
+    k, v = outlier_keys(seed=4), outlier_keys(seed=5)
+    plain = convert(v, 4, 64)
+    rotated = convert(v, 4, 64, rotation=DEFAULT_SEED)
+    assert plain.rotation is None and rotated.rotation == DEFAULT_SEED
+    e_plain, e_rot = err(plain.dequantize(), v), err(rotated.dequantize(), v)
+    assert e_rot < 0.6 * e_plain, (e_rot, e_plain)
+    cold = attend(k, v)
+    a_plain, a_rot = err(attend(k, plain.dequantize()), cold), err(attend(k, rotated.dequantize()), cold)
+    assert a_rot < 0.7 * a_plain, (a_rot, a_plain)
+
+
+def test_codec_rotates_values_when_asked_and_by_its_default_rule():
+    """rotate_values needs quantized values; from_bits applies
+    ROTATE_VALUES_BELOW_OR_AT when it is None; the codec quantizes keys and
+    values with their own rotation and says so."""
+    with pytest.raises(ValueError, match="rotate_values"):
+        Codec(8, None, 64, rotate_values=True)
+    limit = codec.ROTATE_VALUES_BELOW_OR_AT
+    for bits in (8, 6, 4, 3):
+        assert Codec.from_bits(bits).rotate_values == (limit is not None and bits <= limit)
+        assert Codec.from_bits((8, bits)).rotate_values == (limit is not None and bits <= limit)
+        assert Codec.from_bits(bits, rotate_values=True).rotate_values
+        assert not Codec.from_bits(bits, rotate_values=False).rotate_values
+    assert not Codec.from_bits(None).rotate_values and not Codec.from_bits((4, None)).rotate_values
+    c = Codec.from_bits(4, rotate_keys=True, rotate_values=True)
+    assert c.describe() == "K4r/V4r g64"
+    assert Codec.from_bits((8, 4), rotate_keys=False, rotate_values=True).describe() == "K8/V4r g64"
+    v = outlier_keys(seed=6)
+    assert c.compress_values(v).rotation == DEFAULT_SEED
+    assert Codec.from_bits(4, rotate_values=False).compress_values(v).rotation is None
+    assert Codec.from_bits(4, rotate_keys=False, rotate_values=True).compress_keys(v).rotation is None
+
+
+@pytest.mark.parametrize("rotate_keys", [False, True])
+def test_a_block_with_rotated_values_records_them_per_tensor(rotate_keys):
+    """Values carry their own "r" in the header (keys only when rotated too);
+    any rotated tensor makes the block format version 3; decoding gives back
+    the same arrays and settings."""
+    k, v = outlier_keys(rows=7, seed=1), outlier_keys(rows=7, seed=2)
+    c = Codec.from_bits((8, 4), rotate_keys=rotate_keys, rotate_values=True)
+    block = Block(np.arange(7, dtype=np.int32), [KVLayer(c.compress_keys(k), c.compress_values(v), 0, None)])
+    assert block.describe() == (f"K8{'r' if rotate_keys else ''}/V4r g64", "float16")
+    buf = serialize(block)
+    assert int.from_bytes(buf[4:6], "little") == 3
+    entry = read_header(buf).layers[0]
+    assert entry["v"]["q"] == [4, 64] and entry["v"]["r"] == DEFAULT_SEED
+    assert entry["k"]["q"] == [8, 64] and (entry["k"].get("r") == DEFAULT_SEED) == rotate_keys
+    assert rotate_keys or "r" not in entry["k"]
+    back = deserialize(buf).layers[0]
+    assert back.values.settings == (4, 64, DEFAULT_SEED)
+    assert back.keys.settings == (8, 64, DEFAULT_SEED if rotate_keys else None)
+    for a, b in zip(back.values.arrays(), block.layers[0].values.arrays()):
+        assert np.array_equal(np.array(a), np.array(b))
+    assert err(back.values.dequantize(), v) < 0.6 * err(convert(v, 4, 64).dequantize(), v)
+
+
+@pytest.mark.parametrize("reopen", [False, True])
+def test_rotated_values_restored_through_a_store_equal_what_was_stored(tmp_path, reopen):
+    """From the RAM tier and through a reopened on-disk store, values come
+    back as the rotated q4 entries' own dequantized (unrotated) values, in one
+    piece across blocks, nearer the originals than plain q4 ones; an engine
+    asking for q4 gets plain (unrotated) q4 values; the mlx-lm adapter builds
+    a dense cache holding the unrotated rows."""
+    from mlx_lm.models import cache as C
+
+    from kvstore.adapters.mlx_lm import layers_to_cache
+
+    toks = list(range(200, 250))
+    layers = [KVLayer(outlier_keys(rows=50, seed=s), outlier_keys(rows=50, seed=s + 20)) for s in range(2)]
+    kw = dict(budget_gb=1, block_size=16, ssd_path=tmp_path, kv_bits=4, rotate_keys=True, rotate_values=True)
+    store = PrefixStore(**kw)
+    try:
+        assert store.put(M, toks, layers) == 4
+        if reopen:
+            store.close()
+            store = PrefixStore(**dict(kw, rotate_values=False))  # entries keep their own settings
+        hit = store.fetch(M, toks)
+        assert hit.length == 50 and hit.ssd_tokens == (50 if reopen else 0)
+        for got, want in zip(hit.layers, layers):
+            stored = [convert(want.values[..., a:a + 16, :], 4, 64, rotation=DEFAULT_SEED) for a in range(0, 50, 16)]
+            expect = mx.concatenate([q.dequantize() for q in stored], axis=-2)
+            assert np.array_equal(np.array(got.values), np.array(expect))
+            assert err(got.values, want.values) < 0.6 * err(convert(want.values, 4, 64).dequantize(), want.values)
+            cold = attend(want.keys, want.values)
+            assert err(attend(got.keys, got.values), cold) < err(
+                attend(convert(want.keys, 4, 64).dequantize(), convert(want.values, 4, 64).dequantize()), cold)
+        q = store.fetch(M, toks, quantized=(4, 64))
+        values = q.layers[0].values
+        assert isinstance(values, Quantized) and values.rotation is None
+        plain_err = err(convert(layers[0].values, 4, 64).dequantize(), layers[0].values)
+        assert err(values.dequantize(), layers[0].values) < plain_err + err(hit.layers[0].values, layers[0].values)
+
+        class TwoLayers:  # what make_prompt_cache needs of a model: its layers
+            layers = [None, None]
+
+        cache = layers_to_cache(hit.layers, TwoLayers(), length=50)
+        assert all(type(c) is C.KVCache and c.offset == 50 for c in cache)
+        for c, got in zip(cache, hit.layers):
+            assert np.array_equal(np.array(c.values[..., :50, :]), np.array(got.values))
+            assert np.array_equal(np.array(c.keys[..., :50, :]), np.array(got.keys))
+    finally:
+        store.close()

@@ -7,6 +7,7 @@ skip when it is missing."""
 from __future__ import annotations
 
 import importlib.util
+from pathlib import Path
 
 import pytest
 
@@ -72,10 +73,11 @@ def test_smollm2_loads_and_answers(smollm2):
 def test_fidelity_short_cpu_case(smollm2, tmp_path):
     """Prefix stored through a reopened on-disk store, continuation compared
     with the cold cache: dense entries are exact, q8 agrees closely, rotated
-    q4 keys are nearer the cold keys than plain q4 ones (real outlier channels)."""
+    q4 keys are nearer the cold keys than plain q4 ones (real outlier channels),
+    and so are rotated q4 values nearer the cold values."""
     texts = fidelity.default_texts()[:1]  # Python's LICENSE.txt (numpy's where the interpreter ships none)
     assert texts
-    res = fidelity.run("smollm2", texts, prefix=64, cont=16, settings=["dense", "q8", "q4", "q4 rotK"],
+    res = fidelity.run("smollm2", texts, prefix=64, cont=16, settings=["dense", "q8", "q4", "q4 rotK", "q4 rotK+rotV"],
                        greedy=0, tmp=str(tmp_path), log=lambda m: None)
     rows = res["rows"]
     assert res["continuation_tokens"] == 16
@@ -88,3 +90,19 @@ def test_fidelity_short_cpu_case(smollm2, tmp_path):
     assert q4r["key_rel_err"] < 0.8 * q4["key_rel_err"]
     assert q4["value_rel_err"] == pytest.approx(q4r["value_rel_err"])  # values are quantized alike
     assert q8["kl_mean"] < q4r["kl_mean"]
+    q4rv = rows["q4 rotK+rotV"]  # rotated values: nearer the cold values, keys as before
+    assert q4rv["key_rel_err"] == pytest.approx(q4r["key_rel_err"])
+    assert q4rv["value_rel_err"] < 0.9 * q4r["value_rel_err"], (q4rv["value_rel_err"], q4r["value_rel_err"])
+
+
+def test_fidelity_texts_travel_as_json_with_their_names(tmp_path):
+    """--save-texts / --texts-json: another machine (the GPU one, whose
+    installed packages differ) measures the same texts under the same names."""
+    texts = fidelity.default_texts()[:2]
+    assert texts
+    path = tmp_path / "texts.json"
+    assert fidelity.main(["--text", str(Path(fidelity.__file__)), "--save-texts", str(path)]) == 0
+    assert [t.name for t in fidelity.load_texts(path)] == ["fidelity.py"]
+    fidelity.save_texts(texts, path)
+    back = fidelity.load_texts(path)
+    assert [(t.name, t.text) for t in back] == [(t.name, t.text) for t in texts]

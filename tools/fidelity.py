@@ -2,7 +2,9 @@
 """Fidelity of stored KV on a trained model and real text.
 
     python tools/fidelity.py --out DIR [--model smollm2|PATH] [--prefix N] [--cont N]
-                             [--text FILE ...] [--settings NAME ...] [--greedy N] [--write-docs]
+                             [--text FILE ... | --texts-json FILE] [--settings NAME ...] [--greedy N]
+                             [--write-docs]
+    python tools/fidelity.py --save-texts FILE   # the default texts as JSON, for another machine
 
 For each text (by default: license and documentation files shipped with
 installed packages, named in the output), the first ``--prefix`` tokens are
@@ -54,12 +56,15 @@ SETTINGS: dict[str, dict[str, Any]] = {
     "dense": dict(kv_bits=None),
     "q8": dict(kv_bits=8),
     "q6": dict(kv_bits=6),
-    "K8/V4": dict(kv_bits=(8, 4), rotate_keys=False),
-    "q4": dict(kv_bits=4, rotate_keys=False),
-    "q4 rotK": dict(kv_bits=4, rotate_keys=True),
-    "q4 g32": dict(kv_bits=4, kv_group_size=32, rotate_keys=False),
-    "q4 g32 rotK": dict(kv_bits=4, kv_group_size=32, rotate_keys=True),
-    "K4 rotK/V8": dict(kv_bits=(4, 8), rotate_keys=True),
+    "K8/V4": dict(kv_bits=(8, 4), rotate_keys=False, rotate_values=False),
+    "q4": dict(kv_bits=4, rotate_keys=False, rotate_values=False),
+    "q4 rotK": dict(kv_bits=4, rotate_keys=True, rotate_values=False),
+    "q4 g32": dict(kv_bits=4, kv_group_size=32, rotate_keys=False, rotate_values=False),
+    "q4 g32 rotK": dict(kv_bits=4, kv_group_size=32, rotate_keys=True, rotate_values=False),
+    "K4 rotK/V8": dict(kv_bits=(4, 8), rotate_keys=True, rotate_values=False),
+    "q4 rotK+rotV": dict(kv_bits=4, rotate_keys=True, rotate_values=True),
+    "q4 g32 rotK+rotV": dict(kv_bits=4, kv_group_size=32, rotate_keys=True, rotate_values=True),
+    "K8/V4 rotV": dict(kv_bits=(8, 4), rotate_keys=False, rotate_values=True),
 }
 
 # (distribution, file inside it) of installed packages; "python" is the interpreter's own LICENSE.txt
@@ -105,6 +110,15 @@ def find_text(dist: str, rel: str) -> Optional[Text]:
 
 def default_texts() -> list[Text]:
     return [t for t in (find_text(d, r) for d, r in DEFAULT_TEXTS) if t is not None]
+
+
+def save_texts(texts: Sequence[Text], path: Path) -> None:
+    """``texts`` as JSON (``[{"name", "text"}]``), for ``--texts-json`` elsewhere."""
+    path.write_text(json.dumps([{"name": t.name, "text": t.text} for t in texts], ensure_ascii=False), encoding="utf-8")
+
+
+def load_texts(path: Path) -> list[Text]:
+    return [Text(str(d["name"]), str(d["text"])) for d in json.loads(path.read_text(encoding="utf-8"))]
 
 
 # ------------------------------------------------------------------ measuring
@@ -264,8 +278,8 @@ def table(res: dict) -> str:
              f"fetched from LMDB; the next {res['cont']} tokens run on the restored and on the cold cache in one "
              f"forward pass: {res['continuation_tokens']:,} continuation positions per row. Greedy: "
              f"{res['greedy_tokens']} tokens after the prefix, all identical (share of texts) and identical prefix "
-             f"(mean fraction). 'rotK': keys rotated (Hadamard with seeded signs) before quantizing; group 64 unless "
-             f"'g32'.\n")
+             f"(mean fraction). 'rotK' / 'rotV': keys / values rotated (Hadamard with seeded signs) before "
+             f"quantizing; group 64 unless 'g32'.\n")
     L.append("| entries | K / V rel. error | max abs logit err | mean KL | p99 KL | max KL | top-1 agree "
              "| perplexity (cold) | ppl delta | greedy identical | greedy identical prefix |")
     L.append("|---|---|---|---|---|---|---|---|---|---|---|")
@@ -314,10 +328,12 @@ def summary(res: dict) -> list[str]:
             line += (f"; lowest mean KL: {by_kl} ({k['kl_mean']:.2e}, perplexity {k['ppl_delta_pct']:+.3f}%, "
                      f"top-1 {k['top1_agree']:.2%})")
         out.append(line + ".")
-    for plain, rot in (("q4", "q4 rotK"), ("q4 g32", "q4 g32 rotK")):
+    pairs = [("keys", "q4", "q4 rotK"), ("keys", "q4 g32", "q4 g32 rotK"), ("values", "q4 rotK", "q4 rotK+rotV"),
+             ("values", "q4 g32 rotK", "q4 g32 rotK+rotV"), ("values", "K8/V4", "K8/V4 rotV")]
+    for which, plain, rot in pairs:
         if plain in rows and rot in rows:
-            a, b = rows[plain], rows[rot]
-            out.append(f"Rotating keys, {plain} -> {rot}: key error {a['key_rel_err']:.4f} -> {b['key_rel_err']:.4f}, "
+            a, b, e = rows[plain], rows[rot], f"{which[:-1]}_rel_err"
+            out.append(f"Rotating {which}, {plain} -> {rot}: {which[:-1]} error {a[e]:.4f} -> {b[e]:.4f}, "
                        f"mean KL {a['kl_mean']:.2e} -> {b['kl_mean']:.2e}, perplexity "
                        f"{a['ppl_delta_pct']:+.3f}% -> {b['ppl_delta_pct']:+.3f}%, top-1 {a['top1_agree']:.2%} -> "
                        f"{b['top1_agree']:.2%}.")
@@ -350,13 +366,16 @@ def kept_section(doc: Path) -> str:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="fidelity", description=__doc__.split("\n\n")[0])
-    ap.add_argument("--out", required=True, help="output folder (fidelity.json)")
+    ap.add_argument("--out", help="output folder (fidelity.json); required unless --save-texts")
     ap.add_argument("--model", default="smollm2", help="'smollm2', a GGUF file or an mlx-lm model folder")
     ap.add_argument("--prefix", type=int, default=1536, help="stored prefix tokens per text")
     ap.add_argument("--cont", type=int, default=512, help="continuation tokens per text")
     ap.add_argument("--greedy", type=int, default=32, help="greedy tokens per text (0: skip)")
     ap.add_argument("--text", action="append", metavar="FILE", help="a text file (repeatable; default: license "
                     "and documentation files of installed packages)")
+    ap.add_argument("--texts-json", metavar="FILE", help="texts saved by --save-texts (their names kept): the "
+                    "same texts on a machine whose installed packages differ")
+    ap.add_argument("--save-texts", metavar="FILE", help="write the texts (default or --text) as JSON and exit")
     ap.add_argument("--settings", nargs="+", choices=list(SETTINGS), metavar="NAME",
                     help=f"storage settings (default: all of {', '.join(SETTINGS)})")
     ap.add_argument("--tmp", help="folder for the stores (default: the system's temp folder)")
@@ -365,6 +384,15 @@ def main(argv=None) -> int:
     texts = None
     if a.text:
         texts = [Text(Path(f).name, Path(f).read_text(encoding="utf-8", errors="replace")) for f in a.text]
+    elif a.texts_json:
+        texts = load_texts(Path(a.texts_json))
+    if a.save_texts:
+        chosen = default_texts() if texts is None else texts
+        save_texts(chosen, Path(a.save_texts))
+        print(f"{len(chosen)} texts written to {a.save_texts}")
+        return 0
+    if not a.out:
+        ap.error("--out is required")
     log = lambda m: print(m, file=sys.stderr, flush=True)  # noqa: E731
     res = run(a.model, texts, a.prefix, a.cont, a.settings, a.greedy, a.tmp, log)
     out = Path(a.out)
