@@ -306,6 +306,7 @@ class LmdbTier:
         return fmt
 
     def close(self) -> None:
+        self._gate.lock_dir = None  # closing changes no map: no other process to wait for (the path may be gone)
         with self._gate.exclusive():
             self.env.close()
 
