@@ -1,21 +1,31 @@
 """A shared/exclusive gate around an LMDB environment: transactions share it;
 ``set_mapsize`` needs it alone, since LMDB allows a resize only while this
-process has no transaction open."""
+process has no transaction open. Given the store's directory, the exclusive
+side also holds an ``flock`` on it, which every process of the store takes to
+open it and to change its map: with a writable map LMDB truncates the file to
+the size a process maps, so those steps must not interleave between
+processes."""
 
 from __future__ import annotations
 
+import fcntl
+import os
 import threading
 from contextlib import contextmanager
+from pathlib import Path
+from typing import Optional
 
 
 class Gate:
     """Shared for transactions, exclusive for ``set_mapsize`` (which LMDB
-    allows only while this process has no transaction open)."""
+    allows only while this process has no transaction open); exclusive across
+    processes too when ``lock_dir`` is given."""
 
-    def __init__(self):
+    def __init__(self, lock_dir: Optional[Path] = None):
         self._cond = threading.Condition()
         self._shared = 0
         self._excl = False
+        self.lock_dir = lock_dir
 
     def acquire_shared(self) -> None:
         with self._cond:
@@ -44,9 +54,15 @@ class Gate:
             self._excl = True
             while self._shared:
                 self._cond.wait()
+        fd = None
         try:
+            if self.lock_dir is not None:
+                fd = os.open(self.lock_dir, os.O_RDONLY)
+                fcntl.flock(fd, fcntl.LOCK_EX)  # released when fd closes, or when the process dies
             yield
         finally:
+            if fd is not None:
+                os.close(fd)
             with self._cond:
                 self._excl = False
                 self._cond.notify_all()

@@ -12,7 +12,6 @@ Usage: child_sharer.py SSD_PATH SYNC_DIR WORKER N_WORKERS ROUNDS
 
 import os
 import sys
-import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
@@ -40,23 +39,13 @@ def main() -> None:
             for toks in round_prompts(me, r):
                 store.put(MODEL, toks, D.layers_for(toks))
             store.flush()
-            open(os.path.join(sync, f"r{r}-w{me}"), "w").close()
-            deadline = time.monotonic() + 60
-            while not all(os.path.exists(os.path.join(sync, f"r{r}-w{w}")) for w in range(n)):
-                if time.monotonic() > deadline:
-                    print(f"TIMEOUT round {r}", flush=True)
-                    sys.exit(4)
-                time.sleep(0.005)
+            D.announce_and_wait(sync, r, me, n)
             for w in range(n):
                 for rr in {r, max(0, r - 3)}:  # this round, and one written a while ago
                     for toks in round_prompts(w, rr):
-                        hit = store.fetch(MODEL, toks)
+                        D.fetch_whole_or_exit(store, MODEL, toks,
+                                              f"worker {me} round {r}: prompt of worker {w} round {rr}")
                         fetches += 1
-                        why = D.hit_problem(hit, toks)
-                        if why or hit.length != len(toks):
-                            print(f"WRONG worker {me} round {r}: prompt of worker {w} round {rr}: "
-                                  f"hit {hit.length}/{len(toks)} {why}", flush=True)
-                            sys.exit(3)
     print(f"ok {fetches}", flush=True)
 
 

@@ -133,6 +133,57 @@ def run_verify(path, repair: bool = False, timeout: float = 60):
     return p.returncode, p.stdout + p.stderr
 
 
+def run_workers(script: str, args_of, n: int, timeout: float) -> list[str]:
+    """Run ``n`` children ``script`` (in this folder) with ``args_of(worker)``
+    side by side; their outputs, once each exited 0 within ``timeout``."""
+    import subprocess
+    import time
+
+    here = os.path.dirname(os.path.abspath(__file__))
+    procs = [subprocess.Popen([sys.executable, os.path.join(here, script), *map(str, args_of(w))],
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for w in range(n)]
+    outs = []
+    deadline = time.monotonic() + timeout
+    try:
+        for p in procs:
+            try:
+                out, err = p.communicate(timeout=max(1.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                raise AssertionError("a process sharing the store locked up") from None
+            assert p.returncode == 0, f"worker exit {p.returncode} (negative: a signal): {out}{err[-3000:]}"
+            outs.append(out)
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    return outs
+
+
+def fetch_whole_or_exit(store, model: str, toks, where: str) -> None:
+    """For worker children: ``toks`` must be served whole and exact; else
+    print "WRONG ..." and exit 3."""
+    hit = store.fetch(model, toks)
+    why = hit_problem(hit, toks)
+    if why or hit.length != len(toks):
+        print(f"WRONG {where}: hit {hit.length}/{len(toks)} {why}", flush=True)
+        sys.exit(3)
+
+
+def announce_and_wait(sync: str, r: int, me: int, n: int, timeout: float = 60) -> None:
+    """For worker children: mark round ``r`` done by worker ``me``, then wait
+    until all ``n`` workers did; exits 4 when one never does."""
+    import time
+
+    open(os.path.join(sync, f"r{r}-w{me}"), "w").close()
+    deadline = time.monotonic() + timeout
+    while not all(os.path.exists(os.path.join(sync, f"r{r}-w{w}")) for w in range(n)):
+        if time.monotonic() > deadline:
+            print(f"TIMEOUT round {r}", flush=True)
+            sys.exit(4)
+        time.sleep(0.005)
+
+
 def open_in_child(path, model: str, prompt_id: int, n: int, budget_gb: float,
                   put_prompt_id: Optional[int] = None) -> str:
     """Output of ``child_open_fetch.py`` on ``path`` (see there); the child must

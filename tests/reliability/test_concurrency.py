@@ -10,7 +10,6 @@ resize the LMDB map does not deadlock.
 from __future__ import annotations
 
 import random
-import subprocess
 import sys
 import threading
 import time
@@ -141,24 +140,7 @@ def test_threads_soak(tmp_path, figures, tiers):
 def run_sharers(tmp_path: Path, n: int, rounds: int, timeout: float) -> int:
     path, sync = tmp_path / "store", tmp_path / "sync"
     sync.mkdir()
-    procs = [subprocess.Popen([sys.executable, str(HERE / "child_sharer.py"), str(path), str(sync), str(w), str(n),
-                               str(rounds)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-             for w in range(n)]
-    outs = []
-    deadline = time.monotonic() + timeout
-    try:
-        for p in procs:
-            try:
-                out, err = p.communicate(timeout=max(1.0, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                raise AssertionError("a process sharing the store locked up") from None
-            assert p.returncode == 0, f"worker exit {p.returncode}: {out}{err[-3000:]}"
-            outs.append(out)
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
+    outs = D.run_workers("child_sharer.py", lambda w: (path, sync, w, n, rounds), n, timeout)
     rc, text = D.run_verify(path)
     assert rc == 0 and ", 0 bad" in text, text
     sys.path.insert(0, str(HERE))

@@ -257,8 +257,19 @@ def _open_in_child(path: Path) -> str:
     return D.open_in_child(path, MODEL, 900, 70, budget_gb=0)
 
 
+def _committed_bytes(f: Path) -> int:
+    """Where the store's committed pages end: a store on a writable map has
+    its file allocated past them (free space to grow into), so truncating
+    that tail removes nothing."""
+    env = D.open_env(f.parent, readonly=True)
+    try:
+        return (env.info()["last_pgno"] + 1) * env.stat()["psize"]
+    finally:
+        env.close()
+
+
 def _truncate(n_of_size):
-    return lambda f: os.truncate(f, n_of_size(os.path.getsize(f)))
+    return lambda f: os.truncate(f, n_of_size(_committed_bytes(f)))
 
 
 def _garbage(keep: int, fill=None):
