@@ -3,10 +3,12 @@
 mlx's CUDA backend keeps every array in managed memory (``cudaMallocManaged``)
 and has no host->device copy of its own: a host-filled array reaches the GPU
 by page faults when a kernel first reads it (~2 GB/s on an H100), and a
-device-resident one comes back to the host the same way. The runtime that
-mlx already loaded moves the same pages in bulk: ``cudaMemPrefetchAsync``
-migrates a range at copy-engine speed. This module finds that runtime (the
-library already mapped into the process, so the context is mlx's own) and
+device-resident one comes back to the host the same way. The copy engine is
+what moves bytes fast: ``cudaMemcpyAsync`` from pinned host memory into a
+device-resident mlx buffer ran at 47 GB/s there (``tools/gpu_routes.py``);
+``cudaMemPrefetchAsync`` of managed pages only reached 2.2 GB/s, so it serves
+background moves (promotion) alone. This module finds the runtime mlx already
+loaded (the library mapped into the process, so the context is mlx's own) and
 calls it through ctypes; ``runtime()`` is ``None`` wherever there is no CUDA
 (the CPU, Apple silicon), and callers then do nothing.
 """
@@ -46,12 +48,9 @@ class Runtime:
         else:  # (ptr, count, device, stream)
             lib.cudaMemPrefetchAsync.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_void_p]
         lib.cudaStreamSynchronize.argtypes = [ctypes.c_void_p]
-        lib.cudaMemcpy.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
         lib.cudaMemcpyAsync.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int,
                                         ctypes.c_void_p]
         lib.cudaHostAlloc.argtypes = [ctypes.POINTER(ctypes.c_void_p), ctypes.c_size_t, ctypes.c_uint]
-        lib.cudaHostRegister.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_uint]
-        lib.cudaHostUnregister.argtypes = [ctypes.c_void_p]
         lib.cudaStreamCreateWithFlags.argtypes = [ctypes.POINTER(ctypes.c_void_p), ctypes.c_uint]
         attr = ctypes.c_int(0)
         lib.cudaDeviceGetAttribute(ctypes.byref(attr), 89, self.device)  # cudaDevAttrConcurrentManagedAccess
@@ -94,12 +93,6 @@ class Runtime:
         p = ctypes.c_void_p()
         self._check(self.lib.cudaHostAlloc(ctypes.byref(p), nbytes, 0), "cudaHostAlloc")
         return np.ctypeslib.as_array((ctypes.c_uint8 * nbytes).from_address(p.value))
-
-    def register(self, ptr: int, nbytes: int, readonly: bool = True) -> None:
-        self._check(self.lib.cudaHostRegister(ptr, nbytes, 8 if readonly else 0), "cudaHostRegister")
-
-    def unregister(self, ptr: int) -> None:
-        self._check(self.lib.cudaHostUnregister(ptr), "cudaHostUnregister")
 
 
 _lock = threading.Lock()
@@ -151,19 +144,18 @@ def address(a: mx.array) -> int:
 
 def to_device(arrays: list[mx.array]) -> None:
     """Move host-filled arrays to the GPU in bulk before a kernel faults them in."""
-    rt = runtime()
-    if rt is None or not arrays:
-        return
-    for a in arrays:
-        rt.prefetch(address(a), a.nbytes, True)
-    rt.sync()
+    _prefetch(arrays, True)
 
 
 def to_host(arrays: list[mx.array]) -> None:
     """Move device-resident arrays to host memory in bulk before the CPU reads them."""
+    _prefetch(arrays, False)
+
+
+def _prefetch(arrays: list[mx.array], to_device: bool) -> None:
     rt = runtime()
     if rt is None or not arrays:
         return
     for a in arrays:
-        rt.prefetch(address(a), a.nbytes, False)
+        rt.prefetch(address(a), a.nbytes, to_device)
     rt.sync()

@@ -23,9 +23,7 @@ asking for other quantization) is decoded block by block for ``assemble``.
 
 from __future__ import annotations
 
-import os
 import threading
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Optional, Sequence, Union
 
@@ -38,10 +36,10 @@ from .assemble import assemble
 from .codec import Block, Header, deserialize, np_dtype
 from .errors import BlockDecodeError
 from .layers import KVLayer, Layer, Quantized
+from .spread import each
 
 _STAGE = 16 << 20  # bytes per pinned staging buffer (two per I/O thread)
 _DEVICE_BUF = 1 << 30  # bytes per device buffer blocks are copied into
-_MAX_THREADS = 8
 _DTYPE = {"float16": mx.float16, "bfloat16": mx.bfloat16, "float32": mx.float32, "uint32": mx.uint32}
 
 
@@ -88,27 +86,7 @@ class Gathered:
     bad: Optional[int] = None
 
 
-_pool: Optional[ThreadPoolExecutor] = None
-_pool_lock = threading.Lock()
-_local = threading.local()
-
-
-def _threads() -> int:
-    return max(1, min(os.cpu_count() or 1, _MAX_THREADS))
-
-
-def _executor() -> ThreadPoolExecutor:
-    global _pool
-    with _pool_lock:
-        if _pool is None:
-            _pool = ThreadPoolExecutor(_threads(), thread_name_prefix="kvstore-io")
-        return _pool
-
-
-def _map(fn, n: int) -> list:
-    if n < 2 or _threads() < 2:
-        return [fn(i) for i in range(n)]
-    return list(_executor().map(fn, range(n)))
+_local = threading.local()  # per worker thread: its CUDA stream and pinned staging buffers
 
 
 # ------------------------------------------------------------------ layout
@@ -166,22 +144,18 @@ def _fast_spec(items: Sequence[Item], quantized: Optional[tuple[int, int]]) -> O
 def gather(items: Sequence[Item], length: int, quantized: Optional[tuple[int, int]] = None) -> Gathered:
     """One tensor per layer (``Quantized`` when the engine asks for the stored
     settings) for rows ``[0, length)`` of consecutive blocks from position 0."""
-    used, pos = [], 0
+    spans = []  # per block used: (first row, rows used)
+    pos = 0
     for it in items:
         if pos >= length:
             break
-        used.append(it)
-        pos += it.header.ntokens if isinstance(it, Stored) else len(it.tokens)
-    items = used
-    spec = _fast_spec(items, quantized)
-    if spec is None:
-        return _slow(items, length, quantized)
-    spans = []
-    pos = 0
-    for it in items:
         n = it.header.ntokens if isinstance(it, Stored) else len(it.tokens)
         spans.append((pos, min(n, length - pos)))
         pos += n
+    items = items[: len(spans)]
+    spec = _fast_spec(items, quantized)
+    if spec is None:
+        return _slow(items, length, quantized)
     rt = cuda.runtime()
     parts, bad = (_fill_device if rt is not None else _fill_host)(items, spans, spec, length)
     if bad is not None:
@@ -196,7 +170,7 @@ def gather(items: Sequence[Item], length: int, quantized: Optional[tuple[int, in
                 t = Quantized(*arrays, q[0], q[1], r)
                 tensors.append(t if quantized is not None else t.dequantize())
         layers.append(KVLayer(tensors[0], tensors[1], 0, None))
-    return Gathered(layers, length, bad)
+    return Gathered(layers, length)
 
 
 def _slow(items: Sequence[Item], length: int, quantized) -> Gathered:
@@ -227,10 +201,8 @@ def _stored_arrays(item: Stored) -> list:
 def _fill_host(items, spans, spec, length):
     dests = [[[mx.zeros((1, h, length, w), _DTYPE[name]) for name, h, w in arrays] for _, _, arrays in layer]
              for layer in spec]
-    flat = [a for layer in dests for t in layer for a in t]
-    mx.eval(flat)
-    views = [[[_np(a) for a in t] for t in layer] for layer in dests]
-    mx.eval([a for layer in dests for t in layer for a in t])  # bf16 views share the buffer
+    mx.eval([a for layer in dests for t in layer for a in t])
+    views = [[[_np(a) for a in t] for t in layer] for layer in dests]  # writable: the arrays' own memory
 
     def move(i: int) -> bool:
         item, (s, n) = items[i], spans[i]
@@ -250,7 +222,7 @@ def _fill_host(items, spans, spec, length):
                         np.copyto(dst[0, :, s : s + n], _np(a)[0, :, :n])
         return True
 
-    ok = _map(move, len(items))
+    ok = each(move, len(items))
     bad = next((i for i, good in enumerate(ok) if not good), None)
     return dests, bad
 
@@ -311,7 +283,7 @@ def _fill_device(items, spans, spec, length):
             _upload(rt, bases[b] + off, item.payload)
             return True
 
-        ok = dict(zip(stored, _map(move, len(stored))))
+        ok = dict(zip(stored, each(move, len(stored))))
         views = [{name: d.view(dt) for name, dt in _DTYPE.items()} for d in devs]
     bad = next((i for i in stored if not ok[i]), None)
     end = len(items) if bad is None else bad

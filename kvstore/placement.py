@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import logging
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Optional
 
@@ -242,7 +243,6 @@ class Placement:
 
     def _promoter(self):
         if self._promote_pool is None:
-            from concurrent.futures import ThreadPoolExecutor
             self._promote_pool = ThreadPoolExecutor(1, thread_name_prefix="kvstore-promote")
         return self._promote_pool
 

@@ -67,6 +67,15 @@ def _run(chunk: Sequence[Callable[[], T]]) -> list[T]:
     return out
 
 
+def each(fn: Callable[[int], T], n: int) -> list[T]:
+    """``fn(0), ..., fn(n - 1)`` on the worker threads, results in order: for
+    work that releases the GIL (copies, hashes, copy-engine transfers), on
+    every device."""
+    if n < 2 or workers() < 2:
+        return [fn(i) for i in range(n)]
+    return list(_executor().map(fn, range(n)))
+
+
 def spread(work: Sequence[Callable[[], T]]) -> list[T]:
     """Results of ``work`` in order, evaluated, computed on every core where
     mlx runs on the CPU."""

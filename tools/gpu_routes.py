@@ -58,18 +58,12 @@ def main(argv=None) -> dict:
         _ = src.copy()
         return time.perf_counter() - t
 
-    def fault():
+    def upload(prefetch: bool):
         t = time.perf_counter()
         a = mx.array(src)
         mx.eval(a)
-        first_use(a)
-        return time.perf_counter() - t
-
-    def prefetch():
-        t = time.perf_counter()
-        a = mx.array(src)
-        mx.eval(a)
-        cuda.to_device([a])
+        if prefetch:
+            cuda.to_device([a])
         first_use(a)
         return time.perf_counter() - t
 
@@ -110,7 +104,8 @@ def main(argv=None) -> dict:
         _ = np.array(a, copy=True)
         return time.perf_counter() - t
 
-    routes = {"memcpy": memcpy, "host_array_only": host_array_only, "fault": fault, "prefetch": prefetch,
+    routes = {"memcpy": memcpy, "host_array_only": host_array_only,
+              "fault": lambda: upload(False), "prefetch": lambda: upload(True),
               "assign": assign, "d2h_fault": d2h_fault, "d2h_prefetch": d2h_prefetch}
     for name, fn in routes.items():
         try:
