@@ -217,8 +217,6 @@ def densify(t: Tensor) -> mx.array:
 
 
 def _np_view(a: mx.array) -> np.ndarray:
-    if a.dtype not in _NAME_OF:
-        raise BlockDecodeError(f"dtype {a.dtype} cannot be stored")
     if a.dtype == mx.bfloat16:
         a = a.view(mx.uint16)
     return np.ascontiguousarray(np.asarray(a))
@@ -226,16 +224,17 @@ def _np_view(a: mx.array) -> np.ndarray:
 
 class _Writer:
     def __init__(self):
-        self.parts: list[tuple[int, np.ndarray]] = []
+        self.parts: list[tuple[int, mx.array]] = []
         self.size = 0
         self.rotated = False  # a rotated tensor needs format version 3
 
     def add(self, a: mx.array) -> list:
-        arr = _np_view(a)
+        if a.dtype not in _NAME_OF:
+            raise BlockDecodeError(f"dtype {a.dtype} cannot be stored")
         off = self.size
-        self.parts.append((off, arr))
-        self.size = _align(off + arr.nbytes)
-        return [_NAME_OF[a.dtype], list(a.shape), off, arr.nbytes]
+        self.parts.append((off, a))
+        self.size = _align(off + a.nbytes)
+        return [_NAME_OF[a.dtype], list(a.shape), off, a.nbytes]
 
     def tensor(self, t: Tensor) -> dict:
         if isinstance(t, Quantized):
@@ -245,6 +244,30 @@ class _Writer:
                 self.rotated = True
             return out
         return {"a": self.add(t)}
+
+    def fill(self, payload: memoryview) -> None:
+        """Every array into its place in ``payload`` (gaps stay zero)."""
+        rt = cuda.runtime()
+        if rt is not None and 0 < self.size < 1 << 31:
+            # on CUDA the arrays live on the device: laid out there in one buffer, then one transfer
+            # through the copy engine (page faults, or a copy per array, would cost far more)
+            pieces, pos = [], 0
+            for off, a in self.parts:
+                if off > pos:
+                    pieces.append(mx.zeros((off - pos,), mx.uint8))
+                if a.nbytes:
+                    pieces.append(mx.contiguous(a).view(mx.uint8).reshape(-1))
+                    pos = off + a.nbytes
+            if self.size > pos:
+                pieces.append(mx.zeros((self.size - pos,), mx.uint8))
+            packed = mx.concatenate(pieces)
+            mx.eval(packed)
+            mx.synchronize()
+            cuda.download(rt, np.frombuffer(payload, np.uint8), cuda.address(packed))
+            return
+        for off, a in self.parts:
+            if a.nbytes:  # a zero-size array has no bytes (and memoryview cannot cast it)
+                payload[off : off + a.nbytes] = memoryview(_np_view(a)).cast("B")
 
 
 def _align(n: int) -> int:
@@ -275,15 +298,7 @@ def serialize(block: Block, key: bytes = b"") -> bytearray:
     start = _align(_PREFIX.size + len(msgpack.packb(fields, use_bin_type=True)))
     out = bytearray(start + w.size)
     payload = memoryview(out)[start:]
-    rt = cuda.runtime()
-    base = np.frombuffer(payload, np.uint8).ctypes.data if rt is not None and len(payload) else 0
-    for off, arr in w.parts:
-        if not arr.nbytes:  # a zero-size array has no bytes (and memoryview cannot cast it)
-            continue
-        if rt is not None:  # device-resident managed memory: the copy engine, not page faults
-            rt.copy(base + off, arr.ctypes.data, arr.nbytes)
-        else:
-            payload[off : off + arr.nbytes] = memoryview(arr).cast("B")
+    w.fill(payload)
     fields["sum"] = xxhash.xxh3_64_intdigest(payload)
     header = msgpack.packb(fields, use_bin_type=True)
     version = FORMAT_VERSION if w.rotated else 2
@@ -455,6 +470,59 @@ def deserialize(buf: Union[bytes, memoryview], start: int = 0, verify: bool = Tr
     if arrays:
         mx.eval(arrays)  # copy out of the buffer now: it may be an mmap view that ends with its transaction
     return Block(tokens, layers)
+
+
+@dataclass
+class Stored:
+    """A block as its serialized bytes, header validated and bound to ``key``.
+
+    ``buf`` is the whole value: an LMDB mmap view (valid only inside its read
+    transaction; payload not checked yet) or bytes this process holds (the
+    RAM tier: ``checked``, their checksum was verified or computed here).
+    Held this way a block costs exactly its stored size, and every tier hands
+    ``gather`` the same thing to copy from.
+    """
+
+    key: bytes
+    start: int
+    buf: memoryview
+    header: Header
+    checked: bool = False
+
+    @classmethod
+    def of(cls, buf, key: bytes, start: int, checked: bool = False) -> "Stored":
+        """Raise ``BlockDecodeError`` for a malformed value or one bound to another key."""
+        buf = memoryview(buf)
+        h = read_header(buf)
+        check_key(h, key)
+        return cls(key, start, buf, h, checked)
+
+    @property
+    def payload(self) -> memoryview:
+        return self.buf[self.header.payload_start :]
+
+    @property
+    def nbytes(self) -> int:
+        return len(self.buf)
+
+    @property
+    def tokens(self) -> np.ndarray:
+        name, _, off, _ = self.header.fields["tok"]
+        return np.frombuffer(self.payload, dtype=np_dtype(name), count=self.header.ntokens, offset=off)
+
+    def intact(self) -> bool:
+        """The payload checksum (xxh3 releases the GIL: threads hash side by side)."""
+        return self.checked or xxhash.xxh3_64_intdigest(self.payload) == self.header.fields["sum"]
+
+    def held(self) -> Optional["Stored"]:
+        """A checked copy in memory of its own (out of an mmap view that ends
+        with its transaction), or ``None`` when the payload is corrupt."""
+        if not self.intact():
+            return None
+        return Stored(self.key, self.start, memoryview(bytearray(self.buf)), self.header, True)
+
+    def decode(self) -> Block:
+        return deserialize(self.buf, self.start, verify=not self.checked, key=self.key)
 
 
 def layer_arrays(layer: Layer) -> list[mx.array]:

@@ -28,7 +28,7 @@ from typing import Optional
 
 import numpy as np
 
-from .codec import Block, deserialize
+from .codec import Stored
 from .counters import Counters
 from .errors import BlockDecodeError
 from .hashing import KeyChain, chain_key
@@ -88,7 +88,7 @@ class Discovery:
             return set()
         sizes = [r.nbytes for r in run] + ([0] if part else [])
         entries = self.remote.call(tier.entries, wanted, sizes) or []
-        got_blocks: list[tuple[BlockRecord, Block, bytes]] = []
+        got_blocks: list[tuple[BlockRecord, Stored, bytes]] = []
         for rec, (_, buf) in zip(run, entries):
             block = self._decode(rec, buf)
             if block is None:
@@ -134,7 +134,7 @@ class Discovery:
         return best
 
     def _partial(self, root: Node, chain: KeyChain, i: int, n: int, parent: bytes, part: tuple,
-                 entry: tuple) -> Optional[tuple[BlockRecord, Block, bytes]]:
+                 entry: tuple) -> Optional[tuple[BlockRecord, Stored, bytes]]:
         """The best partial child read back and checked: its record must be
         the child of ``parent`` at block ``i`` and share tokens with the prompt."""
         key, _, member = part
@@ -152,17 +152,21 @@ class Discovery:
         block = self._decode(rec, buf)
         return None if block is None else (rec, block, buf)
 
-    def _decode(self, rec: BlockRecord, buf) -> Optional[Block]:
+    def _decode(self, rec: BlockRecord, buf) -> Optional[Stored]:
         if buf is None:
             return None  # evicted by the server since its record was read
         if not isinstance(buf, bytes):
             self._refuse(rec.key, f"not a kvstore block ({buf})")
             return None
         try:
-            block = deserialize(buf, rec.start, key=rec.key)
+            block = Stored.of(buf, rec.key, rec.start)
         except BlockDecodeError as e:
             self._refuse(rec.key, str(e))
             return None
+        if not block.intact():
+            self._refuse(rec.key, "payload checksum mismatch")
+            return None
+        block.checked = True
         if not np.array_equal(block.tokens, rec.tokens):
             self._refuse(rec.key, "payload tokens differ from its record")
             return None
@@ -174,7 +178,7 @@ class Discovery:
                     self.remote.url)
         self.remote.call(self.remote.tier.remove, [key])
 
-    def _keep(self, parent: Node, got: list[tuple[BlockRecord, Block, bytes]], chain: KeyChain) -> set[bytes]:
+    def _keep(self, parent: Node, got: list[tuple[BlockRecord, Stored, bytes]], chain: KeyChain) -> set[bytes]:
         """Index ``got`` below ``parent``, into RAM; queue the disk write."""
         fresh: list[tuple[Node, Entry]] = []
         pinned: list[Node] = []
@@ -192,7 +196,7 @@ class Discovery:
                     except (KeyError, ValueError):
                         break
                     node.used = now
-                    entry = Entry(replace(rec, nbytes=len(buf), created=now, used=now, hits=0), block)
+                    entry = Entry(replace(rec, nbytes=len(buf), created=now, used=now, hits=0), None)
                     entry.payload = buf  # the remote's bytes are LMDB's bytes: no second serialization
                     fresh.append((node, entry))
                 elif node.parent is not parent:

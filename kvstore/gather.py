@@ -33,44 +33,13 @@ import xxhash
 
 from . import cuda
 from .assemble import assemble
-from .codec import Block, Header, deserialize, np_dtype
+from .codec import Block, Stored, np_dtype
 from .errors import BlockDecodeError
 from .layers import KVLayer, Layer, Quantized
 from .spread import each
 
-_STAGE = 16 << 20  # bytes per pinned staging buffer (two per I/O thread)
 _DEVICE_BUF = 1 << 30  # bytes per device buffer blocks are copied into
 _DTYPE = {"float16": mx.float16, "bfloat16": mx.bfloat16, "float32": mx.float32, "uint32": mx.uint32}
-
-
-@dataclass
-class Stored:
-    """A block as its stored bytes: ``buf`` is the whole value (an mmap view
-    valid only inside its read transaction), ``header`` already validated."""
-
-    key: bytes
-    start: int
-    buf: memoryview
-    header: Header
-
-    @property
-    def payload(self) -> memoryview:
-        return self.buf[self.header.payload_start :]
-
-    @property
-    def nbytes(self) -> int:
-        return len(self.buf)
-
-    def tokens(self) -> np.ndarray:
-        name, _, off, _ = self.header.fields["tok"]
-        return np.frombuffer(self.payload, dtype=np_dtype(name), count=self.header.ntokens, offset=off)
-
-    def intact(self) -> bool:
-        """The payload checksum (xxh3 releases the GIL: threads hash side by side)."""
-        return xxhash.xxh3_64_intdigest(self.payload) == self.header.fields["sum"]
-
-    def decode(self) -> Block:
-        return deserialize(self.buf, self.start, key=self.key)
 
 
 Item = Union[Block, Stored]
@@ -84,9 +53,6 @@ class Gathered:
     layers: list[Optional[Layer]]
     length: int
     bad: Optional[int] = None
-
-
-_local = threading.local()  # per worker thread: its CUDA stream and pinned staging buffers
 
 
 # ------------------------------------------------------------------ layout
@@ -230,32 +196,6 @@ def _fill_host(items, spans, spec, length):
 # -------------------------------------------------------------------- CUDA
 
 
-def _staging(rt: "cuda.Runtime"):
-    """This thread's CUDA stream and two pinned buffers (made once per thread)."""
-    st = getattr(_local, "stage", None)
-    if st is None:
-        st = _local.stage = (rt.stream(), [rt.pinned(_STAGE), rt.pinned(_STAGE)])
-    return st
-
-
-def _upload(rt: "cuda.Runtime", dst: int, payload: memoryview) -> None:
-    """Payload bytes to device address ``dst``: host copies into alternating
-    pinned buffers overlap the copy engine's transfers of the previous one."""
-    stream, bufs = _staging(rt)
-    src = np.frombuffer(payload, np.uint8)
-    pending = [False, False]
-    for j, off in enumerate(range(0, len(src), _STAGE)):
-        k = j % 2
-        if pending[k]:
-            rt.sync(stream)  # the transfer that used this buffer is done
-            pending = [False, False]
-        n = min(_STAGE, len(src) - off)
-        np.copyto(bufs[k][:n], src[off : off + n])
-        rt.copy(dst + off, bufs[k].ctypes.data, n, stream)
-        pending[k] = True
-    rt.sync(stream)
-
-
 def _fill_device(items, spans, spec, length):
     rt = cuda.runtime()
     stored = [i for i, it in enumerate(items) if isinstance(it, Stored)]
@@ -280,7 +220,7 @@ def _fill_device(items, spans, spec, length):
             if not item.intact():
                 return False
             b, off = where[stored[j]]
-            _upload(rt, bases[b] + off, item.payload)
+            cuda.upload(rt, bases[b] + off, item.payload)
             return True
 
         ok = dict(zip(stored, each(move, len(stored))))

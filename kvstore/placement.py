@@ -22,9 +22,8 @@ from typing import Optional
 
 import numpy as np
 
-from .codec import Block, block_arrays
-from .cuda import to_device
-from .gather import Stored, gather
+from .codec import Stored
+from .gather import gather
 from .counters import Counters
 from .index import Node, RadixIndex
 from .lookup import servable
@@ -51,7 +50,7 @@ class Placement:
 
     # ----------------------------------------------------------------- RAM
 
-    def admit_locked(self, node: Node, block: Block) -> bool:
+    def admit_locked(self, node: Node, block: Stored) -> bool:
         """Keep a freshly encoded block in RAM when it fits; True when kept.
         Room is made first, never from the block's own prefix (a leaf goes
         before its ancestors), so RAM never holds more than its budget."""
@@ -70,7 +69,7 @@ class Placement:
         self.ram.touch({p.key: None for p in reversed(ancestors) if p.in_ram})  # leaves stay the oldest
         return True
 
-    def promote_locked(self, node: Node, block: Block) -> None:
+    def promote_locked(self, node: Node, block: Stored) -> None:
         """Keep a block read from disk in RAM, if it fits beside pinned ones."""
         if block.nbytes > self.ram.budget or self.index.get(node.key) is not node:
             return
@@ -218,8 +217,8 @@ class Placement:
     # ----------------------------------------------------------- promotion
 
     def promote_later(self, nodes: list[Node]) -> None:
-        """Decode blocks just served from disk into RAM on a thread of its
-        own: the hit that read them does not wait for the copies."""
+        """Copy blocks just served from disk into RAM on a thread of its own:
+        the hit that read them does not wait for the copies."""
         nodes = [p for p in nodes if p.on_disk and p.nbytes <= self.ram.budget]
         if not nodes or self.persist is None:
             return
@@ -248,12 +247,18 @@ class Placement:
 
     def _promote(self, nodes: list[Node]) -> None:
         try:
-            loaded = self.persist.disk.load([(p.key, p.start) for p in nodes])
-            blocks = [loaded.blocks.get(p.key) for p in nodes]
-            to_device([a for b in blocks if b is not None for a in block_arrays(b)])
+            held: list[Stored] = []
+            disk = self.persist.disk
+            with disk.reader() as txn:  # one copy of each value out of the map (checked), no decode
+                for p in nodes:
+                    got = disk.stored(txn, p.key, p.start)
+                    got = got.held() if isinstance(got, Stored) else None
+                    if got is None:
+                        break
+                    held.append(got)
             with self.lock:
-                for p, b in zip(nodes, blocks):
-                    if b is not None and self.index.get(p.key) is p and not p.in_ram:
+                for p, b in zip(nodes, held):
+                    if self.index.get(p.key) is p and not p.in_ram:
                         self.promote_locked(p, b)
                 self.make_room_locked(0)
         except Exception as e:  # a cache: a failed promotion only means the next hit reads the disk again
@@ -279,7 +284,7 @@ class Placement:
 
 
 def _matches(item, toks: np.ndarray, start: int, stop: int) -> bool:
-    tokens = item.tokens() if isinstance(item, Stored) else item.tokens
+    tokens = item.tokens
     m = stop - start
     return m <= len(tokens) and np.array_equal(tokens[:m], toks[start:stop])
 

@@ -1,6 +1,7 @@
 """The background writer: encodes the blocks a ``put`` queued (slice,
-quantize, copy out of the engine's buffers), admits them to RAM and writes
-them through to disk in large transactions.
+quantize, serialize out of the engine's buffers: one copy, to host memory on
+every backend), admits those bytes to RAM and writes the same bytes through
+to disk in large transactions.
 
 ``put`` only hashes, indexes and queues, so the engine waits well under a
 millisecond. The queue is bounded by bytes: past the bound a put is done in
@@ -25,7 +26,7 @@ from typing import TYPE_CHECKING, Callable, Optional
 import mlx.core as mx
 import numpy as np
 
-from .codec import Block, Codec, block_arrays
+from .codec import Block, Codec, Stored, block_arrays, serialize
 from .counters import Counters
 from .index import Node
 from .layers import KVLayer, Layer, StateLayer, own, take_rows
@@ -136,12 +137,15 @@ class Writer:
                 if not self._current(node, job):
                     continue  # dropped meanwhile (evicted parent, clear) or re-encoded by a later put
                 found = job.found.get(node.key) if job.found is not None else None
-                block = found.block if found is not None else encode(job, node, self.codec)
+                if found is None:
+                    block = encode(job, node, self.codec)
+                    payload = serialize(block, node.key)  # RAM, disk and remote keep these same bytes
+                    held = Stored.of(payload, node.key, node.start, checked=True)
                 with self.lock:
                     if not self._current(node, job):
                         continue
                     if found is None:  # (found blocks went into RAM when they were read, as far as they fit)
-                        if pl.admit_locked(node, block) and not to_disk:
+                        if pl.admit_locked(node, held) and not to_disk:
                             node.job = None  # durable where it goes: servable without waiting
                         elif not to_disk:
                             pl.forget_locked(node)  # fits in neither tier
@@ -150,10 +154,11 @@ class Writer:
                 if to_disk or to_remote:
                     entry = found
                     if entry is None:
-                        entry = Entry(self._record(job, node, block), block)
-                        entry.record = replace(entry.record, nbytes=len(entry.payload))  # serialized here, once
+                        entry = Entry(self._record(job, node, block), None)  # the arrays go now
+                        entry.payload = payload
+                        entry.record = replace(entry.record, nbytes=len(payload))
                     batch.append((node, entry))
-                    batch_bytes += block.nbytes
+                    batch_bytes += len(entry.payload)
                     if batch_bytes >= WRITE_BATCH:
                         self._keep(batch, job, to_disk, to_remote)
                         batch, batch_bytes = [], 0
@@ -194,8 +199,7 @@ class Writer:
     def _write(self, batch: list[tuple[Node, Entry]], job: Job) -> None:
         """Write a batch (blocks already on disk are skipped, unless re-encoded
         with a state snapshot); then blocks in neither tier leave the index."""
-        todo = [(n, e) for n, e in batch
-                if not n.on_disk or any(isinstance(l, StateLayer) for l in e.block.layers)]
+        todo = [(n, e) for n, e in batch if not n.on_disk or e.record.snap]
         if todo:
             self.persist.write(todo)
         with self.lock:

@@ -10,8 +10,8 @@ import numpy as np
 import pytest
 
 from kvstore import PrefixStore
-from kvstore.codec import Codec, Block, read_header, serialize
-from kvstore.gather import Stored, _slow, gather
+from kvstore.codec import Codec, Block, Stored, serialize
+from kvstore.gather import _slow, gather
 from kvstore.hashing import KeyChain, root_key
 from kvstore.layers import KVLayer, Quantized, take_rows
 
@@ -30,7 +30,7 @@ def _blocks(tokens: np.ndarray, codec: Codec, heads: int = 2, dim: int = 64, dty
         kv = [KVLayer(codec.compress_keys(take_rows(l.keys, s, e)), codec.compress_values(take_rows(l.values, s, e)),
                       s) for l in layers]
         buf = memoryview(bytes(serialize(Block(tokens[s:e], kv), chain.key(i))))
-        out.append(Stored(chain.key(i), s, buf, read_header(buf)))
+        out.append(Stored.of(buf, chain.key(i), s))
     return out
 
 
@@ -81,7 +81,7 @@ def test_a_corrupt_payload_is_reported_not_served():
     items = _blocks(np.arange(1, 65, dtype=np.int32), Codec.from_bits(None))
     raw = bytearray(items[2].buf)
     raw[-5] ^= 0xFF  # a payload byte: the header still reads, the checksum does not
-    items[2] = Stored(items[2].key, items[2].start, memoryview(bytes(raw)), read_header(raw))
+    items[2] = Stored.of(bytes(raw), items[2].key, items[2].start)
     got = gather(items, 64)
     assert got.bad == 2 and got.length == 0 and not got.layers
 
@@ -98,6 +98,37 @@ def test_store_serves_a_prompt_part_from_ram_part_from_disk(tmp_path):
         s.flush()  # promotions done
         hit = s.fetch("m", toks)
         assert (hit.length, hit.ram_tokens, hit.ssd_tokens) == (64, 32, 32)
+        for got, exp in zip(hit.layers, want):
+            assert np.array_equal(bits_of(got.keys), bits_of(exp.keys))
+            assert np.array_equal(bits_of(got.values), bits_of(exp.values))
+
+
+def test_ram_holds_each_block_as_the_bytes_the_disk_stores(tmp_path):
+    """The RAM tier keeps a block as its serialized value (what its budget
+    counts, host memory on every backend), whether the writer just made it
+    or a hit promoted it from disk (one copy, no decode); a hit from there
+    is the stored KV exactly."""
+    toks = np.arange(1000, 1064, dtype=np.int32)
+    want = kv_layers(toks, n_layers=2, heads=2, dim=32)
+    path = tmp_path / "s"
+
+    def on_disk(s, key: bytes) -> bytes:
+        with s._persist.disk.reader() as txn:
+            return bytes(s._persist.disk.payload(txn, key))
+
+    with PrefixStore(budget_gb=1, ssd_path=path, block_size=BS) as s:
+        s.put("m", toks, want)
+        s.flush()
+        keys = [k for k, _ in s._ram.oldest()]
+        assert len(keys) == 4 and s.nbytes == sum(len(on_disk(s, k)) for k in keys)
+        assert all(isinstance(s._ram.get(k), Stored) and bytes(s._ram.get(k).buf) == on_disk(s, k) for k in keys)
+    with PrefixStore(budget_gb=1, ssd_path=path, block_size=BS) as s:
+        assert s.nbytes == 0 and s.fetch("m", toks).ssd_tokens == 64
+        s.flush()  # promotions done
+        assert sorted(k for k, _ in s._ram.oldest()) == sorted(keys)
+        assert all(bytes(s._ram.get(k).buf) == on_disk(s, k) for k in keys)
+        hit = s.fetch("m", toks)
+        assert hit.ram_tokens == 64
         for got, exp in zip(hit.layers, want):
             assert np.array_equal(bits_of(got.keys), bits_of(exp.keys))
             assert np.array_equal(bits_of(got.values), bits_of(exp.values))

@@ -10,9 +10,9 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from kvstore.codec import Codec
+from kvstore.codec import Block, Codec, serialize
 from kvstore.errors import ConfigError, KVStoreError, LayoutError, ReadOnlyError, StoreOpenError
-from kvstore.hashing import KeyChain, as_tokens, root_key
+from kvstore.hashing import KEY_BYTES, KeyChain, as_tokens, root_key
 from kvstore.layers import KVLayer, Quantized, StateLayer
 from kvstore.store import GB, PrefixStore
 
@@ -20,11 +20,15 @@ from ._helpers import assert_hit_is, dq, kv_layers, rows, same, state_at
 
 BS = 8
 M = "test-model"
-BLOCK_BYTES = 4 * (BS * 32 * 2) + BS * 4  # 2 layers x (K, V) of [1, 1, 8, 32] float16, plus tokens
 
 
 def toks(n: int, start: int = 1000) -> list[int]:
     return list(range(start, start + n))
+
+
+# what one block costs in RAM: its serialized bytes (2 layers x (K, V) of [1, 1, 8, 32] float16, its
+# tokens, the header, 64-byte alignment), the same bytes the disk tier stores
+BLOCK_BYTES = len(serialize(Block(as_tokens(toks(BS)), kv_layers(toks(BS))), b"k" * KEY_BYTES))
 
 
 @pytest.fixture

@@ -4,8 +4,12 @@ For each entry type, one prompt's KV (random fp16 rows of a given model
 shape) goes through a store on disk, and each figure is a median over
 ``--repeats`` with a plain baseline of the same bytes in the same run:
 
-- ``put_ms``: what ``put`` blocks the caller; ``flush_GBps``: put -> on disk
-  (written and committed), vs ``write_fsync_GBps`` (a plain file write + fsync);
+- ``put_ms``: what ``put`` blocks the caller given an int32 array
+  (``put_list_ms``: given a Python list; ``put_profile``: where one put's
+  time goes); ``flush_GBps``: put -> on disk (written and committed), vs
+  ``write_fsync_GBps`` (a plain file write + fsync);
+- ``first_hit_ms`` / ``later_hit_ms``: the first fetch after a put (blocks the
+  writer just admitted to RAM) and the next one;
 - ``fetch_ram``, ``fetch_ssd_cached``, ``fetch_ssd_cold``: a fetch to ready
   arrays (on CUDA: on the device), the RAM tier emptied for SSD reads and
   the store closed and its file dropped from the page cache for cold ones;
@@ -19,7 +23,10 @@ shape) goes through a store on disk, and each figure is a median over
 from __future__ import annotations
 
 import argparse
+import cProfile
+import io
 import json
+import pstats
 import os
 import shutil
 import statistics
@@ -57,12 +64,14 @@ def _ready(hit) -> None:
 
 
 def _check(hit, src: list[KVLayer], kind: str) -> None:
-    """The KV served is the KV stored: exact for fp16, within quantization error otherwise."""
-    tol = 0.0 if kind == "fp16" else 0.05 if kind == "q8" else 0.6
+    """The KV served is the KV stored: exact for fp16, within quantization
+    error otherwise (on these N(0, 1) rows: the largest and the mean error)."""
+    tol, mean_tol = {"fp16": (0.0, 0.0), "q8": (0.05, 0.01), "q4": (1.0, 0.15)}[kind]
     for li in (0, len(src) - 1):
         for got, want in ((hit.layers[li].keys, src[li].keys), (hit.layers[li].values, src[li].values)):
-            err = mx.max(mx.abs(got.astype(mx.float32) - want.astype(mx.float32))).item()
-            assert got.shape == want.shape and err <= tol, (kind, li, got.shape, err)
+            diff = mx.abs(got.astype(mx.float32) - want.astype(mx.float32))
+            err, mean = mx.max(diff).item(), mx.mean(diff).item()
+            assert got.shape == want.shape and err <= tol and mean <= mean_tol, (kind, li, got.shape, err, mean)
 
 
 def _timed_fetch(s: PrefixStore, prompt, src: list[KVLayer], kind: str, tier: str) -> float:
@@ -75,6 +84,15 @@ def _timed_fetch(s: PrefixStore, prompt, src: list[KVLayer], kind: str, tier: st
     assert getattr(hit, tier) == len(prompt), hit
     _check(hit, src, kind)
     return secs
+
+
+def _profile(fn) -> list[str]:
+    """The functions one call spends its time in (cProfile, by cumulative time)."""
+    prof = cProfile.Profile()
+    prof.runcall(fn)
+    out = io.StringIO()
+    pstats.Stats(prof, stream=out).sort_stats("cumtime").print_stats(12)
+    return [l for l in out.getvalue().splitlines() if l.strip()][-13:]
 
 
 def _drop(path: Path) -> None:
@@ -117,7 +135,8 @@ def _baselines(tmp: Path, nbytes: int, repeats: int) -> dict:
     return out
 
 
-def run(tokens: int, layers: int, heads: int, dim: int, kinds: list[str], repeats: int, tmp: Path) -> dict:
+def run(tokens: int, layers: int, heads: int, dim: int, kinds: list[str], repeats: int, tmp: Path,
+        out: Path | None = None) -> dict:
     src = _layers(tokens, layers, heads, dim)
     prompt = np.arange(5, tokens + 5, dtype=np.int32)
     res: dict = {"tokens": tokens, "shape": [layers, heads, dim], "device": str(mx.default_device()),
@@ -126,7 +145,7 @@ def run(tokens: int, layers: int, heads: int, dim: int, kinds: list[str], repeat
     for kind in kinds:
         path = tmp / f"store-{kind}"
         row: dict = {"kv": kind}
-        put_ms, flush = [], []
+        put_ms, put_list_ms, flush, first, later = [], [], [], [], []
         for rep in range(repeats):
             shutil.rmtree(path, ignore_errors=True)
             with PrefixStore(budget_gb=64, ssd_path=path, kv_bits=KV[kind], fetch_policy="always") as s:
@@ -138,7 +157,20 @@ def run(tokens: int, layers: int, heads: int, dim: int, kinds: list[str], repeat
                 put_ms.append((t1 - t) * 1e3)
                 flush.append(t2 - t)
                 stored = s.stats()["ssd_bytes"]
+                first.append(_timed_fetch(s, prompt, src, kind, "ram_tokens"))
+                later.append(_timed_fetch(s, prompt, src, kind, "ram_tokens"))
+                other = (prompt + 100_000 * (rep + 1)).tolist()  # new tokens, the same KV
+                t = time.perf_counter()
+                s.put("bench", other, src)
+                put_list_ms.append((time.perf_counter() - t) * 1e3)
+                if rep == repeats - 1:
+                    s.flush()
+                    row["put_profile"] = _profile(lambda: s.put("bench", prompt + 7, src))
         row["put_ms"] = statistics.median(put_ms)
+        row["put_list_ms"] = statistics.median(put_list_ms)
+        row["first_hit_ms"] = statistics.median(first) * 1e3
+        row["later_hit_ms"] = statistics.median(later) * 1e3
+        row["first_vs_later"] = row["first_hit_ms"] / row["later_hit_ms"]
         row["stored_bytes"] = stored
         row["flush_GBps"] = _gbps(stored, flush)
         base = _baselines(tmp, stored, repeats)
@@ -167,6 +199,9 @@ def run(tokens: int, layers: int, heads: int, dim: int, kinds: list[str], repeat
         row["ssd_cold_vs_read"] = row["fetch_ssd_cold_GBps"] / base[f"read_cold{dev}_GBps"]
         res["rows"].append(row)
         print(json.dumps(row), flush=True)
+        if out is not None:  # row by row: a later row's failure keeps the earlier ones
+            out.mkdir(parents=True, exist_ok=True)
+            (out / "ssd.json").write_text(json.dumps(res, indent=1))
         shutil.rmtree(path, ignore_errors=True)
     return res
 
@@ -184,12 +219,9 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     tmp = Path(tempfile.mkdtemp(prefix="ssd-bench-", dir=args.dir))
     try:
-        res = run(args.tokens, args.layers, args.heads, args.dim, args.kv, args.repeats, tmp)
+        run(args.tokens, args.layers, args.heads, args.dim, args.kv, args.repeats, tmp, args.out)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
-    if args.out:
-        args.out.mkdir(parents=True, exist_ok=True)
-        (args.out / "ssd.json").write_text(json.dumps(res, indent=1))
     return 0
 
 

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from functools import cached_property
-from typing import Mapping, Protocol, Sequence
+from typing import Mapping, Optional, Protocol, Sequence
 
 from ..codec import Block, deserialize, serialize
 from ..errors import BlockDecodeError
@@ -38,10 +38,11 @@ class Use:
 @dataclass
 class Entry:
     """A block to keep, with its index record. The payload (the block's bytes
-    as every persistent tier stores them) is made once, on first use."""
+    as every tier stores them) is made once, on first use, unless the maker
+    set it (the writer serializes each block once; a remote read brings it)."""
 
     record: BlockRecord
-    block: Block
+    block: Optional[Block]
 
     @property
     def key(self) -> bytes:

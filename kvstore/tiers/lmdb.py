@@ -43,9 +43,8 @@ from typing import Callable, Iterator, Mapping, Optional, Sequence, Union
 import lmdb
 import msgpack
 
-from ..codec import check_key, read_header
+from ..codec import Stored
 from ..errors import BlockDecodeError, StorageError, StoreOpenError
-from ..gather import Stored
 from ..record import BlockRecord
 from .base import Entry, Loaded, Use, decode_into
 from .gate import Gate
@@ -480,11 +479,9 @@ class LmdbTier:
         if buf is None:
             return None
         try:
-            h = read_header(buf)
-            check_key(h, key)
+            return Stored.of(buf, key, start)
         except BlockDecodeError as e:
             return str(e)
-        return Stored(key, start, memoryview(buf), h)
 
     def record(self, txn: lmdb.Transaction, key: bytes) -> Optional[BlockRecord]:
         """The block's index record; ``None`` when missing or malformed."""

@@ -1,7 +1,11 @@
-"""RAM tier: decoded blocks in LRU order under a byte budget.
+"""RAM tier: blocks as their serialized bytes, in LRU order under a byte budget.
 
-Bytes are counted from what is held (``nbytes`` of trimmed, possibly
-quantized arrays), never from an engine's over-allocated buffer. The tier only
+A block is held exactly as the disk and the remote tier store it
+(``codec.Stored``, checked): what the budget counts is what is held, with no
+engine buffer or device memory behind it. On CUDA this makes ``budget_gb``
+host RAM, as on every other backend; a hit from RAM takes the same one-copy
+route to the engine's device as one from disk (``gather``), and a block read
+from disk is promoted with one copy of its bytes, not a decode. The tier only
 keeps order and counts; which block may go (pinned, not yet on disk) is the
 store's decision (``placement``). Every verb is O(1) per block: the order is
 an ``OrderedDict``, and ``oldest`` walks it without copying.
@@ -12,7 +16,7 @@ from __future__ import annotations
 from collections import OrderedDict
 from typing import Iterator, Mapping, Optional, Sequence
 
-from ..codec import Block
+from ..codec import Stored
 from .base import Entry, Loaded, Use
 
 
@@ -22,7 +26,7 @@ class RamTier:
     def __init__(self, budget_bytes: int):
         self.budget = int(budget_bytes)
         self.nbytes = 0
-        self._blocks: "OrderedDict[bytes, Block]" = OrderedDict()
+        self._blocks: "OrderedDict[bytes, Stored]" = OrderedDict()
 
     def __len__(self) -> int:
         return len(self._blocks)
@@ -30,7 +34,7 @@ class RamTier:
     def __contains__(self, key: bytes) -> bool:
         return key in self._blocks
 
-    def get(self, key: bytes) -> Optional[Block]:
+    def get(self, key: bytes) -> Optional[Stored]:
         return self._blocks.get(key)
 
     # ------------------------------------------------------------ protocol
@@ -38,15 +42,15 @@ class RamTier:
     def load(self, wanted: Sequence[tuple[bytes, int]]) -> Loaded:
         out = Loaded()
         for key, _ in wanted:
-            block = self._blocks.get(key)
-            if block is None:
+            held = self._blocks.get(key)
+            if held is None:
                 break
-            out.blocks[key] = block
+            out.blocks[key] = held.decode()
         return out
 
     def store(self, entries: Sequence[Entry]) -> None:
         for e in entries:
-            self.add(e.key, e.block)
+            self.add(e.key, Stored.of(e.payload, e.key, e.record.start, checked=True))
 
     def remove(self, keys: Sequence[bytes]) -> list[bytes]:
         return [k for k in keys if self.pop(k) is not None]
@@ -66,18 +70,18 @@ class RamTier:
 
     # ------------------------------------------------------- single blocks
 
-    def add(self, key: bytes, block: Block) -> None:
+    def add(self, key: bytes, held: Stored) -> None:
         self.pop(key)
-        self._blocks[key] = block
-        self.nbytes += block.nbytes
+        self._blocks[key] = held
+        self.nbytes += held.nbytes
 
-    def pop(self, key: bytes) -> Optional[Block]:
-        block = self._blocks.pop(key, None)
-        if block is not None:
-            self.nbytes -= block.nbytes
-        return block
+    def pop(self, key: bytes) -> Optional[Stored]:
+        held = self._blocks.pop(key, None)
+        if held is not None:
+            self.nbytes -= held.nbytes
+        return held
 
-    def oldest(self) -> Iterator[tuple[bytes, Block]]:
+    def oldest(self) -> Iterator[tuple[bytes, Stored]]:
         """Blocks from least to most recently used. Lazy: stop iterating
         before changing the tier."""
         return iter(self._blocks.items())
