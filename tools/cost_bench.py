@@ -98,6 +98,7 @@ def run(model_path: str | None, lengths: list[int], kinds: list[str], repeats: i
                                 cached[policy].append(r.cached_tokens)
                         for policy, name in POLICIES.items():
                             row[name] = statistics.median(times[policy]) * 1e3
+                            row[f"{policy}_each_ms"] = [round(t * 1e3, 1) for t in times[policy]]
                             row[f"{policy}_cached_tokens"] = statistics.median(cached[policy])
                         best = min(row["cold_ms"], row["forced_ms"])
                         row["auto_vs_best"] = row["auto_ms"] / best

@@ -86,6 +86,12 @@ def _timed_fetch(s: PrefixStore, prompt, src: list[KVLayer], kind: str, tier: st
     return secs
 
 
+def _cache_limit() -> int:
+    prev = mx.set_cache_limit(0)
+    mx.set_cache_limit(prev)
+    return prev
+
+
 def _profile(fn) -> list[str]:
     """The functions one call spends its time in (cProfile, by cumulative time)."""
     prof = cProfile.Profile()
@@ -140,6 +146,7 @@ def run(tokens: int, layers: int, heads: int, dim: int, kinds: list[str], repeat
     src = _layers(tokens, layers, heads, dim)
     prompt = np.arange(5, tokens + 5, dtype=np.int32)
     res: dict = {"tokens": tokens, "shape": [layers, heads, dim], "device": str(mx.default_device()),
+                 "mlx_cache_limit": _cache_limit(),
                  "cuda_copy_engine": cuda.runtime() is not None, "date": time.strftime("%Y-%m-%d %H:%M"),
                  "rows": []}
     for kind in kinds:
@@ -216,7 +223,11 @@ def main(argv=None) -> int:
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--dir", type=Path, default=None, help="where the stores go (default: a temporary folder)")
     ap.add_argument("--out", type=Path, default=None, help="write ssd.json here")
+    ap.add_argument("--mlx-cache-gb", type=float, default=None,
+                    help="mx.set_cache_limit first: how much freed memory mlx keeps for reuse (an engine setting)")
     args = ap.parse_args(argv)
+    if args.mlx_cache_gb is not None:
+        mx.set_cache_limit(int(args.mlx_cache_gb * (1 << 30)))
     tmp = Path(tempfile.mkdtemp(prefix="ssd-bench-", dir=args.dir))
     try:
         run(args.tokens, args.layers, args.heads, args.dim, args.kv, args.repeats, tmp, args.out)

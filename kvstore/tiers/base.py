@@ -49,7 +49,7 @@ class Entry:
         return self.record.key
 
     @cached_property
-    def payload(self) -> bytearray:
+    def payload(self) -> memoryview:
         return serialize(self.block, self.record.key)
 
 
