@@ -37,7 +37,7 @@ class FetchCosts:
             blocks = [self.ram.get(p.key) if p.in_ram else None for p in path]
             sizes = [b.nbytes if b is not None else p.nbytes for p, b in zip(path, blocks)]
             constrained = any(p.snap is not None or p.gap for p in path)
-        on_disk = [p.key for p, b in zip(path, blocks) if b is None]
+            on_disk = {p.key: (p.offset, p.nbytes) for p, b in zip(path, blocks) if b is None}
         resident: dict = {}
         if on_disk and self.persist is not None:
             try:

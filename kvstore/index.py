@@ -32,7 +32,7 @@ class Node:
     """
 
     __slots__ = ("key", "parent", "children", "start", "length", "first", "snap", "gap", "rows_from",
-                 "in_ram", "on_disk", "pins", "job", "nbytes", "used", "disk_kids")
+                 "in_ram", "on_disk", "pins", "job", "nbytes", "used", "disk_kids", "offset")
 
     def __init__(self, key: bytes, parent: Optional["Node"], start: int, length: int,
                  first: int = -1, snap: Optional[bool] = None, gap: int = NO_GAP,
@@ -53,6 +53,7 @@ class Node:
         self.nbytes = 0  # payload bytes on disk (disk eviction frees about this much)
         self.used = 0.0  # last use, for disk LRU order
         self.disk_kids = 0  # children on disk: only a block with none may leave the disk
+        self.offset = -1  # where its bytes sit in the LMDB file (-1: unknown), for residency checks
 
     @property
     def end(self) -> int:

@@ -136,6 +136,7 @@ class Persist:
             for node, e in entries:
                 node.nbytes = len(e.payload)
                 node.used = e.record.used
+                node.offset = e.record.offset
                 self.mark_locked(node, True)
         self.counters.count("blocks_written", len(entries))
         try:
@@ -232,7 +233,7 @@ class Persist:
                                   rec.first_row if rec.gap else None)
         except (KeyError, ValueError):
             return None
-        node.nbytes, node.used = rec.nbytes, max(node.used, rec.used)
+        node.nbytes, node.used, node.offset = rec.nbytes, max(node.used, rec.used), rec.offset
         self.mark_locked(node, True)
         return node
 

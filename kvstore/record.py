@@ -51,6 +51,7 @@ class BlockRecord:
     hits: int = 0
     kv: str = "?"
     dtype: str = "?"
+    offset: int = -1  # where the value's bytes sit in the LMDB file (-1: unknown); for residency checks only
 
     @property
     def end(self) -> int:
@@ -70,7 +71,7 @@ class BlockRecord:
             "length": self.length, "tokens": toks.tobytes(), "token_bytes": toks.dtype.itemsize,
             "nbytes": self.nbytes, "first": self.first, "snap": self.snap, "gap": self.gap,
             "rows_from": self.rows_from, "created": self.created, "used": self.used, "hits": self.hits,
-            "kv": self.kv, "dtype": self.dtype}, use_bin_type=True)
+            "kv": self.kv, "dtype": self.dtype, "offset": self.offset}, use_bin_type=True)
 
     @classmethod
     def unpack(cls, key: bytes, raw) -> Optional["BlockRecord"]:
@@ -97,13 +98,14 @@ class BlockRecord:
                    tokens=np.frombuffer(m["tokens"], dtype=dt), nbytes=m["nbytes"], first=m.get("first", -1),
                    snap=m.get("snap"), gap=m.get("gap", 0), rows_from=m.get("rows_from", -1),
                    created=m.get("created", 0.0), used=m.get("used", 0.0), hits=m.get("hits", 0),
-                   kv=m.get("kv", "?"), dtype=m.get("dtype", "?"))
+                   kv=m.get("kv", "?"), dtype=m.get("dtype", "?"), offset=m.get("offset", -1))
 
 
 _NUM = (int, float)
 _TYPES = {"parent": (bytes,), "root": (bytes,), "start": (int,), "length": (int,), "tokens": (bytes,),
           "token_bytes": (int,), "nbytes": (int,), "first": (int,), "snap": (bool, type(None)), "gap": (int,),
-          "rows_from": (int,), "created": _NUM, "used": _NUM, "hits": (int,), "kv": (str,), "dtype": (str,)}
+          "rows_from": (int,), "created": _NUM, "used": _NUM, "hits": (int,), "kv": (str,), "dtype": (str,),
+          "offset": (int,)}
 _REQUIRED = ("parent", "root", "start", "length", "tokens", "nbytes")
 
 # format 2 (kvstore 0.1): single-letter keys; "wf" absent meant "rows from the start", or, with a gap, none

@@ -139,3 +139,56 @@ def test_a_hit_timed_to_the_first_token_corrects_the_load_rate(tmp_path):
         assert rate["gb_per_s"] < hit.source_bytes["ram"] / 0.9 / 1e9
         again = store.fetch(M, p, limit=63)  # timed cheap again by the store: does not count any more
         assert again.length == 0 and again.skipped_tokens == 63
+
+
+def _read_bytes() -> int:
+    with open("/proc/self/io") as f:
+        return next(int(l.split()[1]) for l in f if l.startswith("read_bytes"))
+
+
+def _dropped(data) -> bool:
+    """Drop a file from the page cache; False where that does not work (tmpfs, no /proc)."""
+    import mmap
+    import os
+
+    from kvstore.tiers.residency import address, resident_at
+
+    fd = os.open(data, os.O_RDONLY)
+    try:
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        with mmap.mmap(fd, 0, prot=mmap.PROT_READ) as m:
+            view = memoryview(m)
+            try:
+                return (resident_at(address(view), len(view)) or 1.0) < 0.5
+            finally:
+                view.release()
+    except (OSError, AttributeError):
+        return False
+    finally:
+        os.close(fd)
+
+
+def test_the_residency_check_reads_nothing_and_tells_cold_from_cached(tmp_path):
+    """Deciding whether disk blocks are page-cached reads none of them (asking
+    LMDB for a value would read it all), so a cold store looks cold, a warm
+    one warm, and a hit declined by the policy costs no disk reads."""
+    import os
+
+    p = _prompt(8 * 256)
+    with PrefixStore(budget_gb=1, ssd_path=tmp_path / "s", block_size=256) as s:
+        s.put("m", p, kv_layers(p, n_layers=4, heads=8, dim=128))  # 8 blocks of 4 MiB
+    if not os.path.exists("/proc/self/io") or not _dropped(tmp_path / "s" / "data.mdb"):
+        pytest.skip("the page cache cannot be dropped or watched here")
+    with PrefixStore(budget_gb=0, ssd_path=tmp_path / "s", block_size=256, fetch_policy="never") as s:
+        before = _read_bytes()
+        assert not s.fetch("m", p)
+        assert _read_bytes() - before < 4 << 20  # not one block, let alone the 32 MiB of them
+        s.fetch_policy = "always"
+        assert s.fetch("m", p).ssd_tokens == len(p)
+        cold = s.stats()["cost"]["rates"]
+        # (opening reads the index, and the kernel's readahead around it may bring in some blocks)
+        assert cold.get("ssd_cold", {}).get("observed", 0) == 1
+        assert s.fetch("m", p).ssd_tokens == len(p)
+        warm = s.stats()["cost"]["rates"]
+        assert warm["ssd_cold"]["observed"] == 1
+        assert warm["ssd_cached"]["observed"] == cold.get("ssd_cached", {}).get("observed", 0) + 1

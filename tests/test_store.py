@@ -675,3 +675,21 @@ def test_trim_disk_evicts_least_recently_used_leaves_first(ssd):
     assert s.stats()["ssd_blocks"] == 0
     s.close()
     assert ssd().fetch(M, a).length == 0
+
+
+def test_a_put_of_many_batches_is_written_whole_while_encoding_overlaps(ssd, monkeypatch):
+    """Batches go to the commit thread one at a time while the writer encodes
+    the next: after a flush every block is on disk, and a reopened store
+    serves the whole prompt exactly."""
+    import kvstore.writer as writer
+
+    monkeypatch.setattr(writer, "WRITE_BATCH", 1)  # every block its own batch and transaction
+    p = toks(10 * BS)
+    s = ssd()
+    assert put(s, p) == 10
+    s.flush()
+    assert s.stats()["ssd_blocks"] == 10
+    s.close()
+    hit = ssd(budget_gb=0).fetch(M, p)
+    assert hit.length == 10 * BS and hit.ssd_tokens == 10 * BS
+    assert_hit_is(hit, p, 10 * BS)

@@ -37,6 +37,7 @@ import os
 import shutil
 import time
 from contextlib import contextmanager
+from dataclasses import replace
 from pathlib import Path
 from typing import Callable, Iterator, Mapping, Optional, Sequence, Union
 
@@ -48,7 +49,7 @@ from ..errors import BlockDecodeError, StorageError, StoreOpenError
 from ..record import BlockRecord
 from .base import Entry, Loaded, Use, decode_into
 from .gate import Gate
-from .residency import resident_fraction
+from .residency import address, map_base, resident_at
 
 log = logging.getLogger("kvstore")
 
@@ -86,6 +87,7 @@ _LOW_SPACE = 1 << 20
 class LmdbTier:
     def __init__(self, path, budget_bytes: Optional[int] = None, readonly: bool = False):
         self.path = Path(path).expanduser()
+        self._data_file = str(self.path / "data.mdb")
         self.readonly = readonly
         self._gate = Gate()
         self._check_path()
@@ -380,7 +382,7 @@ class LmdbTier:
                 if e.errno != errno.ENOSPC:
                     raise
 
-    def write(self, fn: Callable[[lmdb.Transaction], None], nbytes: int = 0) -> None:
+    def write(self, fn: Callable[[lmdb.Transaction], None], nbytes: int = 0, buffers: bool = False) -> None:
         """Run ``fn`` (writing about ``nbytes``) in one write transaction; grow
         the map when full. Raises ``OSError(ENOSPC)`` when a writable map
         cannot grow for want of space."""
@@ -389,7 +391,7 @@ class LmdbTier:
         for _ in range(32):
             try:
                 with self._gate.shared():
-                    with self.env.begin(write=True) as txn:
+                    with self.env.begin(write=True, buffers=buffers) as txn:
                         fn(txn)
                 return
             except lmdb.MapFullError:
@@ -417,11 +419,18 @@ class LmdbTier:
         dbs = self.dbs
 
         def fn(txn):
+            # with writemap a new value's pages are its pages in the file: its offset is final
+            span = map_base(self._data_file) if self.writemap else None
             for e in entries:
                 txn.put(e.key, e.payload, db=dbs[b"blocks"])
+                offset = -1
+                if span is not None:
+                    addr = address(txn.get(e.key, db=dbs[b"blocks"]))  # (touches pages just written)
+                    offset = addr - span[0] if span[0] <= addr < span[1] else -1
+                e.record = replace(e.record, offset=offset)
                 txn.put(e.key, e.record.pack(), db=dbs[b"nodes"])
                 txn.put(e.record.parent, e.key, db=dbs[b"children"], dupdata=True)
-        self.write(fn, sum(len(e.payload) for e in entries))
+        self.write(fn, sum(len(e.payload) for e in entries), buffers=True)
 
     def remove(self, keys: Sequence[bytes]) -> list[bytes]:
         """Remove blocks and their records; returns the keys that were there."""
@@ -494,16 +503,19 @@ class LmdbTier:
             return []
         return [bytes(k) for k in cur.iternext_dup()]
 
-    def resident(self, keys: Sequence[bytes]) -> dict[bytes, Optional[float]]:
-        """Per block, the fraction of its pages in the page cache (``None``
-        where that cannot be told): a page-cached read and a cold one differ
-        several-fold, and the cost model needs to know which it faces."""
-        out: dict[bytes, Optional[float]] = {}
-        with self.reader() as txn:
-            for key in keys:
-                buf = self.payload(txn, key)
-                if buf is not None:
-                    out[key] = resident_fraction(buf)
+    def resident(self, spans: Mapping[bytes, tuple[int, int]]) -> dict[bytes, Optional[float]]:
+        """Per block (by its ``(offset, nbytes)`` in the file, from its record),
+        the fraction of its pages in the page cache, ``None`` where that cannot
+        be told: a page-cached read and a cold one differ several-fold, and
+        the cost model needs to know which it faces. Reads nothing."""
+        out: dict[bytes, Optional[float]] = {k: None for k in spans}
+        with self._gate.shared():  # no remap meanwhile
+            base = map_base(self._data_file) if any(off >= 0 for off, _ in spans.values()) else None
+            if base is None:
+                return out
+            for key, (off, n) in spans.items():
+                if off >= 0 and base[0] + off + n <= base[1]:
+                    out[key] = resident_at(base[0] + off, n)
         return out
 
     def records(self, txn: lmdb.Transaction, bad: Optional[list] = None) -> Iterator[BlockRecord]:
