@@ -47,6 +47,7 @@ import msgpack
 from ..codec import Stored
 from ..errors import BlockDecodeError, StorageError, StoreOpenError
 from ..record import BlockRecord
+from ..spread import each
 from .base import Entry, Loaded, Use, decode_into
 from .gate import Gate
 from .residency import address, map_base, resident_at
@@ -502,6 +503,19 @@ class LmdbTier:
         if not cur.set_key(key):
             return []
         return [bytes(k) for k in cur.iternext_dup()]
+
+    def read_ahead(self, keys: Sequence[bytes]) -> None:
+        """Bring values into the page cache from the worker threads at once.
+        py-lmdb's ``get`` touches every page of the value it returns, with the
+        GIL released: one ``get`` per thread is one sequential read, so a cold
+        hit is read by several streams instead of one."""
+        blocks = self.dbs[b"blocks"]
+
+        def one(i: int) -> None:
+            with self.reader() as txn:
+                txn.get(keys[i], db=blocks)
+
+        each(one, len(keys))
 
     def resident(self, spans: Mapping[bytes, tuple[int, int]]) -> dict[bytes, Optional[float]]:
         """Per block (by its ``(offset, nbytes)`` in the file, from its record),
