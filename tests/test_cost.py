@@ -29,6 +29,16 @@ def test_prefill_model_fit_recovers_fixed_linear_and_context_terms():
     assert fit.c == pytest.approx(2e-9, rel=1e-3)
 
 
+def test_a_slow_first_request_does_not_skew_the_prefill_model():
+    """A warm-up request (kernels compiled, 10x slow) is left out of the fit:
+    the model still predicts the steady prefill time."""
+    truth = PrefillModel(0.02, 0.0, 3e-9)
+    obs = [(0, 32768, 10 * truth.seconds(0, 32768))]
+    obs += [(0, n, truth.seconds(0, n) * f) for n, f in ((32768, 1.02), (32768, 0.97), (8192, 1.0), (2048, 1.03))]
+    fit = PrefillModel.fit(obs)
+    assert fit.seconds(0, 32768) == pytest.approx(truth.seconds(0, 32768), rel=0.05)
+
+
 def test_prefill_fit_never_goes_negative():
     """Noisy observations that a plain least-squares fit would explain with a
     negative term still give a model that never predicts negative time."""
