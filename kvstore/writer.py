@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING, Callable, Optional
 import mlx.core as mx
 import numpy as np
 
-from .codec import Block, Codec, Stored, block_arrays, serialize
+from .codec import Block, Codec, Stored, block_arrays
 from .counters import Counters
 from .index import Node
 from .layers import KVLayer, Layer, StateLayer, own, take_rows
@@ -145,8 +145,8 @@ class Writer:
                 found = job.found.get(node.key) if job.found is not None else None
                 if found is None:
                     block = encode(job, node, self.codec)
-                    payload = serialize(block, node.key)  # RAM, disk and remote keep these same bytes
-                    held = Stored.of(payload, node.key, node.start, checked=True)
+                    held = Stored.pack(block, node.key, node.start)  # RAM, disk and remote keep these bytes
+                    payload = held.buf
                 with self.lock:
                     if not self._current(node, job):
                         continue

@@ -489,3 +489,15 @@ def test_mutated_headers_fail_cleanly(data):
     except BlockDecodeError:
         return
     check_well_formed(block)
+
+
+def test_a_packed_block_carries_the_header_a_reader_parses():
+    """The writer keeps the header it wrote instead of parsing it back: it
+    must be the header a reader of the same bytes gets."""
+    from kvstore.codec import Stored
+
+    block = small_block()
+    held = Stored.pack(block, b"k" * 16, 0)
+    parsed = Stored.of(bytes(held.buf), b"k" * 16, 0)
+    assert held.header == parsed.header and held.checked and held.intact()
+    assert held.decode().tokens.tolist() == block.tokens.tolist()
