@@ -304,7 +304,8 @@ def _serialize(block: Block, key: bytes) -> tuple[memoryview, "Header"]:
     fields = {"key": bytes(key), "n": int(len(block.tokens)), "size": w.size, "sum": _SUM_PLACEHOLDER,
               "tok": tok, "L": table}
     start = _align(_PREFIX.size + len(msgpack.packb(fields, use_bin_type=True)))
-    out = memoryview(np.empty(start + w.size, np.uint8))
+    arr = np.empty(start + w.size, np.uint8)
+    out = memoryview(arr)
     out[:start] = bytes(start)
     payload = out[start:]
     w.fill(payload)
@@ -317,7 +318,7 @@ def _serialize(block: Block, key: bytes) -> tuple[memoryview, "Header"]:
         start = _align(len(head))
         return memoryview(bytearray(head + bytes(start - len(head))) + payload), Header(n, start, fields)
     out[: len(head)] = head  # the rest up to ``start`` is still zero
-    return out, Header(n, start, fields)
+    return _frozen(arr), Header(n, start, fields)
 
 
 @dataclass
@@ -535,12 +536,20 @@ class Stored:
     def held(self) -> Optional["Stored"]:
         """A checked copy in memory of its own (out of an mmap view that ends
         with its transaction), or ``None`` when the payload is corrupt."""
-        if not self.intact():
+        copy = Stored(self.key, self.start, _frozen(np.array(self.buf, np.uint8)), self.header)
+        if not copy.intact():  # the copy is what is kept: check that
             return None
-        return Stored(self.key, self.start, memoryview(np.array(self.buf, np.uint8)), self.header, True)
+        copy.checked = True
+        return copy
 
     def decode(self) -> Block:
         return deserialize(self.buf, self.start, verify=not self.checked, key=self.key)
+
+
+def _frozen(arr: np.ndarray) -> memoryview:
+    """A read-only view: bytes kept as checked are never written again."""
+    arr.flags.writeable = False
+    return memoryview(arr)
 
 
 def layer_arrays(layer: Layer) -> list[mx.array]:

@@ -99,6 +99,7 @@ class Plan:
     prefill_s: float = 0.0  # predicted seconds to prefill the rest
     reason: str = ""
     states: dict = field(default_factory=dict)  # block key -> where it loads from (``STATES``)
+    unknown: frozenset = frozenset()  # disk blocks whose page-cache residency could not be told
 
     @property
     def skipped(self) -> int:

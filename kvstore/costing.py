@@ -51,16 +51,21 @@ class FetchCosts:
         plan = self.cost.plan(root.hex(), n_prompt, [p.start for p in path], [p.end for p in path], sizes,
                               states, servable, limit_to)
         plan.states = dict(zip((p.key for p in path), states))
+        plan.unknown = frozenset(k for k in on_disk if resident.get(k) is None)  # planned as cold
         return plan
 
     def observe(self, path: list[Node], sizes: list[int], from_ram: list[bool], length: int, plan: Plan,
                 seconds: float) -> dict[str, int]:
         """Rates of a served fetch, per source, each charged its share of the
-        time by bytes (blocks are read and assembled in one pass)."""
+        time by bytes (blocks are read and assembled in one pass). A fetch
+        with a disk block of unknown residency teaches nothing: its time
+        would be charged to a rate it may not belong to."""
         by_state: dict[str, int] = {}
         for p, nbytes, r in zip(path, sizes, from_ram):
             if p.start >= length:
                 continue
+            if not r and p.key in plan.unknown:
+                return {}
             state = "ram" if r else plan.states.get(p.key, "ssd_cold")
             by_state[state] = by_state.get(state, 0) + nbytes * (min(p.end, length) - p.start) // max(1, p.length)
         total = sum(by_state.values())

@@ -17,8 +17,10 @@ from __future__ import annotations
 
 import ctypes
 import os
+import queue
 import threading
-from typing import Optional
+from contextlib import contextmanager
+from typing import Iterator, Optional
 
 import mlx.core as mx
 import numpy as np
@@ -137,50 +139,60 @@ def _loaded_cudart() -> list[str]:
         return []
 
 
-STAGE = 16 << 20  # bytes per pinned staging buffer (two per thread that moves bytes)
-_local = threading.local()  # per thread: its CUDA stream and pinned staging buffers
+STAGE = 16 << 20  # bytes per pinned staging buffer (two per transfer in flight)
+_stages: "queue.SimpleQueue" = queue.SimpleQueue()  # (stream, [buffer, buffer]) not in use
 
 
-def _staging(rt: Runtime):
-    """This thread's stream and two pinned buffers (made once per thread)."""
-    st = getattr(_local, "stage", None)
-    if st is None:
-        st = _local.stage = (rt.stream(), [rt.pinned(STAGE), rt.pinned(STAGE)])
-    return st
+@contextmanager
+def _staging(rt: Runtime) -> Iterator[tuple]:
+    """A stream and two pinned buffers from a process-wide pool: made when
+    none is free, kept for reuse (pinned memory is slow to get and never
+    returned to the OS), so there are only as many as transfers ever ran at
+    once, however many threads and stores come and go."""
+    try:
+        st = _stages.get_nowait()
+    except queue.Empty:
+        st = (rt.stream(), [rt.pinned(STAGE), rt.pinned(STAGE)])
+    try:
+        yield st
+    finally:
+        try:
+            rt.sync(st[0])  # nothing in flight into its buffers when the next user takes them
+        finally:
+            _stages.put(st)
 
 
 def upload(rt: Runtime, dst: int, src: memoryview) -> None:
     """Host bytes to device address ``dst``: copies into alternating pinned
     buffers overlap the copy engine's transfer of the previous one."""
-    stream, bufs = _staging(rt)
     src = np.frombuffer(src, np.uint8)
-    pending = [False, False]
-    for j, off in enumerate(range(0, len(src), STAGE)):
-        k = j % 2
-        if pending[k]:
-            rt.sync(stream)  # the transfer that used this buffer is done
-            pending = [False, False]
-        n = min(STAGE, len(src) - off)
-        np.copyto(bufs[k][:n], src[off : off + n])
-        rt.copy(dst + off, bufs[k].ctypes.data, n, stream)
-        pending[k] = True
-    rt.sync(stream)
+    with _staging(rt) as (stream, bufs):
+        pending = [False, False]
+        for j, off in enumerate(range(0, len(src), STAGE)):
+            k = j % 2
+            if pending[k]:
+                rt.sync(stream)  # the transfer that used this buffer is done
+                pending = [False, False]
+            n = min(STAGE, len(src) - off)
+            np.copyto(bufs[k][:n], src[off : off + n])
+            rt.copy(dst + off, bufs[k].ctypes.data, n, stream)
+            pending[k] = True
+        rt.sync(stream)
 
 
 def download(rt: Runtime, dst: np.ndarray, src: int) -> None:
     """Device bytes at ``src`` into host array ``dst`` (uint8): the copy
     engine fills one pinned buffer while the host empties the other."""
-    stream, bufs = _staging(rt)
     chunks = [(off, min(STAGE, len(dst) - off)) for off in range(0, len(dst), STAGE)]
-    for j, (off, n) in enumerate(chunks):
-        if j == 0:
-            rt.copy(bufs[0].ctypes.data, src, n, stream)
-        rt.sync(stream)  # chunk j has landed
-        if j + 1 < len(chunks):
-            o, m = chunks[j + 1]
-            rt.copy(bufs[(j + 1) % 2].ctypes.data, src + o, m, stream)
-        np.copyto(dst[off : off + n], bufs[j % 2][:n])
-    rt.sync(stream)
+    with _staging(rt) as (stream, bufs):
+        for j, (off, n) in enumerate(chunks):
+            if j == 0:
+                rt.copy(bufs[0].ctypes.data, src, n, stream)
+            rt.sync(stream)  # chunk j has landed
+            if j + 1 < len(chunks):
+                o, m = chunks[j + 1]
+                rt.copy(bufs[(j + 1) % 2].ctypes.data, src + o, m, stream)
+            np.copyto(dst[off : off + n], bufs[j % 2][:n])
 
 
 def address(a: mx.array) -> int:

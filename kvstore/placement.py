@@ -166,6 +166,8 @@ class Placement:
                                 break
                             if got is None:
                                 break
+                            if p.offset < 0:  # learnt for the residency check (blocks written before offsets)
+                                p.offset = disk.offset_of(got.buf)
                             items[i] = got
                     served = self._serve(path, items, from_ram, toks, length, quantized, bad)
             except Exception as e:

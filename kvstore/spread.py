@@ -15,7 +15,7 @@ from __future__ import annotations
 import os
 import threading
 from concurrent.futures import ThreadPoolExecutor
-from typing import Callable, Optional, Sequence, TypeVar
+from typing import Callable, Sequence, TypeVar
 
 import mlx.core as mx
 
@@ -25,7 +25,7 @@ T = TypeVar("T")
 
 _MAX_WORKERS = 8
 _lock = threading.Lock()
-_pool: Optional[ThreadPoolExecutor] = None
+_pools: dict[str, ThreadPoolExecutor] = {}
 _cap = _MAX_WORKERS
 
 
@@ -41,12 +41,15 @@ def set_max_workers(n: int) -> int:
     return prev
 
 
-def _executor() -> ThreadPoolExecutor:
-    global _pool
+def pool(name: str = "spread") -> ThreadPoolExecutor:
+    """The process-wide pool of ``workers()`` threads called ``name``. Work
+    that may block on what another pool's work holds gets a pool of its own
+    (LMDB read-ahead waits on the map's gate, which a gather holds)."""
     with _lock:
-        if _pool is None:
-            _pool = ThreadPoolExecutor(workers(), thread_name_prefix="kvstore-spread")
-        return _pool
+        p = _pools.get(name)
+        if p is None:
+            p = _pools[name] = ThreadPoolExecutor(workers(), thread_name_prefix=f"kvstore-{name}")
+        return p
 
 
 def evaluate(items: Sequence) -> None:
@@ -73,7 +76,7 @@ def each(fn: Callable[[int], T], n: int) -> list[T]:
     every device."""
     if n < 2 or workers() < 2:
         return [fn(i) for i in range(n)]
-    return list(_executor().map(fn, range(n)))
+    return list(pool().map(fn, range(n)))
 
 
 def spread(work: Sequence[Callable[[], T]]) -> list[T]:
@@ -83,5 +86,5 @@ def spread(work: Sequence[Callable[[], T]]) -> list[T]:
     if n < 2 or mx.default_device() != mx.cpu:
         return _run(work)
     size = -(-len(work) // n)
-    futures = [_executor().submit(_run, work[i : i + size]) for i in range(0, len(work), size)]
+    futures = [pool().submit(_run, work[i : i + size]) for i in range(0, len(work), size)]
     return [r for f in futures for r in f.result()]

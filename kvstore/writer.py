@@ -72,7 +72,7 @@ class Writer:
         self.pending_bytes = 0
         self._queue: "queue.Queue[Optional[Job]]" = queue.Queue()
         self._thread: Optional[threading.Thread] = None
-        self._committer: Optional[ThreadPoolExecutor] = None
+        self._committer = ThreadPoolExecutor(1, thread_name_prefix="kvstore-commit")  # a thread on first use
 
     @property
     def pending_jobs(self) -> int:
@@ -107,8 +107,7 @@ class Writer:
         if self._thread is not None:
             self._queue.put(None)
             self._thread.join(timeout=60)
-        if self._committer is not None:
-            self._committer.shutdown(wait=True)
+        self._committer.shutdown(wait=True)
 
     def _ensure_thread(self) -> None:
         with self.lock:
@@ -196,8 +195,6 @@ class Writer:
         and at most two batches are held."""
         if writing is not None:
             writing.result()
-        if self._committer is None:
-            self._committer = ThreadPoolExecutor(1, thread_name_prefix="kvstore-commit")
         return self._committer.submit(self._keep, batch, job, to_disk, to_remote)
 
     def _current(self, node: Node, job: Job) -> bool:

@@ -3,12 +3,14 @@
 Rates here are made up on purpose (fed through the same ``observe_*`` calls
 the store and the adapters make), so each case pins one decision."""
 
+from dataclasses import replace
+
 import pytest
 
 from kvstore import ConfigError, PrefixStore
 from kvstore.cost import CostModel, PrefillModel
 
-from ._helpers import kv_layers
+from ._helpers import assert_hit_is, kv_layers
 
 GB = 1e9
 M = "cost-model"
@@ -194,7 +196,9 @@ def test_the_residency_check_reads_nothing_and_tells_cold_from_cached(tmp_path):
         assert not s.fetch("m", p)
         assert _read_bytes() - before < 4 << 20  # not one block, let alone the 32 MiB of them
         s.fetch_policy = "always"
-        assert s.fetch("m", p).ssd_tokens == len(p)
+        hit = s.fetch("m", p)  # cold blocks read ahead on several threads, then gathered
+        assert hit.ssd_tokens == len(p)
+        assert_hit_is(hit, p, len(p), n_layers=4, heads=8, dim=128)
         cold = s.stats()["cost"]["rates"]
         # (opening reads the index, and the kernel's readahead around it may bring in some blocks)
         assert cold.get("ssd_cold", {}).get("observed", 0) == 1
@@ -202,3 +206,29 @@ def test_the_residency_check_reads_nothing_and_tells_cold_from_cached(tmp_path):
         warm = s.stats()["cost"]["rates"]
         assert warm["ssd_cold"]["observed"] == 1
         assert warm["ssd_cached"]["observed"] == cold.get("ssd_cached", {}).get("observed", 0) + 1
+
+
+def test_blocks_without_a_recorded_offset_teach_no_rate_until_read_once(tmp_path):
+    """A block whose place in the file is unknown (written before offsets were
+    recorded, or without writemap) is planned as cold but its fetch is not
+    charged to a rate it may not belong to; reading it once records where it
+    is, and from then on its residency is known."""
+    import lmdb
+
+    from kvstore.record import BlockRecord
+
+    p = _prompt(4 * 64)
+    with PrefixStore(budget_gb=1, ssd_path=tmp_path / "s", block_size=64) as s:
+        s.put("m", p, kv_layers(p, n_layers=2, heads=2, dim=64))
+    env = lmdb.open(str(tmp_path / "s"), max_dbs=8)  # as an older kvstore left it: records without offsets
+    nodes = env.open_db(b"nodes")
+    with env.begin(write=True) as txn:
+        for key, raw in list(txn.cursor(db=nodes)):
+            rec = BlockRecord.unpack(key, raw)
+            txn.put(key, replace(rec, offset=-1).pack(), db=nodes)
+    env.close()
+    with PrefixStore(budget_gb=0, ssd_path=tmp_path / "s", block_size=64, fetch_policy="always") as s:
+        assert s.fetch("m", p).ssd_tokens == len(p)
+        assert s.stats()["cost"]["rates"] == {}  # nothing learnt from blocks of unknown residency
+        assert s.fetch("m", p).ssd_tokens == len(p)
+        assert s.stats()["cost"]["rates"]["ssd_cached"]["observed"] == 1  # offsets learnt on the first read

@@ -47,7 +47,7 @@ import msgpack
 from ..codec import Stored
 from ..errors import BlockDecodeError, StorageError, StoreOpenError
 from ..record import BlockRecord
-from ..spread import each
+from ..spread import pool
 from .base import Entry, Loaded, Use, decode_into
 from .gate import Gate
 from .residency import address, map_base, resident_at
@@ -89,6 +89,7 @@ class LmdbTier:
     def __init__(self, path, budget_bytes: Optional[int] = None, readonly: bool = False):
         self.path = Path(path).expanduser()
         self._data_file = str(self.path / "data.mdb")
+        self._span: Optional[tuple[int, int]] = None  # where LMDB maps the data file here
         self.readonly = readonly
         self._gate = Gate()
         self._check_path()
@@ -347,6 +348,7 @@ class LmdbTier:
                 self.env.set_mapsize(max(self.env.info()["map_size"], self._file_size()))
             else:
                 self.env.set_mapsize(0)  # the size the other process committed
+            self._span = None  # remapped
 
     def _file_size(self) -> int:
         return (self.path / "data.mdb").stat().st_size
@@ -368,6 +370,7 @@ class LmdbTier:
             if new != self.env.info()["map_size"]:
                 log.info("kvstore: growing LMDB map of %s to %d MiB", self.path, new >> 20)
                 self.env.set_mapsize(new)
+                self._span = None  # remapped
 
     def _make_room(self, nbytes: int) -> None:
         """Grow a writable map ahead of a write of about ``nbytes`` (rather than
@@ -421,7 +424,7 @@ class LmdbTier:
 
         def fn(txn):
             # with writemap a new value's pages are its pages in the file: its offset is final
-            span = map_base(self._data_file) if self.writemap else None
+            span = self._map_span() if self.writemap else None
             for e in entries:
                 txn.put(e.key, e.payload, db=dbs[b"blocks"])
                 offset = -1
@@ -504,6 +507,20 @@ class LmdbTier:
             return []
         return [bytes(k) for k in cur.iternext_dup()]
 
+    def _map_span(self) -> Optional[tuple[int, int]]:
+        """Where LMDB maps the data file in this process (cached; a resize
+        remaps it, and clears the cache under the exclusive gate)."""
+        span = self._span
+        if span is None:
+            span = self._span = map_base(self._data_file)
+        return span
+
+    def offset_of(self, buf) -> int:
+        """A value's offset in the file from a view of it (-1 when not in the map)."""
+        span = self._map_span()
+        addr = address(buf)
+        return addr - span[0] if span is not None and span[0] <= addr < span[1] else -1
+
     def read_ahead(self, keys: Sequence[bytes]) -> None:
         """Bring values into the page cache from the worker threads at once.
         py-lmdb's ``get`` touches every page of the value it returns, with the
@@ -511,11 +528,13 @@ class LmdbTier:
         hit is read by several streams instead of one."""
         blocks = self.dbs[b"blocks"]
 
-        def one(i: int) -> None:
+        def one(key: bytes) -> None:
             with self.reader() as txn:
-                txn.get(keys[i], db=blocks)
+                txn.get(key, db=blocks)
 
-        each(one, len(keys))
+        # threads of its own: a worker waiting here for a resize must never hold up a hit's gather
+        # (on the shared pool) that holds the reader the resize waits for
+        list(pool("readahead").map(one, keys))
 
     def resident(self, spans: Mapping[bytes, tuple[int, int]]) -> dict[bytes, Optional[float]]:
         """Per block (by its ``(offset, nbytes)`` in the file, from its record),
@@ -524,7 +543,7 @@ class LmdbTier:
         the cost model needs to know which it faces. Reads nothing."""
         out: dict[bytes, Optional[float]] = {k: None for k in spans}
         with self._gate.shared():  # no remap meanwhile
-            base = map_base(self._data_file) if any(off >= 0 for off, _ in spans.values()) else None
+            base = self._map_span() if any(off >= 0 for off, _ in spans.values()) else None
             if base is None:
                 return out
             for key, (off, n) in spans.items():

@@ -36,7 +36,7 @@ from __future__ import annotations
 import os
 import re
 import threading
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Iterator, Mapping, Optional, Sequence
 from urllib.parse import parse_qs, quote, unquote, urlsplit
 
@@ -337,7 +337,7 @@ class RemoteTier:
         in one pipeline."""
         pipe = self.writes.pipeline(transaction=False)
         for rec, payload in items:
-            pipe.hset(self.key_name(rec.key), mapping={FIELD_PAYLOAD: payload, FIELD_RECORD: rec.pack(),
+            pipe.hset(self.key_name(rec.key), mapping={FIELD_PAYLOAD: payload, FIELD_RECORD: replace(rec, offset=-1).pack(),
                                                         FIELD_ROOT: rec.root})
             pipe.zadd(self.kids_name(rec.root, rec.parent), {_member(rec.tokens, rec.key): 0})
         pipe.execute()
