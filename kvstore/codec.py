@@ -316,7 +316,9 @@ def _serialize(block: Block, key: bytes) -> tuple[memoryview, "Header"]:
     n = int(len(block.tokens))
     if _align(len(head)) != start:  # a checksum below 2**32 packs shorter (1 in 2**32 blocks)
         start = _align(len(head))
-        return memoryview(bytearray(head + bytes(start - len(head))) + payload), Header(n, start, fields)
+        whole = np.concatenate([np.frombuffer(head + bytes(start - len(head)), np.uint8),
+                                np.frombuffer(payload, np.uint8)])
+        return _frozen(whole), Header(n, start, fields)
     out[: len(head)] = head  # the rest up to ``start`` is still zero
     return _frozen(arr), Header(n, start, fields)
 

@@ -102,6 +102,11 @@ class Plan:
     unknown: frozenset = frozenset()  # disk blocks whose page-cache residency could not be told
 
     @property
+    def cold(self) -> frozenset:
+        """Keys of disk blocks known to be out of the page cache."""
+        return frozenset(k for k, s in self.states.items() if s == "ssd_cold") - self.unknown
+
+    @property
     def skipped(self) -> int:
         return self.servable - self.length
 

@@ -23,13 +23,11 @@ asking for other quantization) is decoded block by block for ``assemble``.
 
 from __future__ import annotations
 
-import threading
 from dataclasses import dataclass
 from typing import Optional, Sequence, Union
 
 import mlx.core as mx
 import numpy as np
-import xxhash
 
 from . import cuda
 from .assemble import assemble

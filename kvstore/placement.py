@@ -140,12 +140,13 @@ class Placement:
         return None
 
     def load(self, path: list[Node], toks: np.ndarray, length: int,
-             quantized: Optional[tuple[int, int]] = None) -> "Served":
+             quantized: Optional[tuple[int, int]] = None, cold: frozenset = frozenset()) -> "Served":
         """The layers of ``path``'s blocks for ``[0, length)``, checked against
         the prompt; a bad block cuts the hit (and leaves the store). Disk blocks
         are read and assembled inside one read transaction, straight from the
         mapped pages (``gather``), and promoted to RAM afterwards, off the
-        caller's path. Called unlocked with ``path`` pinned."""
+        caller's path. ``cold``: keys of disk blocks the cost plan found out
+        of the page cache (read ahead). Called unlocked with ``path`` pinned."""
         self.wait_promotions([p.key for p in path])
         with self.lock:
             items: list = [self.ram.get(p.key) for p in path]
@@ -156,7 +157,7 @@ class Placement:
         else:
             try:
                 disk = self.persist.disk
-                self._read_ahead([p for p, it in zip(path, items) if it is None])
+                self._read_ahead([p.key for p, it in zip(path, items) if it is None and p.key in cold])
                 with disk.reader() as txn:
                     for i, p in enumerate(path):
                         if items[i] is None:
@@ -179,17 +180,12 @@ class Placement:
         self.promote_later([p for p, r in zip(path, served.from_ram) if not r])
         return served
 
-    def _read_ahead(self, nodes: list[Node]) -> None:
+    def _read_ahead(self, cold: list[bytes]) -> None:
         """Read the blocks known to be cold on several threads before the
         hit's transaction reads them in order (a cached block is left alone:
         touching its pages again costs time)."""
-        if len(nodes) < 2:
-            return
-        disk = self.persist.disk
-        res = disk.resident({p.key: (p.offset, p.nbytes) for p in nodes})
-        cold = [p.key for p in nodes if res.get(p.key) is not None and res[p.key] < 0.9]
         if len(cold) > 1:
-            disk.read_ahead(cold)
+            self.persist.disk.read_ahead(cold)
 
     def _serve(self, path, items, from_ram, toks, length, quantized, bad: list) -> "Served":
         """Cut at the first missing or foreign block, gather, and retry

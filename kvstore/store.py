@@ -221,7 +221,7 @@ class PrefixStore:
             plan = self._costs.plan(root.key, len(toks), pinned, length)
             path = [p for p in pinned if p.start < plan.length]
             t0 = time.perf_counter()
-            got = self._placement.load(path, toks, plan.length, quantized)
+            got = self._placement.load(path, toks, plan.length, quantized, plan.cold)
             t_load = time.perf_counter() - t0
         finally:
             with self._lock:

@@ -77,7 +77,6 @@ def main(argv=None) -> dict:
     mx.eval(dst)
 
     def assign():
-        nonlocal dst
         t = time.perf_counter()
         m = mx.array(src)
         dst[: n // 2] = m

@@ -27,7 +27,6 @@ import cProfile
 import io
 import json
 import pstats
-import os
 import shutil
 import statistics
 import tempfile

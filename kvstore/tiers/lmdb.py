@@ -423,14 +423,11 @@ class LmdbTier:
         dbs = self.dbs
 
         def fn(txn):
-            # with writemap a new value's pages are its pages in the file: its offset is final
-            span = self._map_span() if self.writemap else None
             for e in entries:
                 txn.put(e.key, e.payload, db=dbs[b"blocks"])
-                offset = -1
-                if span is not None:
-                    addr = address(txn.get(e.key, db=dbs[b"blocks"]))  # (touches pages just written)
-                    offset = addr - span[0] if span[0] <= addr < span[1] else -1
+                # with writemap a new value's pages are its pages in the file: its offset is final
+                # (the get touches pages just written)
+                offset = self.offset_of(txn.get(e.key, db=dbs[b"blocks"])) if self.writemap else -1
                 e.record = replace(e.record, offset=offset)
                 txn.put(e.key, e.record.pack(), db=dbs[b"nodes"])
                 txn.put(e.record.parent, e.key, db=dbs[b"children"], dupdata=True)
