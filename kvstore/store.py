@@ -34,6 +34,7 @@ import threading
 import time
 import weakref
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Optional, Sequence, Union
 
 import mlx.core as mx
@@ -401,7 +402,10 @@ class PrefixStore:
             name = model_key if isinstance(model_key, str) else model_key.hex()
             desc = dict(info or {}, model_key=name, namespace=self.namespace, created=time.time())
             if self._persist is not None:
-                self._persist.register_model(key, desc)
+                if info is None:  # a put's implicit description: written by the writer, not while the engine waits
+                    self._writer.later(partial(self._persist.register_model, key, desc))
+                else:
+                    self._persist.register_model(key, desc)
             if self._remote is not None:
                 self._remote.register_model(key, desc)
         with self._lock:

@@ -23,7 +23,7 @@ import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field, replace
-from typing import TYPE_CHECKING, Callable, Optional
+from typing import TYPE_CHECKING, Callable, Optional, Union
 
 import mlx.core as mx
 import numpy as np
@@ -70,7 +70,7 @@ class Writer:
         self.max_pending = max_pending
         self.on_idle = on_idle  # after each job (saves use times)
         self.pending_bytes = 0
-        self._queue: "queue.Queue[Optional[Job]]" = queue.Queue()
+        self._queue: "queue.Queue[Union[Job, Callable[[], None], None]]" = queue.Queue()
         self._thread: Optional[threading.Thread] = None
         self._committer = ThreadPoolExecutor(1, thread_name_prefix="kvstore-commit")  # a thread on first use
 
@@ -91,6 +91,12 @@ class Writer:
             return
         self._ensure_thread()
         self._queue.put(job)
+
+    def later(self, fn: Callable[[], None]) -> None:
+        """Run ``fn`` on the writer thread after the jobs queued before it
+        (a small write that should not block the caller on an fsync)."""
+        self._ensure_thread()
+        self._queue.put(fn)
 
     def flush(self, timeout: Optional[float] = None) -> None:
         """Wait until every queued job is done."""
@@ -121,9 +127,16 @@ class Writer:
             try:
                 if job is None:
                     return
-                self.run(job)
-                with self.lock:
-                    self.pending_bytes -= job.nbytes
+                if isinstance(job, Job):
+                    try:
+                        self.run(job)
+                    finally:
+                        with self.lock:
+                            self.pending_bytes -= job.nbytes
+                else:
+                    job()  # from later()
+            except Exception:  # the writer lives on: the next put's blocks still get stored
+                log.exception("kvstore: a background write failed")
             finally:
                 self._queue.task_done()
 

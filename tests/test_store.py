@@ -693,3 +693,25 @@ def test_a_put_of_many_batches_is_written_whole_while_encoding_overlaps(ssd, mon
     hit = ssd(budget_gb=0).fetch(M, p)
     assert hit.length == 10 * BS and hit.ssd_tokens == 10 * BS
     assert_hit_is(hit, p, 10 * BS)
+
+
+def test_put_leaves_every_disk_write_to_the_background_threads(ssd, monkeypatch):
+    """A put never waits on a disk transaction (an fsync): not for its blocks
+    and not for the first description of a new model, which still lands."""
+    from kvstore.tiers.lmdb import LmdbTier
+
+    writers: list[str] = []
+    real = LmdbTier.write
+
+    def write(self, *a, **kw):
+        writers.append(threading.current_thread().name)
+        return real(self, *a, **kw)
+
+    monkeypatch.setattr(LmdbTier, "write", write)
+    s = ssd()
+    writers.clear()  # (opening the store writes its settings)
+    put(s, toks(3 * BS))
+    put(s, toks(3 * BS))  # nothing new
+    s.flush()
+    assert writers and threading.current_thread().name not in writers
+    assert root_key(M, s.namespace) in s._persist.disk.models()
