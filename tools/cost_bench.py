@@ -53,7 +53,8 @@ def _ttft(model, tokenizer, store, prompt) -> tuple[float, object]:
     return r.ttft_s, r
 
 
-def run(model_path: str | None, lengths: list[int], kinds: list[str], repeats: int, block: int) -> dict:
+def run(model_path: str | None, lengths: list[int], kinds: list[str], repeats: int, block: int,
+        out: Path | None = None) -> dict:
     if model_path is None:
         from kvstore.adapters.tiny_models import ensure_tiny_model
         model_path = str(ensure_tiny_model("llama", max_position_embeddings=max(lengths) * 2))
@@ -105,11 +106,19 @@ def run(model_path: str | None, lengths: list[int], kinds: list[str], repeats: i
                         row["store_cost"] = s.stats()["cost"]
                         rows.append(row)
                         print(json.dumps({k: v for k, v in row.items() if k != "store_cost"}), flush=True)
+                        if out is not None:  # row by row: a run cut short keeps the rows it measured
+                            out.mkdir(parents=True, exist_ok=True)
+                            (out / "cost.json").write_text(json.dumps(_result(model_path, key, block, repeats, rows),
+                                                                      indent=1))
                     finally:
                         s.close()
                 shutil.rmtree(path, ignore_errors=True)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
+    return _result(model_path, key, block, repeats, rows)
+
+
+def _result(model_path: str, key: str, block: int, repeats: int, rows: list[dict]) -> dict:
     return {"model": model_path, "model_key": key, "block_size": block, "repeats": repeats, "rows": rows,
             "date": time.strftime("%Y-%m-%d %H:%M"),
             "all_within_1_1": all(r["auto_vs_best"] <= 1.1 for r in rows)}
@@ -124,12 +133,9 @@ def main(argv=None) -> int:
     ap.add_argument("--block-size", type=int, default=256)
     ap.add_argument("--out", type=Path, default=None, help="write cost.json here")
     args = ap.parse_args(argv)
-    res = run(args.model, args.lengths, args.kv, args.repeats, args.block_size)
+    res = run(args.model, args.lengths, args.kv, args.repeats, args.block_size, args.out)
     worst = max(r["auto_vs_best"] for r in res["rows"])
     print(f"auto within 1.1x of min(cold, forced) in every row: {res['all_within_1_1']} (worst {worst:.2f}x)")
-    if args.out:
-        args.out.mkdir(parents=True, exist_ok=True)
-        (args.out / "cost.json").write_text(json.dumps(res, indent=1))
     return 0
 
 
