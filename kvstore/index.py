@@ -126,21 +126,26 @@ class RadixIndex:
             snap: Optional[bool] = None, gap: int = NO_GAP, rows_from: Optional[int] = None) -> Node:
         """Insert a block under ``parent`` (which must be indexed), or return the
         block already there."""
-        node = self._nodes.get(key)
+        nodes = self._nodes
+        node = nodes.get(key)
         if node is not None:
             return node
-        if not parent.is_root and parent.key not in self._nodes:
+        # (a put adds a node per block: attributes, not properties, on this path)
+        if parent.parent is not None and parent.key not in nodes:
             raise KeyError("parent block is not indexed")
-        if start != parent.end:
+        if start != parent.start + parent.length:
             raise ValueError(f"block starts at {start} but its parent ends at {parent.end}")
         node = Node(key, parent, start, length, first, snap, gap, rows_from)
-        if not parent.children and not parent.is_root:
-            self.leaves -= 1  # the parent was a leaf
+        kids = parent.children
+        if kids is None:
+            kids = parent.children = {}
+            if parent.parent is not None:
+                self.leaves -= 1  # the parent was a leaf
+        elif not kids and parent.parent is not None:
+            self.leaves -= 1
         self.leaves += 1
-        if parent.children is None:
-            parent.children = {}
-        parent.children[key] = node
-        self._nodes[key] = node
+        kids[key] = node
+        nodes[key] = node
         return node
 
     def match(self, root: Node, keys) -> MatchResult:

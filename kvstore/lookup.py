@@ -138,6 +138,9 @@ def new_blocks(index: RadixIndex, root: Node, chain: KeyChain, n: int, has_state
     bs = chain.block_size
     new: list[Node] = []
     node = root
+    if n >= bs:
+        chain.key(n // bs - 1)  # every key in one go
+    firsts = chain.tokens[0:n:bs].tolist()
     for i in range((n + bs - 1) // bs):
         start = i * bs
         length = min(bs, n - start)
@@ -147,7 +150,7 @@ def new_blocks(index: RadixIndex, root: Node, chain: KeyChain, n: int, has_state
         if child is not None and not (end_here and has_state and child.snap is False):
             node = child
             continue
-        gap, rows_from = block_gap(late, start, start + length)
+        gap, rows_from = block_gap(late, start, start + length) if late else (NO_GAP, start)
         if gap == FULL_GAP:
             break
         if child is not None:
@@ -156,7 +159,7 @@ def new_blocks(index: RadixIndex, root: Node, chain: KeyChain, n: int, has_state
             child.snap, child.gap, child.rows_from = True, gap, rows_from
             node = child
         else:
-            node = index.add(node, key, start, length, int(chain.tokens[start]),
+            node = index.add(node, key, start, length, firsts[i],
                              end_here if has_state else None, gap, rows_from)
         new.append(node)
     return new

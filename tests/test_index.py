@@ -228,6 +228,21 @@ def test_tail_keys_extend_the_chain(toks, bs):
     assert len(tails) == len(toks) - i * bs
 
 
+@SETTINGS
+@given(toks=st.lists(st.integers(-2**63, 2**63 - 1) | st.integers(0, 2**31 - 1), min_size=1, max_size=40),
+       bs=st.integers(1, 8))
+def test_keys_asked_for_at_once_equal_keys_asked_for_in_turn(toks, bs):
+    """A put hashes every block in one go (``key(last)`` first); the keys are
+    the chain's, block by block, for int32 and int64 prompts alike."""
+    one_go, in_turn = (KeyChain(root_key("m"), as_tokens(toks), bs) for _ in range(2))
+    if one_go.n_full:
+        one_go.key(one_go.n_full - 1)
+    parent = root_key("m")
+    for i in range(in_turn.n_full):
+        parent = chain_key(parent, as_tokens(toks[i * bs:(i + 1) * bs]))
+        assert one_go.key(i) == in_turn.key(i) == parent
+
+
 def test_keys_of_other_models_and_namespaces_differ():
     """The same tokens hash differently under another model or namespace."""
     t = as_tokens(range(8))
