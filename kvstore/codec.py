@@ -304,7 +304,7 @@ def _serialize(block: Block, key: bytes) -> tuple[memoryview, "Header"]:
     fields = {"key": bytes(key), "n": int(len(block.tokens)), "size": w.size, "sum": _SUM_PLACEHOLDER,
               "tok": tok, "L": table}
     start = _align(_PREFIX.size + len(msgpack.packb(fields, use_bin_type=True)))
-    arr = np.empty(start + w.size, np.uint8)
+    arr = _buffer(start + w.size)
     out = memoryview(arr)
     out[:start] = bytes(start)
     payload = out[start:]
@@ -321,6 +321,23 @@ def _serialize(block: Block, key: bytes) -> tuple[memoryview, "Header"]:
         return _frozen(whole), Header(n, start, fields)
     out[: len(head)] = head  # the rest up to ``start`` is still zero
     return _frozen(arr), Header(n, start, fields)
+
+
+_PAGE = 4096
+_IN_PAGE = 64  # where a large buffer starts within its page
+
+
+def _buffer(n: int) -> np.ndarray:
+    """``n`` bytes of numpy memory for a serialized block. A large one starts
+    64 bytes into a page, not at a page boundary: LMDB puts a value 16 bytes
+    into its first page, and glibc copies a page-aligned source to that offset
+    with a loop that took a page fault per 4 KiB of LMDB's map (65,499 faults
+    and 0.21 s per 256 MiB on the CPU box; 2,842 and 0.055 s from this offset)."""
+    if n < 1 << 20:
+        return np.empty(n, np.uint8)
+    raw = np.empty(n + _PAGE, np.uint8)
+    skip = (_IN_PAGE - raw.ctypes.data) % _PAGE
+    return raw[skip : skip + n]
 
 
 @dataclass

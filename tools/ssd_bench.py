@@ -8,7 +8,8 @@ shape) goes through a store on disk, and each figure is a median over
   first put into a new store; ``put_later_ms``: as a later one
   (``put_list_ms``: given a Python list; ``put_profile``: where one put's
   time goes); ``flush_GBps``: put -> on disk (written and committed), vs
-  ``write_fsync_GBps`` (a plain file write + fsync);
+  ``write_fsync_GBps`` (a plain file write + fsync); ``flush_disk_only_GBps``:
+  the same into a store with no RAM tier (no block kept in fresh memory);
 - ``first_hit_ms`` / ``later_hit_ms``: the first fetch after a put (blocks the
   writer just admitted to RAM) and the next one;
 - ``fetch_ram``, ``fetch_ssd_cached``, ``fetch_ssd_cold``: a fetch to ready
@@ -192,6 +193,14 @@ def run(tokens: int, layers: int, heads: int, dim: int, kinds: list[str], repeat
                 later.append(_timed_fetch(s, prompt, src, kind, "ram_tokens"))
         row["put_ms"] = statistics.median(put_ms)
         row.update(_puts(src, prompt, repeats))
+        disk_only = []  # the writer alone: nothing kept in RAM, so no fresh memory per block
+        for _ in range(repeats):
+            shutil.rmtree(path, ignore_errors=True)
+            with PrefixStore(budget_gb=0, ssd_path=path, kv_bits=KV[kind], fetch_policy="always") as s:
+                t = time.perf_counter()
+                s.put("bench", prompt, src)
+                s.flush()
+                disk_only.append(time.perf_counter() - t)
         row["first_hit_ms"] = statistics.median(first) * 1e3
         row["later_hit_ms"] = statistics.median(later) * 1e3
         row["first_vs_later"] = row["first_hit_ms"] / row["later_hit_ms"]
@@ -200,6 +209,8 @@ def run(tokens: int, layers: int, heads: int, dim: int, kinds: list[str], repeat
         base = _baselines(tmp, stored, repeats)
         row.update(base)
         row["flush_vs_write_fsync"] = row["flush_GBps"] / base["write_fsync_GBps"]
+        row["flush_disk_only_GBps"] = _gbps(stored, disk_only)
+        row["flush_disk_only_vs_write_fsync"] = row["flush_disk_only_GBps"] / base["write_fsync_GBps"]
         with PrefixStore(budget_gb=64, ssd_path=path, fetch_policy="always") as s:
             ts = {"fetch_ram": [], "fetch_ssd_cached": []}
             s.fetch("bench", prompt)  # read once: warm and in RAM
