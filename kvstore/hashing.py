@@ -131,6 +131,12 @@ class KeyChain:
             keys.append(chain_key(keys[-1] if keys else self.root, self.tokens[j * bs : (j + 1) * bs]))
         return keys[i]
 
+    def first(self, m: int) -> list[bytes]:
+        """Keys of full blocks ``0 .. m-1``, computed in one go."""
+        if m > 0:
+            self.key(m - 1)
+        return self._keys[:m]
+
     def parent(self, i: int) -> bytes:
         """Key of the block before block ``i`` (the root for block 0)."""
         return self.root if i == 0 else self.key(i - 1)

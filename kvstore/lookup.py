@@ -138,13 +138,15 @@ def new_blocks(index: RadixIndex, root: Node, chain: KeyChain, n: int, has_state
     bs = chain.block_size
     new: list[Node] = []
     node = root
-    if n >= bs:
-        chain.key(n // bs - 1)  # every key in one go
+    keys = chain.first(n // bs)  # (a put's hot loop: one Python pass per block, no more)
     firsts = chain.tokens[0:n:bs].tolist()
     for i in range((n + bs - 1) // bs):
         start = i * bs
-        length = min(bs, n - start)
-        key = chain.key(i) if length == bs else chain.tail_key(i, length)
+        if i < len(keys):
+            length, key = bs, keys[i]
+        else:
+            length = n - start
+            key = chain.tail_key(i, length)
         child = node.children.get(key) if node.children else None
         end_here = start + length == n
         if child is not None and not (end_here and has_state and child.snap is False):

@@ -89,13 +89,13 @@ class Writer:
             self.counters.count("puts_inline")
             self.run(job)
             return
-        self._ensure_thread()
+        self.start()
         self._queue.put(job)
 
     def later(self, fn: Callable[[], None]) -> None:
         """Run ``fn`` on the writer thread after the jobs queued before it
         (a small write that should not block the caller on an fsync)."""
-        self._ensure_thread()
+        self.start()
         self._queue.put(fn)
 
     def flush(self, timeout: Optional[float] = None) -> None:
@@ -115,7 +115,8 @@ class Writer:
             self._thread.join(timeout=60)
         self._committer.shutdown(wait=True)
 
-    def _ensure_thread(self) -> None:
+    def start(self) -> None:
+        """Start the writer thread (again, if it died)."""
         with self.lock:
             if self._thread is None or not self._thread.is_alive():
                 self._thread = threading.Thread(target=self._loop, name="kvstore-writer", daemon=True)
