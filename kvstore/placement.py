@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import logging
 import time
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from typing import Optional
 
@@ -155,9 +155,10 @@ class Placement:
         if all(from_ram) or self.persist is None:
             served = self._serve(path, items, from_ram, toks, length, quantized, bad)
         else:
+            ahead: list[Future] = []
             try:
                 disk = self.persist.disk
-                self._read_ahead([p.key for p, it in zip(path, items) if it is None and p.key in cold])
+                ahead = self._read_ahead([p.key for p, it in zip(path, items) if it is None and p.key in cold])
                 with disk.reader() as txn:
                     for i, p in enumerate(path):
                         if items[i] is None:
@@ -175,17 +176,18 @@ class Placement:
                 self.persist.warn("read", f"kvstore: reading {self.persist.disk.path} failed: {e}")
                 k = next((i for i, r in enumerate(from_ram) if not r), len(path))
                 served = self._serve(path[:k], items[:k], from_ram[:k], toks, length, quantized, bad)
+            finally:
+                wait(ahead)  # (outside the read transaction: a read-ahead may wait on a resize that waits on it)
         for p, why in bad:
             self._drop_bad(p, why)
         self.promote_later([p for p, r in zip(path, served.from_ram) if not r])
         return served
 
-    def _read_ahead(self, cold: list[bytes]) -> None:
-        """Read the blocks known to be cold on several threads before the
-        hit's transaction reads them in order (a cached block is left alone:
+    def _read_ahead(self, cold: list[bytes]) -> list[Future]:
+        """Read the blocks known to be cold on several threads while the
+        hit's transaction copies them in order (a cached block is left alone:
         touching its pages again costs time)."""
-        if len(cold) > 1:
-            self.persist.disk.read_ahead(cold)
+        return self.persist.disk.read_ahead(cold) if len(cold) > 1 else []
 
     def _serve(self, path, items, from_ram, toks, length, quantized, bad: list) -> "Served":
         """Cut at the first missing or foreign block, gather, and retry

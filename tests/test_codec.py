@@ -518,3 +518,18 @@ def test_a_large_block_is_serialized_64_bytes_into_a_page():
     back = deserialize(buf, key=b"k" * 16)
     assert np.array_equal(back.tokens, block.tokens)
     assert all(same(b.keys, a.keys) and same(b.values, a.values) for a, b in zip(layers, back.layers))
+
+
+def test_a_header_read_before_is_checked_again_once_its_bytes_change():
+    """Headers are parsed and validated once per exact bytes (a hit reads the
+    same blocks again and again): the same bytes give the same header, and any
+    changed byte of the header, or a value of another length, is checked anew."""
+    buf = bytearray(codec.serialize(small_block(), b"k" * 16))
+    first = read_header(bytes(buf))
+    assert read_header(bytes(buf)) is first
+    broken = bytearray(buf)
+    broken[codec._PREFIX.size + 2] ^= 0x40  # a byte of the msgpack header
+    with pytest.raises(BlockDecodeError):
+        read_header(bytes(broken))
+    with pytest.raises(BlockDecodeError):
+        read_header(bytes(buf) + bytes(64))  # the header's size no longer matches the value's

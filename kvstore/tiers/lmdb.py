@@ -36,6 +36,7 @@ import logging
 import os
 import shutil
 import time
+from concurrent.futures import Future
 from contextlib import contextmanager
 from dataclasses import replace
 from pathlib import Path
@@ -518,11 +519,13 @@ class LmdbTier:
         addr = address(buf)
         return addr - span[0] if span is not None and span[0] <= addr < span[1] else -1
 
-    def read_ahead(self, keys: Sequence[bytes]) -> None:
-        """Bring values into the page cache from the worker threads at once.
-        py-lmdb's ``get`` touches every page of the value it returns, with the
-        GIL released: one ``get`` per thread is one sequential read, so a cold
-        hit is read by several streams instead of one."""
+    def read_ahead(self, keys: Sequence[bytes]) -> list[Future]:
+        """Start bringing values into the page cache, in order, from worker
+        threads; returns their futures. py-lmdb's ``get`` touches every page
+        of the value it returns, with the GIL released: one ``get`` per thread
+        is one sequential read, so a cold hit is read by several streams, and
+        the caller copies the first blocks while later ones are read (a page
+        it reaches first waits for the read under way)."""
         blocks = self.dbs[b"blocks"]
 
         def one(key: bytes) -> None:
@@ -531,7 +534,8 @@ class LmdbTier:
 
         # threads of its own: a worker waiting here for a resize must never hold up a hit's gather
         # (on the shared pool) that holds the reader the resize waits for
-        list(pool("readahead").map(one, keys))
+        ahead = pool("readahead")
+        return [ahead.submit(one, k) for k in keys]
 
     def resident(self, spans: Mapping[bytes, tuple[int, int]]) -> dict[bytes, Optional[float]]:
         """Per block (by its ``(offset, nbytes)`` in the file, from its record),
