@@ -194,7 +194,7 @@ def _fill_host(items, spans, spec, length):
                 return False
             pos = 0
             for dst, (name, shape, off, nb) in placed:
-                if h is not None:
+                if h is not None and off + nb > pos:  # every payload byte hashed once, in order
                     h.update(payload[pos : off + nb])
                     pos = off + nb
                 src = np.frombuffer(payload, np_dtype(name), nb // np_dtype(name).itemsize, off)
