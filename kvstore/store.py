@@ -154,8 +154,6 @@ class PrefixStore:
         if self._persist is not None:
             self._persist.load_index(self._index.root)
             self._costs.load()
-        if not readonly:
-            self._writer.start()  # now, not in the first put (starting a thread costs the caller ~0.1 ms)
         _OPEN.add(self)
 
     # ------------------------------------------------------------ public API

@@ -132,3 +132,30 @@ def test_ram_holds_each_block_as_the_bytes_the_disk_stores(tmp_path):
         for got, exp in zip(hit.layers, want):
             assert np.array_equal(bits_of(got.keys), bits_of(exp.keys))
             assert np.array_equal(bits_of(got.values), bits_of(exp.values))
+
+
+def test_the_checksum_taken_while_copying_is_the_whole_payloads():
+    """The host path hashes a block's payload array by array as it copies:
+    where a header lays an array inside an earlier one (a writer kvstore does
+    not have, but a valid header all the same), every payload byte is still
+    hashed once, so an intact block is served as the slow path serves it."""
+    import copy
+
+    import msgpack
+    import xxhash
+
+    from kvstore import codec
+
+    item = _blocks(np.arange(100, 116, dtype=np.int32), Codec.from_bits(8))[0]
+    fields = copy.deepcopy(item.header.fields)
+    data, scales, _ = fields["L"][1]["k"]["a"]
+    scales[2] = data[2]  # layer 1's key scales read from the start of its key data: inside it, offsets in order
+    header = msgpack.packb(fields, use_bin_type=True)
+    head = codec._PREFIX.pack(codec.MAGIC, codec.FORMAT_VERSION, 0, len(header), xxhash.xxh3_64_intdigest(header))
+    head += header
+    buf = memoryview(head + bytes(-len(head) % codec.ALIGN) + bytes(item.payload))
+    odd = Stored.of(buf, item.key, 0)
+    assert odd.intact()
+    fast, slow = gather([odd], BS), _slow([odd], BS, None)
+    assert fast.bad is None and fast.length == BS
+    _same(fast.layers, slow.layers)
