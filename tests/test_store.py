@@ -715,3 +715,16 @@ def test_put_leaves_every_disk_write_to_the_background_threads(ssd, monkeypatch)
     s.flush()
     assert writers and threading.current_thread().name not in writers
     assert root_key(M, s.namespace) in s._persist.disk.models()
+
+
+def test_a_writable_store_dropped_unclosed_leaves_its_path_free(tmp_path):
+    """Opening a store starts no thread that keeps it alive: one dropped
+    without close() (and never written to) is collected, and its path opens
+    again in the same process."""
+    import gc
+
+    s = PrefixStore(budget_gb=1, block_size=BS, ssd_path=tmp_path / "store")
+    del s
+    gc.collect()
+    again = PrefixStore(budget_gb=1, block_size=BS, ssd_path=tmp_path / "store")
+    again.close()
