@@ -60,10 +60,9 @@ def _note_ram(p: dict) -> Optional[str]:
             + f", so each {page // 1024} KiB page faults on first write: a {mib(fp['stored_bytes'])} MiB "
             f"`mx.array` copy takes {fp['stored_bytes'] // page:,} minor faults and runs at "
             f"{b['mx_array_copy']['gbps']:.2f} GB/s, numpy's copy (which madvises huge pages) at "
-            f"{b['numpy_copy']['gbps']:.2f} GB/s. `fetch` concatenates the layers side by side on every core "
-            "(`kvstore/spread.py`: one mlx stream per worker thread; `tools/fetch_spread_ab.py` compares it with "
-            f"one thread), which puts fp16 fetch at {fp['ratio']['ram_vs_mx_array_copy']:.2f}x one `mx.array` copy "
-            "of the same bytes.")
+            f"{b['numpy_copy']['gbps']:.2f} GB/s. `fetch` makes the arrays and copies the blocks into them on every "
+            "core (`kvstore/spread.py`; `tools/fetch_spread_ab.py` compares it with one thread), which puts fp16 "
+            f"fetch at {fp['ratio']['ram_vs_mx_array_copy']:.2f}x one `mx.array` copy of the same bytes.")
 
 
 def _note_ssd_cached(p: dict) -> Optional[str]:
@@ -71,12 +70,10 @@ def _note_ssd_cached(p: dict) -> Optional[str]:
     if "ssd_page_cached_numpy_assemble" not in fp:
         return None
     proto = fp["ssd_page_cached"]["median_s"] / fp["ssd_page_cached_numpy_assemble"]["median_s"]
-    return ("**SSD page-cached fetch makes two copies**: `mx.array` per block in `deserialize` (in the calling "
-            "thread: decoding blocks on worker threads measured no faster, the copy holds the GIL), then the "
-            "per-layer concatenation, spread over the cores. Assembling each layer with numpy straight from the "
-            "LMDB mmap views and copying once into mlx (prototype, timed in the same run) runs at "
-            f"{proto:.1f}x of `fetch`'s speed; it would skip the per-block copy that promotion to RAM needs, so it "
-            "only pays where nothing is promoted.")
+    return ("**SSD page-cached fetch copies each stored byte once**: blocks are read straight from LMDB's mapped "
+            "pages into the final per-layer arrays, blocks side by side on every core, each block's checksum taken "
+            "as its arrays are copied (`kvstore/gather.py`). The numpy-assemble prototype it grew from (timed in "
+            f"the same run) runs at {proto:.2f}x of `fetch`'s speed.")
 
 
 def _note_ssd_cold(p: dict) -> Optional[str]:
@@ -181,10 +178,10 @@ def reading_notes(results: dict) -> list[str]:
     if "lookup" in results:
         n.append(_note_lookup(results["lookup"]))
     if "put" in results:
-        n.append("**Put** blocks only for hashing and indexing. The background thread (one, so the engine keeps "
-                 "the other cores) copies each block out of the engine's buffers, writes it into its serialized "
-                 "buffer once, checksums it and hands it to LMDB (write + fsync): three passes over the bytes "
-                 "where a plain file write makes one.")
+        n.append("**Put** blocks only for hashing and indexing; it never touches the disk. The background thread "
+                 "(one, so the engine keeps the other cores) copies each block out of the engine's buffers, writes it "
+                 "into its serialized buffer once and checksums it; a commit thread copies each 64 MiB batch into "
+                 "LMDB's writable map and commits it (msync + fsync) while the next batch is serialized.")
     if "ttft" in results:
         n.append(_note_ttft(results["ttft"], results.get("restore")))
     if "replay" in results:
