@@ -35,7 +35,7 @@ from .assemble import assemble
 from .codec import Block, Stored, np_dtype
 from .errors import BlockDecodeError
 from .layers import KVLayer, Layer, Quantized
-from .spread import each
+from .spread import each, spread
 
 _DEVICE_BUF = 1 << 30  # bytes per device buffer blocks are copied into
 _DTYPE = {"float16": mx.float16, "bfloat16": mx.bfloat16, "float32": mx.float32, "uint32": mx.uint32}
@@ -125,17 +125,25 @@ def gather(items: Sequence[Item], length: int, quantized: Optional[tuple[int, in
     parts, bad = (_fill_device if rt is not None else _fill_host)(items, spans, spec, length)
     if bad is not None:
         return Gathered([], 0, bad)
-    layers: list[Optional[Layer]] = []
+    tensors: list[list] = []
+    dense: list[tuple[int, int, Quantized]] = []  # dequantized below, for an engine that asked for dense arrays
     for layer, lspec in zip(parts, spec):
-        tensors = []
+        row: list = []
         for arrays, (q, r, _) in zip(layer, lspec):
             if q is None:
-                tensors.append(arrays[0])
+                row.append(arrays[0])
             else:
                 t = Quantized(*arrays, q[0], q[1], r)
-                tensors.append(t if quantized is not None else t.dequantize())
-        layers.append(KVLayer(tensors[0], tensors[1], 0, None))
-    return Gathered(layers, length)
+                if quantized is None:
+                    dense.append((len(tensors), len(row), t))
+                row.append(t)
+        tensors.append(row)
+    # layers side by side on the CPU's cores, and evaluated here like every other array a fetch returns
+    # (left lazy, the engine's first step would pay for it on one core, and the fetch's measured rate would
+    # leave it out)
+    for (li, ti, _), d in zip(dense, spread([t.dequantize for _, _, t in dense])):
+        tensors[li][ti] = d
+    return Gathered([KVLayer(k, v, 0, None) for k, v in tensors], length)
 
 
 def _slow(items: Sequence[Item], length: int, quantized) -> Gathered:
