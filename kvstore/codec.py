@@ -314,7 +314,7 @@ def _serialize(block: Block, key: bytes) -> tuple[memoryview, "Header"]:
     header = msgpack.packb(fields, use_bin_type=True)
     version = FORMAT_VERSION if w.rotated else 2
     head = _PREFIX.pack(MAGIC, version, 0, len(header), xxhash.xxh3_64_intdigest(header)) + header
-    n = int(len(block.tokens))
+    n = fields["n"]
     if _align(len(head)) != start:  # a checksum below 2**32 packs shorter (1 in 2**32 blocks)
         start = _align(len(head))
         whole = np.concatenate([np.frombuffer(head + bytes(start - len(head)), np.uint8),

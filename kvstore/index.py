@@ -137,12 +137,10 @@ class RadixIndex:
             raise ValueError(f"block starts at {start} but its parent ends at {parent.end}")
         node = Node(key, parent, start, length, first, snap, gap, rows_from)
         kids = parent.children
+        if not kids and parent.parent is not None:
+            self.leaves -= 1  # the parent was a leaf
         if kids is None:
             kids = parent.children = {}
-            if parent.parent is not None:
-                self.leaves -= 1  # the parent was a leaf
-        elif not kids and parent.parent is not None:
-            self.leaves -= 1
         self.leaves += 1
         kids[key] = node
         nodes[key] = node

@@ -248,13 +248,18 @@ def run(tokens: int, layers: int, heads: int, dim: int, kinds: list[str], repeat
     return res
 
 
-def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="ssd_bench", description=__doc__.split("\n\n")[0])
-    ap.add_argument("--tokens", type=int, default=4096)
+def add_shape_args(ap: argparse.ArgumentParser, tokens: int) -> None:
+    """The KV set's options (Llama-3-8B's shape by default) and the entry types."""
+    ap.add_argument("--tokens", type=int, default=tokens)
     ap.add_argument("--layers", type=int, default=32)
     ap.add_argument("--heads", type=int, default=8)
     ap.add_argument("--dim", type=int, default=128)
     ap.add_argument("--kv", nargs="+", default=list(KV), choices=list(KV))
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(prog="ssd_bench", description=__doc__.split("\n\n")[0])
+    add_shape_args(ap, tokens=4096)
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--dir", type=Path, default=None, help="where the stores go (default: a temporary folder)")
     ap.add_argument("--out", type=Path, default=None, help="write ssd.json here")

@@ -19,16 +19,12 @@ from pathlib import Path
 import numpy as np
 
 from kvstore import PrefixStore
-from kvstore.tools.ssd_bench import KV, _layers
+from kvstore.tools.ssd_bench import KV, _layers, add_shape_args
 
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="write_profile", description=__doc__.split("\n\n")[0])
-    ap.add_argument("--tokens", type=int, default=8192)
-    ap.add_argument("--layers", type=int, default=32)
-    ap.add_argument("--heads", type=int, default=8)
-    ap.add_argument("--dim", type=int, default=128)
-    ap.add_argument("--kv", nargs="+", default=list(KV), choices=list(KV))
+    add_shape_args(ap, tokens=8192)
     ap.add_argument("--out", type=Path, default=None, help="write write_profile.json here")
     args = ap.parse_args(argv)
     src = _layers(args.tokens, args.layers, args.heads, args.dim)
