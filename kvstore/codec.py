@@ -44,7 +44,7 @@ import msgpack
 import numpy as np
 import xxhash
 
-from . import cuda
+from . import buffers, cuda
 from .errors import BlockDecodeError, ConfigError
 from .hashing import TOKEN_DTYPES, narrowest
 from .layers import KVLayer, Layer, Quantized, StateLayer, Tensor, tensor_rows
@@ -218,9 +218,10 @@ def densify(t: Tensor) -> mx.array:
 
 
 def _np_view(a: mx.array) -> np.ndarray:
+    """The array's memory as numpy sees it (strided where ``a`` is a slice)."""
     if a.dtype == mx.bfloat16:
         a = a.view(mx.uint16)
-    return np.ascontiguousarray(np.asarray(a))
+    return np.asarray(a)
 
 
 class _Writer:
@@ -246,8 +247,10 @@ class _Writer:
             return out
         return {"a": self.add(t)}
 
-    def fill(self, payload: memoryview) -> None:
-        """Every array into its place in ``payload``, the alignment gaps zeroed."""
+    def fill(self, payload: memoryview) -> Optional[int]:
+        """Every array into its place in ``payload``, the alignment gaps
+        zeroed; returns the payload's checksum where it was taken on the way
+        (each part hashed while its bytes are still in the cache)."""
         rt = cuda.runtime()
         if rt is not None and 0 < self.size < 1 << 31:
             # on CUDA the arrays live on the device: laid out there in one buffer, then one transfer
@@ -265,13 +268,17 @@ class _Writer:
             mx.eval(packed)
             mx.synchronize()
             cuda.download(rt, np.frombuffer(payload, np.uint8), cuda.address(packed))
-            return
+            return None
         dst = np.frombuffer(payload, np.uint8)
+        h = xxhash.xxh3_64()
         ends = [off for off, _ in self.parts[1:]] + [self.size]
         for (off, a), end in zip(self.parts, ends):
-            if a.nbytes:  # a zero-size array has no bytes (and memoryview cannot cast it)
-                payload[off : off + a.nbytes] = memoryview(_np_view(a)).cast("B")
+            if a.nbytes:  # straight from the array's own memory: a slice of the engine's buffer is not copied first
+                src = _np_view(a)
+                np.copyto(dst[off : off + a.nbytes].view(src.dtype).reshape(src.shape), src)
             dst[off + a.nbytes : end] = 0
+            h.update(payload[off:end])
+        return h.intdigest()
 
 
 def _align(n: int) -> int:
@@ -309,8 +316,8 @@ def _serialize(block: Block, key: bytes) -> tuple[memoryview, "Header"]:
     out = memoryview(arr)
     out[:start] = bytes(start)
     payload = out[start:]
-    w.fill(payload)
-    fields["sum"] = xxhash.xxh3_64_intdigest(payload)
+    digest = w.fill(payload)
+    fields["sum"] = xxhash.xxh3_64_intdigest(payload) if digest is None else digest
     header = msgpack.packb(fields, use_bin_type=True)
     version = FORMAT_VERSION if w.rotated else 2
     head = _PREFIX.pack(MAGIC, version, 0, len(header), xxhash.xxh3_64_intdigest(header)) + header
@@ -336,7 +343,7 @@ def _buffer(n: int) -> np.ndarray:
     and 0.21 s per 256 MiB on the CPU box; 2,842 and 0.055 s from this offset)."""
     if n < 1 << 20:
         return np.empty(n, np.uint8)
-    raw = np.empty(n + _PAGE, np.uint8)
+    raw = buffers.take(n + _PAGE)
     skip = (_IN_PAGE - raw.ctypes.data) % _PAGE
     return raw[skip : skip + n]
 
@@ -569,7 +576,9 @@ class Stored:
     def held(self) -> Optional["Stored"]:
         """A checked copy in memory of its own (out of an mmap view that ends
         with its transaction), or ``None`` when the payload is corrupt."""
-        copy = Stored(self.key, self.start, _frozen(np.array(self.buf, np.uint8)), self.header)
+        arr = _buffer(len(self.buf))
+        arr[:] = np.frombuffer(self.buf, np.uint8)
+        copy = Stored(self.key, self.start, _frozen(arr), self.header)
         if not copy.intact():  # the copy is what is kept: check that
             return None
         copy.checked = True

@@ -28,10 +28,11 @@ from typing import TYPE_CHECKING, Callable, Optional, Union
 import mlx.core as mx
 import numpy as np
 
+from . import buffers
 from .codec import Block, Codec, Stored, block_arrays
 from .counters import Counters
 from .index import Node
-from .layers import KVLayer, Layer, StateLayer, own, take_rows
+from .layers import KVLayer, Layer, StateLayer, take_rows
 from .persist import Persist
 from .placement import Placement
 from .record import BlockRecord
@@ -42,7 +43,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("kvstore")
 
-WRITE_BATCH = 64 << 20  # bytes per disk write transaction
+WRITE_BATCH = 128 << 20  # bytes per disk write transaction (two are held: one written, the next encoded)
 
 
 @dataclass
@@ -229,6 +230,9 @@ class Writer:
             self._write(batch, job)
         if to_remote:
             self.remote.offer([e for _, e in batch])
+        for node, e in batch:
+            if not node.in_ram:  # written through: its bytes are for the next block (once the remote sent them)
+                buffers.give_back(e.payload)
 
     def _write(self, batch: list[tuple[Node, Entry]], job: Job) -> None:
         """Write a batch (blocks already on disk are skipped, unless re-encoded
@@ -247,8 +251,10 @@ class Writer:
 
 
 def encode(job: Job, node: Node, codec: Codec) -> Block:
-    """The block's rows of every layer, compressed and copied out of the
-    engine's buffers (slices are views that would keep them alive)."""
+    """The block's rows of every layer, compressed. Uncompressed rows stay
+    views of the engine's buffers (the job holds those, so mlx never writes
+    them in place): ``Stored.pack`` copies them once, straight into the
+    block's bytes, and the views go with the ``Block`` right after."""
     s, e = node.start, node.end
     out: list[Optional[Layer]] = []
     for l in job.layers:
@@ -260,7 +266,7 @@ def encode(job: Job, node: Node, codec: Codec) -> Block:
                 continue
             k = take_rows(l.keys, first - l.start, e - l.start)
             v = take_rows(l.values, first - l.start, e - l.start)
-            out.append(KVLayer(own(codec.compress_keys(k)), own(codec.compress_values(v)), first, l.window))
+            out.append(KVLayer(codec.compress_keys(k), codec.compress_values(v), first, l.window))
         else:
             out.append(StateLayer([None if a is None else mx.contiguous(a) for a in l.arrays])
                        if e == len(job.tokens) else None)

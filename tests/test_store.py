@@ -728,3 +728,132 @@ def test_a_writable_store_dropped_unclosed_leaves_its_path_free(tmp_path):
     gc.collect()
     again = PrefixStore(budget_gb=1, block_size=BS, ssd_path=tmp_path / "store")
     again.close()
+
+
+def test_a_disk_only_store_serializes_into_the_buffers_it_wrote_before(ssd):
+    """Blocks written through (no RAM to keep them) hand their bytes back,
+    and the next put's blocks are serialized into them: no fresh memory (page
+    faults) per block in the steady state, and every block still exact."""
+    from kvstore import buffers
+
+    big = dict(n_layers=2, heads=16, dim=1024)  # 1 MiB blocks: the size buffers are kept for
+    s = ssd(budget_gb=0)
+    a, b = toks(4 * BS), toks(4 * BS, start=5000)
+    s.put(M, a, kv_layers(a, **big))
+    s.flush()
+    handed_back = {r.ctypes.data for r in buffers._waiting}
+    assert handed_back
+    taken: list[int] = []
+    real = buffers.take
+
+    def take(n):
+        out = real(n)
+        taken.append(out.ctypes.data)
+        return out
+
+    try:
+        buffers.take = take
+        s.put(M, b, kv_layers(b, **big))
+        s.flush()
+    finally:
+        buffers.take = real
+    assert handed_back & set(taken)
+    for p in (a, b):
+        hit = s.fetch(M, p)
+        assert hit.ssd_tokens == len(p)
+        assert_hit_is(hit, p, len(p), **big)
+
+
+def test_a_put_keeps_the_kv_it_was_given_when_the_engine_writes_its_buffer_after(ssd, monkeypatch):
+    """The writer serializes straight from the engine's buffers, after put
+    has returned; an engine that writes into those buffers meanwhile (mlx-lm
+    fills its cache in place) does not change what is stored."""
+    import kvstore.writer as writer
+
+    p = toks(3 * BS)
+    layers = kv_layers(p)
+    engine = [[l.keys, l.values] for l in layers]  # the engine's buffers, 1 spare row per layer
+    engine = [[mx.concatenate([t, mx.zeros_like(t[..., :1, :])], axis=2) for t in kv] for kv in engine]
+    given = [KVLayer(k[..., : len(p), :], v[..., : len(p), :]) for k, v in engine]
+    mx.eval([t for kv in engine for t in kv] + [t for l in given for t in (l.keys, l.values)])
+    wrote = threading.Event()
+    real = writer.encode
+
+    def encode(*a):
+        assert wrote.wait(10)
+        return real(*a)
+
+    monkeypatch.setattr(writer, "encode", encode)
+    s = ssd(budget_gb=0)
+    s.put(M, p, given)
+    for kv in engine:  # the engine overwrites rows of the prompt (a trim and a new suffix)
+        for t in kv:
+            t[..., 2:, :] = mx.full(t[..., 2:, :].shape, 7.0, t.dtype)
+        mx.eval(kv)
+    wrote.set()
+    s.flush()
+    assert_hit_is(s.fetch(M, p), p, len(p))
+
+
+@pytest.mark.skipif(not __import__("kvstore.tiers.residency").tiers.residency.can_start_writeback(),
+                    reason="sync_file_range is Linux-only")
+def test_each_block_starts_its_write_out_where_its_bytes_lie_in_the_file(ssd, monkeypatch):
+    """The writer asks the kernel to write each value out as soon as it is in
+    the map, at its real place in data.mdb (what lies there is the block)."""
+    import os
+
+    import kvstore.tiers.lmdb as lmdb_tier
+
+    asked: list[tuple[int, int]] = []
+    real = lmdb_tier.start_writeback
+    monkeypatch.setattr(lmdb_tier, "start_writeback", lambda fd, off, n: (asked.append((off, n)), real(fd, off, n)))
+    s = ssd(budget_gb=0)
+    p = toks(5 * BS)
+    assert put(s, p) == 5
+    s.flush()
+    assert len(asked) == 5
+    disk = s._persist.disk
+    fd = os.open(disk.path / "data.mdb", os.O_RDONLY)
+    try:
+        on_file = {os.pread(fd, n, off) for off, n in asked}
+    finally:
+        os.close(fd)
+    with disk.env.begin(db=disk.dbs[b"blocks"]) as txn:
+        stored = {bytes(v) for _, v in txn.cursor()}
+    assert on_file == stored
+
+
+@pytest.mark.skipif(not __import__("kvstore.tiers.residency").tiers.residency.can_start_writeback(),
+                    reason="Linux only")
+def test_the_pages_a_write_takes_are_faulted_in_first_only_where_lmdb_appends(ssd, monkeypatch):
+    """A store with no free pages gets its values at the end of the file:
+    those pages are faulted in before the copy, and every value lies inside
+    them. With free pages (after an eviction) LMDB may reuse those instead,
+    and nothing is faulted in (the commit would write pages nothing uses)."""
+    import kvstore.tiers.lmdb as lmdb_tier
+
+    big = dict(heads=4, dim=256)  # 64 KiB blocks: values on pages of their own
+    s = ssd(budget_gb=0)
+    disk = s._persist.disk
+    ranges: list[tuple[int, int]] = []  # file offsets
+    real = lmdb_tier.populate
+
+    def populate(addr, n):
+        ranges.append((addr - disk._map_span()[0], n))
+        return real(addr, n)
+
+    monkeypatch.setattr(lmdb_tier, "populate", populate)
+    p = toks(6 * BS)
+    s.put(M, p, kv_layers(p, **big))
+    s.flush()
+    with disk.reader() as txn:
+        spans = [(disk.offset_of(v), len(v)) for _, v in txn.cursor(db=disk.dbs[b"blocks"])]
+    assert len(spans) == 6 and ranges
+    assert all(any(a <= off and off + n <= a + m for a, m in ranges) for off, n in spans)
+    assert s.trim_disk(s.stats()["ssd_bytes"] // 2) >= 1  # frees pages inside the file
+    ranges.clear()
+    q = toks(3 * BS, start=9000)
+    s.put(M, q, kv_layers(q, **big))
+    s.flush()
+    assert ranges == []
+    assert_hit_is(s.fetch(M, q), q, len(q), **big)

@@ -2,7 +2,8 @@
 
 For each entry type, one prompt's KV (random fp16 rows of a given model
 shape) goes through a store on disk, and each figure is a median over
-``--repeats`` with a plain baseline of the same bytes in the same run:
+``--repeats`` with a plain baseline of the same bytes in the same run
+(reads alternate with their baseline; writes run back to back, see ``run``):
 
 - ``put_ms``: what ``put`` blocks the caller given an int32 array, as the
   first put into a new store; ``put_later_ms``: as a later one
@@ -29,6 +30,7 @@ from __future__ import annotations
 import argparse
 import cProfile
 import json
+import os
 import pstats
 import shutil
 import statistics
@@ -41,7 +43,7 @@ import numpy as np
 
 from kvstore import PrefixStore, cuda
 from kvstore.layers import KVLayer
-from kvstore.tools.bench.common import drop_page_cache, write_file
+from kvstore.tools.bench.common import WRITE_CHUNK, drop_page_cache, random_chunk, write_file
 
 KV = {"fp16": None, "q8": 8, "q4": 4}
 
@@ -139,82 +141,99 @@ def _gbps(nbytes: int, secs: list[float]) -> float:
     return nbytes / statistics.median(secs) / 1e9
 
 
-def _baselines(tmp: Path, nbytes: int, repeats: int) -> dict:
-    f = tmp / "plain.bin"
-    w = []
-    for _ in range(repeats):
-        t = time.perf_counter()
-        write_file(f, nbytes)
-        w.append(time.perf_counter() - t)
-    out = {"write_fsync_GBps": _gbps(nbytes, w)}
-    np.fromfile(f, np.uint8)  # written pages settle before reads are timed
-    for name, cold in (("read_cached", False), ("read_cold", True)):
-        ts, dev = [], []
-        for _ in range(repeats):
-            if cold:
-                drop_page_cache(f)
-            t = time.perf_counter()
-            buf = np.fromfile(f, np.uint8)
-            ts.append(time.perf_counter() - t)
-            if cuda.runtime() is not None:  # the engine's own way to the GPU: mx.array, then a kernel reads it
-                step = 1 << 30  # mlx shapes are 32-bit
-                parts = [mx.array(buf[o : o + step].view(np.float16)) for o in range(0, nbytes - nbytes % 2, step)]
-                mx.eval([a[: a.size // 2048 * 2048].reshape(-1, 2048)[:, :1] + 0 for a in parts])
-                mx.synchronize()
-                dev.append(time.perf_counter() - t)
-                del parts
-        out[f"{name}_GBps"] = _gbps(nbytes, ts)
-        if dev:
-            out[f"{name}_to_device_GBps"] = _gbps(nbytes, dev)
-    f.unlink()
-    return out
+def _fresh(path: Path) -> None:
+    """Remove ``path`` and let the file system finish with it before anything
+    is timed: on a file system mounted with ``discard`` (this box's), the
+    next fsync would otherwise wait for the freed blocks' discards (a 256
+    MiB plain write took 560-715 ms instead of 113 ms after a delete)."""
+    if path.is_dir():
+        shutil.rmtree(path, ignore_errors=True)
+    else:
+        path.unlink(missing_ok=True)
+    os.sync()
+
+
+def _plain_write(f: Path, nbytes: int) -> float:
+    """Seconds to write ``nbytes`` to a new file and fsync it."""
+    random_chunk(min(WRITE_CHUNK, nbytes))  # the bytes to write, made before the clock starts
+    _fresh(f)
+    t = time.perf_counter()
+    write_file(f, nbytes)
+    return time.perf_counter() - t
+
+
+def _plain_read(f: Path, cold: bool, into: dict[str, list[float]]) -> None:
+    """Seconds to read ``f`` into a fresh buffer (``np.fromfile``), into
+    ``read_cold`` / ``read_cached``; on CUDA also to have it on the GPU the
+    engine's own way (mx.array, then a kernel reads it), into ``..._to_device``."""
+    name = "read_cold" if cold else "read_cached"
+    if cold:
+        drop_page_cache(f)
+    t = time.perf_counter()
+    buf = np.fromfile(f, np.uint8)
+    into[name].append(time.perf_counter() - t)
+    if cuda.runtime() is None:
+        return
+    step = 1 << 30  # mlx shapes are 32-bit
+    parts = [mx.array(buf[o : o + step].view(np.float16)) for o in range(0, len(buf) - len(buf) % 2, step)]
+    mx.eval([a[: a.size // 2048 * 2048].reshape(-1, 2048)[:, :1] + 0 for a in parts])
+    mx.synchronize()
+    into[f"{name}_to_device"].append(time.perf_counter() - t)
 
 
 def run(tokens: int, layers: int, heads: int, dim: int, kinds: list[str], repeats: int, tmp: Path,
         out: Path | None = None) -> dict:
+    """Every store figure with its plain baseline in the same run: writes
+    each back to back, reads alternating with the baseline read."""
     src = _layers(tokens, layers, heads, dim)
     prompt = np.arange(5, tokens + 5, dtype=np.int32)
     res: dict = {"tokens": tokens, "shape": [layers, heads, dim], "device": str(mx.default_device()),
                  "mlx_cache_limit": _cache_limit(),
                  "cuda_copy_engine": cuda.runtime() is not None, "date": time.strftime("%Y-%m-%d %H:%M"),
                  "rows": []}
+    plain = tmp / "plain.bin"
     for kind in kinds:
         path = tmp / f"store-{kind}"
         row: dict = {"kv": kind}
-        put_ms, flush, first, later = [], [], [], []
+        t: dict[str, list[float]] = {k: [] for k in ("put", "flush", "first", "later", "disk_only", "write_fsync")}
+        stored = 0
+        # each kind of write back to back (on this VM, memory one kind frees and the host takes back is
+        # slow for the next one to touch: interleaved, the plain write ran at 0.4 GB/s after a store's flush)
         for rep in range(repeats):
-            shutil.rmtree(path, ignore_errors=True)
+            _fresh(path)
             with PrefixStore(budget_gb=64, ssd_path=path, kv_bits=KV[kind], fetch_policy="always") as s:
-                t = time.perf_counter()
+                t0 = time.perf_counter()
                 s.put("bench", prompt, src)
                 t1 = time.perf_counter()
                 s.flush()
                 t2 = time.perf_counter()
-                put_ms.append((t1 - t) * 1e3)
-                flush.append(t2 - t)
+                t["put"].append((t1 - t0) * 1e3)
+                t["flush"].append(t2 - t0)
                 stored = s.stats()["ssd_bytes"]
-                first.append(_timed_fetch(s, prompt, src, kind, "ram_tokens"))
-                later.append(_timed_fetch(s, prompt, src, kind, "ram_tokens"))
-        row["put_ms"] = statistics.median(put_ms)
-        row.update(_puts(src, prompt, repeats))
-        disk_only = []  # the writer alone: nothing kept in RAM, so no fresh memory per block
-        for _ in range(repeats):
-            shutil.rmtree(path, ignore_errors=True)
+                t["first"].append(_timed_fetch(s, prompt, src, kind, "ram_tokens"))
+                t["later"].append(_timed_fetch(s, prompt, src, kind, "ram_tokens"))
+        for rep in range(repeats):  # the writer alone: nothing kept in RAM, so no fresh memory per block
+            _fresh(path)
             with PrefixStore(budget_gb=0, ssd_path=path, kv_bits=KV[kind], fetch_policy="always") as s:
-                t = time.perf_counter()
+                t0 = time.perf_counter()
                 s.put("bench", prompt, src)
                 s.flush()
-                disk_only.append(time.perf_counter() - t)
-        row["first_hit_ms"] = statistics.median(first) * 1e3
-        row["later_hit_ms"] = statistics.median(later) * 1e3
+                t["disk_only"].append(time.perf_counter() - t0)
+        for rep in range(repeats):
+            t["write_fsync"].append(_plain_write(plain, stored))
+        row["put_ms"] = statistics.median(t["put"])
+        row.update(_puts(src, prompt, repeats))
+        row["first_hit_ms"] = statistics.median(t["first"]) * 1e3
+        row["later_hit_ms"] = statistics.median(t["later"]) * 1e3
         row["first_vs_later"] = row["first_hit_ms"] / row["later_hit_ms"]
         row["stored_bytes"] = stored
-        row["flush_GBps"] = _gbps(stored, flush)
-        base = _baselines(tmp, stored, repeats)
-        row.update(base)
-        row["flush_vs_write_fsync"] = row["flush_GBps"] / base["write_fsync_GBps"]
-        row["flush_disk_only_GBps"] = _gbps(stored, disk_only)
-        row["flush_disk_only_vs_write_fsync"] = row["flush_disk_only_GBps"] / base["write_fsync_GBps"]
+        row["flush_GBps"] = _gbps(stored, t["flush"])
+        row["write_fsync_GBps"] = _gbps(stored, t["write_fsync"])
+        row["flush_vs_write_fsync"] = row["flush_GBps"] / row["write_fsync_GBps"]
+        row["flush_disk_only_GBps"] = _gbps(stored, t["disk_only"])
+        row["flush_disk_only_vs_write_fsync"] = row["flush_disk_only_GBps"] / row["write_fsync_GBps"]
+        row["write_fsync_each_ms"] = [round(x * 1e3, 1) for x in t["write_fsync"]]
+        row["flush_disk_only_each_ms"] = [round(x * 1e3, 1) for x in t["disk_only"]]
         with PrefixStore(budget_gb=64, ssd_path=path, fetch_policy="always") as s:
             ts = {"fetch_ram": [], "fetch_ssd_cached_promoting": []}
             s.fetch("bench", prompt)  # read once: warm and in RAM
@@ -225,26 +244,36 @@ def run(tokens: int, layers: int, heads: int, dim: int, kinds: list[str], repeat
                 # (this store copies what it read into RAM on its writer thread meanwhile)
                 ts["fetch_ssd_cached_promoting"].append(_timed_fetch(s, prompt, src, kind, "ssd_tokens"))
                 s.flush()
+        base: dict[str, list[float]] = {k: [] for k in ("read_cached", "read_cold", "read_cached_to_device",
+                                                        "read_cold_to_device")}
+        np.fromfile(plain, np.uint8)  # written pages settle before reads are timed
         with PrefixStore(budget_gb=0, ssd_path=path, fetch_policy="always") as s:  # the fetch alone
-            ts["fetch_ssd_cached"] = [_timed_fetch(s, prompt, src, kind, "ssd_tokens") for _ in range(repeats)]
-        cold = []
+            ts["fetch_ssd_cached"] = []
+            for _ in range(repeats):
+                _plain_read(plain, False, base)
+                ts["fetch_ssd_cached"].append(_timed_fetch(s, prompt, src, kind, "ssd_tokens"))
+        ts["fetch_ssd_cold"] = []
         for _ in range(repeats):
+            _plain_read(plain, True, base)
             _drop(path)
             with PrefixStore(budget_gb=0, ssd_path=path, fetch_policy="always") as s:
-                cold.append(_timed_fetch(s, prompt, src, kind, "ssd_tokens"))
-        ts["fetch_ssd_cold"] = cold
-        for name, t in ts.items():
-            row[f"{name}_ms"] = statistics.median(t) * 1e3
-            row[f"{name}_GBps"] = _gbps(stored, t)
-        dev = "_to_device" if "read_cached_to_device_GBps" in base else ""
-        row["ssd_cached_vs_read"] = row["fetch_ssd_cached_GBps"] / base[f"read_cached{dev}_GBps"]
-        row["ssd_cold_vs_read"] = row["fetch_ssd_cold_GBps"] / base[f"read_cold{dev}_GBps"]
+                ts["fetch_ssd_cold"].append(_timed_fetch(s, prompt, src, kind, "ssd_tokens"))
+        for name, secs in base.items():
+            if secs:
+                row[f"{name}_GBps"] = _gbps(stored, secs)
+        for name, secs in ts.items():
+            row[f"{name}_ms"] = statistics.median(secs) * 1e3
+            row[f"{name}_GBps"] = _gbps(stored, secs)
+        dev = "_to_device" if base["read_cached_to_device"] else ""
+        row["ssd_cached_vs_read"] = row["fetch_ssd_cached_GBps"] / row[f"read_cached{dev}_GBps"]
+        row["ssd_cold_vs_read"] = row["fetch_ssd_cold_GBps"] / row[f"read_cold{dev}_GBps"]
         res["rows"].append(row)
         print(json.dumps(row), flush=True)
         if out is not None:  # row by row: a later row's failure keeps the earlier ones
             out.mkdir(parents=True, exist_ok=True)
             (out / "ssd.json").write_text(json.dumps(res, indent=1))
         shutil.rmtree(path, ignore_errors=True)
+        plain.unlink(missing_ok=True)
     return res
 
 

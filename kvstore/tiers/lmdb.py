@@ -51,7 +51,7 @@ from ..record import BlockRecord
 from ..spread import pool
 from .base import Entry, Loaded, Use, decode_into
 from .gate import Gate
-from .residency import address, map_base, resident_at
+from .residency import address, can_start_writeback, map_base, populate, resident_at, start_writeback
 
 log = logging.getLogger("kvstore")
 
@@ -422,17 +422,44 @@ class LmdbTier:
     def store(self, entries: Sequence[Entry]) -> None:
         """Each payload and its record in one transaction."""
         dbs = self.dbs
+        fd = os.open(self._data_file, os.O_RDONLY) if self.writemap and can_start_writeback() else -1
 
         def fn(txn):
+            if fd >= 0:
+                self._prefault(txn, [len(e.payload) for e in entries])
             for e in entries:
                 txn.put(e.key, e.payload, db=dbs[b"blocks"])
                 # with writemap a new value's pages are its pages in the file: its offset is final
                 # (the get touches pages just written)
                 offset = self.offset_of(txn.get(e.key, db=dbs[b"blocks"])) if self.writemap else -1
+                if fd >= 0 and offset >= 0:
+                    start_writeback(fd, offset, len(e.payload))  # the disk writes it while the next is copied
                 e.record = replace(e.record, offset=offset)
                 txn.put(e.key, e.record.pack(), db=dbs[b"nodes"])
                 txn.put(e.record.parent, e.key, db=dbs[b"children"], dupdata=True)
-        self.write(fn, sum(len(e.payload) for e in entries), buffers=True)
+        try:
+            self.write(fn, sum(len(e.payload) for e in entries), buffers=True)
+        finally:
+            if fd >= 0:
+                os.close(fd)
+
+    def _prefault(self, txn: lmdb.Transaction, sizes: Sequence[int]) -> None:
+        """Fault in the map pages the values of a write will take, where that
+        is known: when the file's free pages could not hold even the smallest
+        of them, LMDB takes new pages from the end of what is in use. Where
+        they could (after evictions), LMDB may reuse them, and faulting in
+        the end of the file would only make the commit write pages nothing
+        uses: left alone then."""
+        info, psize = self.env.info(), self.env.stat()["psize"]
+        end = (info["last_pgno"] + 1) * psize
+        used = 2 * psize + _pages(self.env.stat()) + sum(_pages(txn.stat(db)) for db in self.dbs.values())
+        span = self._map_span()
+        if span is None or not sizes or end - used >= min(sizes):
+            return
+        nbytes = sum(sizes) + len(sizes) * psize  # each value starts a page: a page more at most
+        stop = min(end + nbytes + nbytes // 64 + _GROW_MIN, info["map_size"], self._file_size())
+        if stop > end:
+            populate(span[0] + end, stop - end)
 
     def remove(self, keys: Sequence[bytes]) -> list[bytes]:
         """Remove blocks and their records; returns the keys that were there."""

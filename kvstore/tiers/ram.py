@@ -16,6 +16,7 @@ from __future__ import annotations
 from collections import OrderedDict
 from typing import Iterator, Mapping, Optional, Sequence
 
+from .. import buffers
 from ..codec import Stored
 from .base import Entry, Loaded, Use
 
@@ -79,6 +80,7 @@ class RamTier:
         held = self._blocks.pop(key, None)
         if held is not None:
             self.nbytes -= held.nbytes
+            buffers.give_back(held.buf)  # reused once whoever still reads it lets go
         return held
 
     def oldest(self) -> Iterator[tuple[bytes, Stored]]:

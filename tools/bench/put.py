@@ -11,7 +11,7 @@ from typing import Any, Optional
 
 import numpy as np
 
-from .common import GiB, MiB, fp16_nbytes, kv_layers, log, rand_tokens, stat, write_file
+from .common import WRITE_CHUNK, GiB, MiB, fp16_nbytes, kv_layers, log, rand_tokens, random_chunk, stat, write_file
 from .settings import TARGETS
 
 KEY = "bench-put"
@@ -56,6 +56,7 @@ def run(cfg: dict, R: int, tmp: Path) -> dict:
     blocking, blocking_ram, total, dedup, first, ws = [], [], [], [], [], []
     warm = [KVLayer(l.keys[..., :BLOCK, :], l.values[..., :BLOCK, :]) for l in layers]
     plain = tmp / "plain-write"
+    random_chunk(min(WRITE_CHUNK, nbytes))  # the bytes to write, made before the clock starts
     for r in range(R):
         # baseline in the same repeat (this box is shared: conditions drift between repeats):
         # write + fsync a plain file of the same size

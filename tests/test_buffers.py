@@ -1,0 +1,73 @@
+"""Blocks' host buffers are used again, and only once nothing refers to them."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from kvstore import buffers
+from kvstore.codec import Block, serialize
+from kvstore.hashing import as_tokens
+
+from ._helpers import kv_layers
+
+MiB = 1 << 20
+
+
+@pytest.fixture(autouse=True)
+def empty_pool():
+    buffers._waiting.clear()
+    buffers._waiting_bytes = 0
+    yield
+    buffers._waiting.clear()
+    buffers._waiting_bytes = 0
+
+
+def test_a_buffer_is_reused_only_once_nothing_refers_to_it():
+    raw = buffers.take(4 * MiB)
+    where = raw.ctypes.data
+    view = raw[64 : 64 + 3 * MiB]
+    mv = memoryview(view)
+    buffers.give_back(mv)
+    del raw, view
+    assert buffers.take(4 * MiB).ctypes.data != where  # a memoryview of a slice of it is still alive
+    del mv
+    again = buffers.take(4 * MiB)
+    assert again.ctypes.data == where and again.nbytes == 4 * MiB
+    assert buffers.waiting_bytes() == 0
+
+
+def test_only_a_buffer_of_about_the_size_asked_is_reused():
+    buffers.give_back(np.empty(8 * MiB, np.uint8))
+    assert buffers.take(4 * MiB).nbytes == 4 * MiB  # twice the size: not handed out, kept
+    assert buffers.waiting_bytes() == 8 * MiB
+    assert buffers.take(8 * MiB - 4096).nbytes == 8 * MiB
+
+
+def test_small_and_foreign_buffers_are_not_kept():
+    buffers.give_back(memoryview(bytearray(4 * MiB)))
+    buffers.give_back(np.empty(MiB // 2, np.uint8))
+    buffers.give_back(np.empty((2, 2 * MiB), np.uint8))
+    assert buffers.waiting_bytes() == 0
+
+
+def test_at_most_keep_bytes_wait(monkeypatch):
+    monkeypatch.setattr(buffers, "_KEEP", 10 * MiB)
+    kept = [np.empty(4 * MiB, np.uint8) for _ in range(4)]
+    for a in kept:
+        buffers.give_back(a)
+    assert buffers.waiting_bytes() == 8 * MiB
+    assert [a is b for a, b in zip(buffers._waiting, kept[2:])] == [True, True]  # the oldest went first
+
+
+def test_a_block_serialized_into_a_reused_buffer_is_the_block_serialized_into_fresh_memory():
+    """Old bytes never show through: header padding and alignment gaps are
+    written whatever the buffer held."""
+    t = as_tokens(list(range(100, 108)))
+    block = Block(t, kv_layers(t, n_layers=2, heads=17, dim=1003))  # odd sizes: gaps between arrays
+    fresh = bytes(serialize(block, b"k" * 16))
+    assert len(fresh) > MiB
+    buffers.give_back(np.full(len(fresh) + 4096, 0xFF, np.uint8))  # what an old block could have left
+    reused = serialize(block, b"k" * 16)
+    assert buffers.waiting_bytes() == 0  # it went into the poisoned buffer
+    assert bytes(reused) == fresh
