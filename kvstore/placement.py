@@ -162,7 +162,7 @@ class Placement:
                 with disk.reader() as txn:
                     for i, p in enumerate(path):
                         if items[i] is None:
-                            got = disk.stored(txn, p.key, p.start)
+                            got = disk.stored(txn, p.key, p.start, unread=True)  # read while copied
                             if isinstance(got, str):
                                 bad.append((p, got))
                                 break

@@ -857,3 +857,53 @@ def test_the_pages_a_write_takes_are_faulted_in_first_only_where_lmdb_appends(ss
     s.flush()
     assert ranges == []
     assert_hit_is(s.fetch(M, q), q, len(q), **big)
+
+
+def test_a_disk_hit_reads_no_block_whole_before_copying_it(ssd, monkeypatch):
+    """Disk blocks are copied straight out of the map where their records
+    say they lie: no block is read whole first (py-lmdb's get reads every
+    page of a value before it returns, so a cold hit read all its blocks
+    before copying the first)."""
+    from kvstore.tiers.lmdb import LmdbTier
+
+    big = dict(heads=4, dim=256)  # values on pages of their own
+    p = toks(4 * BS)
+    s = ssd()
+    s.put(M, p, kv_layers(p, **big))
+    s.flush()
+    s.close()
+    s = ssd(budget_gb=0)
+    got: list[bytes] = []
+    real = LmdbTier.payload
+    monkeypatch.setattr(LmdbTier, "payload", lambda self, txn, key: (got.append(key), real(self, txn, key))[1])
+    hit = s.fetch(M, p)
+    assert hit.ssd_tokens == len(p) and got == []
+    assert_hit_is(hit, p, len(p), **big)
+
+
+def test_a_record_pointing_at_other_bytes_falls_back_to_lmdb(ssd):
+    """Where a record's offset holds another block's bytes (a store copied
+    elsewhere, a record from another writer), the block is read through
+    LMDB: the hit is whole and exact, and nothing is dropped as corrupt."""
+    from dataclasses import replace
+
+    from kvstore.record import BlockRecord
+
+    big = dict(heads=4, dim=256)
+    p = toks(3 * BS)
+    s = ssd()
+    s.put(M, p, kv_layers(p, **big))
+    s.flush()
+    disk = s._persist.disk
+    with disk.env.begin(write=True) as txn:
+        recs = [BlockRecord.unpack(bytes(k), bytes(v)) for k, v in txn.cursor(db=disk.dbs[b"nodes"])]
+        offsets = [r.offset for r in recs]
+        assert all(o >= 0 for o in offsets)
+        for r, o in zip(recs, offsets[1:] + offsets[:1]):  # each record points at the next block's bytes
+            txn.put(r.key, replace(r, offset=o).pack(), db=disk.dbs[b"nodes"])
+    s.close()
+    s = ssd(budget_gb=0)
+    hit = s.fetch(M, p)
+    assert hit.ssd_tokens == len(p)
+    assert_hit_is(hit, p, len(p), **big)
+    assert s.stats()["ssd_blocks"] == 3

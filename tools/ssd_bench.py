@@ -8,11 +8,16 @@ shape) goes through a store on disk, and each figure is a median over
 - ``put_ms``: what ``put`` blocks the caller given an int32 array, as the
   first put into a new store; ``put_later_ms``: as a later one
   (``put_list_ms``: given a Python list; ``put_profile``: where one put's
-  time goes); ``flush_GBps``: put -> on disk (written and committed), vs
-  ``write_fsync_GBps`` (a plain file write + fsync); ``flush_disk_only_GBps``:
-  the same into a store with no RAM tier (no block kept in fresh memory);
+  time goes); ``flush_GBps``: put -> on disk (written and committed) in a
+  serving store's steady state (RAM full: each block kept evicts one; the
+  store already holds a prompt), vs ``write_fsync_appending_GBps`` (a plain
+  file of one prompt's bytes, then the same bytes appended + fsync) and
+  ``write_fsync_GBps`` (a plain file write + fsync);
+  ``flush_first_fill_GBps``: the same into a new store (every block kept in
+  RAM takes fresh memory); ``flush_disk_only_GBps``: into a store with no
+  RAM tier;
 - ``first_hit_ms`` / ``later_hit_ms``: the first fetch after a put (blocks the
-  writer just admitted to RAM) and the next one;
+  writer just admitted to RAM) and the next one, in the steady-state store;
 - ``fetch_ram``, ``fetch_ssd_cached``, ``fetch_ssd_cold``: a fetch to ready
   arrays (on CUDA: on the device); SSD reads from a store with no RAM tier,
   for cold ones closed and its file dropped from the page cache first;
@@ -153,12 +158,16 @@ def _fresh(path: Path) -> None:
     os.sync()
 
 
-def _plain_write(f: Path, nbytes: int) -> float:
-    """Seconds to write ``nbytes`` to a new file and fsync it."""
+def _plain_write(f: Path, nbytes: int, after: int = 0) -> float:
+    """Seconds to write ``nbytes`` to a new file and fsync it; with ``after``,
+    appended to a file of that many bytes written (untimed) just before, the
+    pattern of a put into a store that already holds a prompt."""
     random_chunk(min(WRITE_CHUNK, nbytes))  # the bytes to write, made before the clock starts
     _fresh(f)
+    if after:
+        write_file(f, after)
     t = time.perf_counter()
-    write_file(f, nbytes)
+    write_file(f, nbytes, append=bool(after))
     return time.perf_counter() - t
 
 
@@ -195,21 +204,34 @@ def run(tokens: int, layers: int, heads: int, dim: int, kinds: list[str], repeat
     for kind in kinds:
         path = tmp / f"store-{kind}"
         row: dict = {"kv": kind}
-        t: dict[str, list[float]] = {k: [] for k in ("put", "flush", "first", "later", "disk_only", "write_fsync")}
+        t: dict[str, list[float]] = {k: [] for k in ("put", "first_fill", "flush", "first", "later", "disk_only",
+                                                     "write_fsync", "write_fsync_appending")}
         stored = 0
         # each kind of write back to back (on this VM, memory one kind frees and the host takes back is
         # slow for the next one to touch: interleaved, the plain write ran at 0.4 GB/s after a store's flush)
-        for rep in range(repeats):
+        for rep in range(repeats):  # a new store: its RAM tier takes fresh memory for every block
             _fresh(path)
             with PrefixStore(budget_gb=64, ssd_path=path, kv_bits=KV[kind], fetch_policy="always") as s:
                 t0 = time.perf_counter()
                 s.put("bench", prompt, src)
                 t1 = time.perf_counter()
                 s.flush()
-                t2 = time.perf_counter()
                 t["put"].append((t1 - t0) * 1e3)
-                t["flush"].append(t2 - t0)
+                t["first_fill"].append(time.perf_counter() - t0)
                 stored = s.stats()["ssd_bytes"]
+        # the steady state of a serving store: RAM is full (of one prompt), so each block a put keeps evicts one
+        # (and reuses its buffer) while the blocks are written through to disk. A new store per repeat, like the plain write's
+        # new file: on this VM a file that keeps growing needs page cache from memory the host took back
+        # (0.39 GB/s when each repeat grew one store)
+        for rep in range(repeats):
+            _fresh(path)
+            with PrefixStore(budget_gb=stored / 1e9, ssd_path=path, kv_bits=KV[kind], fetch_policy="always") as s:
+                s.put("bench", prompt + 900_000, src)
+                s.flush()
+                t0 = time.perf_counter()
+                s.put("bench", prompt, src)
+                s.flush()
+                t["flush"].append(time.perf_counter() - t0)
                 t["first"].append(_timed_fetch(s, prompt, src, kind, "ram_tokens"))
                 t["later"].append(_timed_fetch(s, prompt, src, kind, "ram_tokens"))
         for rep in range(repeats):  # the writer alone: nothing kept in RAM, so no fresh memory per block
@@ -221,6 +243,8 @@ def run(tokens: int, layers: int, heads: int, dim: int, kinds: list[str], repeat
                 t["disk_only"].append(time.perf_counter() - t0)
         for rep in range(repeats):
             t["write_fsync"].append(_plain_write(plain, stored))
+        for rep in range(repeats):
+            t["write_fsync_appending"].append(_plain_write(plain, stored, after=stored))
         row["put_ms"] = statistics.median(t["put"])
         row.update(_puts(src, prompt, repeats))
         row["first_hit_ms"] = statistics.median(t["first"]) * 1e3
@@ -229,7 +253,10 @@ def run(tokens: int, layers: int, heads: int, dim: int, kinds: list[str], repeat
         row["stored_bytes"] = stored
         row["flush_GBps"] = _gbps(stored, t["flush"])
         row["write_fsync_GBps"] = _gbps(stored, t["write_fsync"])
-        row["flush_vs_write_fsync"] = row["flush_GBps"] / row["write_fsync_GBps"]
+        row["write_fsync_appending_GBps"] = _gbps(stored, t["write_fsync_appending"])
+        row["flush_vs_write_fsync"] = row["flush_GBps"] / row["write_fsync_appending_GBps"]
+        row["flush_first_fill_GBps"] = _gbps(stored, t["first_fill"])
+        row["flush_first_fill_vs_write_fsync"] = row["flush_first_fill_GBps"] / row["write_fsync_GBps"]
         row["flush_disk_only_GBps"] = _gbps(stored, t["disk_only"])
         row["flush_disk_only_vs_write_fsync"] = row["flush_disk_only_GBps"] / row["write_fsync_GBps"]
         row["write_fsync_each_ms"] = [round(x * 1e3, 1) for x in t["write_fsync"]]

@@ -51,7 +51,8 @@ from ..record import BlockRecord
 from ..spread import pool
 from .base import Entry, Loaded, Use, decode_into
 from .gate import Gate
-from .residency import address, can_start_writeback, map_base, populate, resident_at, start_writeback
+from .residency import (address, can_start_writeback, map_base, populate, resident_at, start_writeback,
+                        view_at)
 
 log = logging.getLogger("kvstore")
 
@@ -64,6 +65,7 @@ _DBS = (b"blocks", b"nodes", b"children", b"models", b"meta")
 _MIN_MAP = 64 << 20  # default flags: the map is only address space
 _NEW_MAP = 1 << 20  # a writable map's first size (its file is allocated to the map: it starts small)
 _GROW_MIN = 1 << 20
+_PAGE_HEADER = 16  # where LMDB puts a large value in its first overflow page (64-bit builds)
 _GROW_MAX = 1 << 30  # a writable map grows by half, at most this much: the file holds what it maps
 _CAN_ALLOCATE = hasattr(os, "posix_fallocate")  # without it (macOS) stores keep default flags
 
@@ -91,6 +93,7 @@ class LmdbTier:
         self.path = Path(path).expanduser()
         self._data_file = str(self.path / "data.mdb")
         self._span: Optional[tuple[int, int]] = None  # where LMDB maps the data file here
+        self._page_size: Optional[int] = None
         self.readonly = readonly
         self._gate = Gate()
         self._check_path()
@@ -509,10 +512,28 @@ class LmdbTier:
         """A block's bytes: a view of the map, valid inside ``txn`` only."""
         return txn.get(key, db=self.dbs[b"blocks"])
 
-    def stored(self, txn: lmdb.Transaction, key: bytes, start: int) -> Union[Stored, str, None]:
+    def stored(self, txn: lmdb.Transaction, key: bytes, start: int, unread: bool = False
+               ) -> Union[Stored, str, None]:
         """A block's bytes with its header checked and bound to ``key`` (its
         payload is not checked yet: ``Stored.intact``), the reason it is bad,
-        or ``None`` when absent. Valid inside ``txn`` only."""
+        or ``None`` when absent. Valid inside ``txn`` only.
+
+        ``unread``: without reading the payload yet. py-lmdb's ``get`` reads
+        every page of a value before it returns, so a cold hit read all its
+        blocks before the first was copied; here the view is taken where the
+        block's record (written in the same transaction as the value) says
+        its bytes lie, and its pages are read as they are copied, while the
+        next ones are still on their way. Where the record has no offset, or
+        the bytes there are not this block's, the value is read as above.
+        kvstore writes a value and its record in one transaction, and LMDB
+        never moves a large value it does not rewrite; a value rewritten
+        through LMDB by another program, its record left as it was, is read
+        from its old pages (its key and checksum still decide: a page reused
+        meanwhile fails the checksum and the block is dropped, never served)."""
+        if unread:
+            got = self._stored_unread(txn, key, start)
+            if got is not None:
+                return got
         buf = self.payload(txn, key)
         if buf is None:
             return None
@@ -520,6 +541,26 @@ class LmdbTier:
             return Stored.of(buf, key, start)
         except BlockDecodeError as e:
             return str(e)
+
+    def _stored_unread(self, txn: lmdb.Transaction, key: bytes, start: int) -> Optional[Stored]:
+        span = self._map_span()
+        rec = self.record(txn, key) if span is not None else None
+        if rec is None or rec.offset < 0 or rec.offset + rec.nbytes > min(span[1] - span[0], self._file_size()):
+            return None  # (past the file's end a mapped page is a SIGBUS, not an error)
+        psize = self._psize()
+        if rec.nbytes < psize or rec.offset % psize != _PAGE_HEADER:
+            # only a value on pages of its own (LMDB's overflow pages, 16 bytes into the first) stays where it
+            # was written; a small one lives in a leaf page that later writes copy elsewhere
+            return None
+        try:
+            return Stored.of(view_at(span[0] + rec.offset, rec.nbytes), key, start)
+        except BlockDecodeError:
+            return None  # not this block's bytes (a store copied elsewhere): LMDB knows where they are
+
+    def _psize(self) -> int:
+        if self._page_size is None:
+            self._page_size = self.env.stat()["psize"]
+        return self._page_size
 
     def record(self, txn: lmdb.Transaction, key: bytes) -> Optional[BlockRecord]:
         """The block's index record; ``None`` when missing or malformed."""

@@ -66,8 +66,8 @@ class RamTier:
         return self.nbytes
 
     def close(self) -> None:
-        self._blocks.clear()
-        self.nbytes = 0
+        while self._blocks:
+            self.pop(next(iter(self._blocks)))
 
     # ------------------------------------------------------- single blocks
 

@@ -54,6 +54,12 @@ def address(buf) -> int:
     return np.frombuffer(buf, dtype=np.uint8).ctypes.data if len(buf) else 0
 
 
+def view_at(addr: int, nbytes: int) -> memoryview:
+    """A read-only view of ``nbytes`` of mapped memory at ``addr``; touching
+    it reads its pages (the caller keeps the mapping alive and in range)."""
+    return memoryview((ctypes.c_ubyte * nbytes).from_address(addr)).cast("B").toreadonly()
+
+
 def map_base(path: str) -> Optional[tuple[int, int]]:
     """``(start, end)`` of this process's mapping of ``path`` from file
     offset 0 (LMDB maps its data file once, whole), or ``None``."""

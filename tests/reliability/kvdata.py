@@ -223,7 +223,16 @@ def block_key(model, toks: Sequence[int], start: int, namespace: Optional[str] =
 
 
 def rewrite(path, key: bytes, fn, db: bytes = b"blocks") -> None:
-    """Replace the value of ``key`` in sub-database ``db`` with ``fn(old value)``."""
+    """Replace the value of ``key`` in sub-database ``db`` with ``fn(old value)``.
+    A block's record is pointed at the new bytes, as kvstore's writer does
+    (LMDB puts a replaced value elsewhere; a store reads a block where its
+    record says it lies, so a record left pointing at the old bytes would
+    test the old, intact block instead)."""
+    from dataclasses import replace
+
+    from kvstore.record import BlockRecord
+    from kvstore.tiers.residency import address, map_base
+
     env = open_env(path)
     try:
         handle = env.open_db(db, create=False)
@@ -231,5 +240,15 @@ def rewrite(path, key: bytes, fn, db: bytes = b"blocks") -> None:
             old = txn.get(key, db=handle)
             assert old is not None
             txn.put(key, fn(bytes(old)), db=handle)
+        if db != b"blocks":
+            return
+        nodes = env.open_db(b"nodes", create=False)
+        with env.begin(write=True, buffers=True) as txn:
+            raw, value = txn.get(key, db=nodes), txn.get(key, db=handle)
+            base = map_base(os.path.join(str(path), "data.mdb"))
+            if raw is not None and base is not None:
+                rec = BlockRecord.unpack(key, bytes(raw))
+                offset = address(value) - base[0] if base[0] <= address(value) < base[1] else -1
+                txn.put(key, replace(rec, offset=offset, nbytes=len(value)).pack(), db=nodes)
     finally:
         env.close()

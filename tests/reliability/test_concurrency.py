@@ -181,20 +181,20 @@ def test_bad_block_while_the_map_is_being_resized_does_not_deadlock(tmp_path, ca
     D.rewrite(path, key, lambda v: v[:-1] + bytes([v[-1] ^ 1]))
     store = PrefixStore(budget_gb=0, ssd_path=path, block_size=D.BLOCK)
     disk = store._persist.disk
-    real_get = disk.payload
+    real_stored = disk.stored
     resizers: list[threading.Thread] = []
 
-    def payload(txn, k):
+    def stored(txn, k, *a, **kw):
         if k == key and not (resizers and resizers[-1].is_alive()):
-            # every read of the bad block (the cost model's residency check, then the load) meets a
-            # resize another thread is waiting to make, as on MapResizedError there
+            # every read of the bad block meets a resize another thread is waiting to make, as on
+            # MapResizedError there
             resizers.append(threading.Thread(target=disk._adopt_map_size, daemon=True))
             resizers[-1].start()
             while not disk._gate._excl:
                 time.sleep(0.001)
-        return real_get(txn, k)
+        return real_stored(txn, k, *a, **kw)
 
-    disk.payload = payload
+    disk.stored = stored
     result = {}
     fetcher = threading.Thread(target=lambda: result.update(hit=store.fetch(MODEL, toks)), daemon=True)
     fetcher.start()

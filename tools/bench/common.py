@@ -176,14 +176,14 @@ def random_chunk(nbytes: int) -> bytes:
     return np.random.default_rng(1).integers(0, 256, nbytes, dtype=np.uint8).tobytes()
 
 
-def write_file(path: Path, nbytes: int, chunk: int = WRITE_CHUNK) -> None:
+def write_file(path: Path, nbytes: int, chunk: int = WRITE_CHUNK, append: bool = False) -> None:
     """Write ``nbytes`` of random bytes to ``path`` and fsync: the plain
     write baseline. The bytes are made once per chunk size and written from
     memoryview slices, so a timed call is the write and the fsync alone
     (making them in the call, and slicing ``bytes``, once added ~0.1 s per
     256 MiB to the baseline here)."""
     block = memoryview(random_chunk(min(chunk, nbytes)))
-    with open(path, "wb") as f:
+    with open(path, "ab" if append else "wb") as f:
         left = nbytes
         while left > 0:
             n = min(left, len(block))
