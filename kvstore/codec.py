@@ -247,10 +247,10 @@ class _Writer:
             return out
         return {"a": self.add(t)}
 
-    def fill(self, payload: memoryview) -> Optional[int]:
+    def fill(self, payload: memoryview) -> int:
         """Every array into its place in ``payload``, the alignment gaps
-        zeroed; returns the payload's checksum where it was taken on the way
-        (each part hashed while its bytes are still in the cache)."""
+        zeroed; returns the payload's checksum, taken on the way (each part
+        hashed while its bytes are still in the cache)."""
         rt = cuda.runtime()
         if rt is not None and 0 < self.size < 1 << 31:
             # on CUDA the arrays live on the device: laid out there in one buffer, then one transfer
@@ -267,8 +267,9 @@ class _Writer:
             packed = mx.concatenate(pieces)
             mx.eval(packed)
             mx.synchronize()
-            cuda.download(rt, np.frombuffer(payload, np.uint8), cuda.address(packed))
-            return None
+            h = xxhash.xxh3_64()
+            cuda.download(rt, np.frombuffer(payload, np.uint8), cuda.address(packed), h)
+            return h.intdigest()
         dst = np.frombuffer(payload, np.uint8)
         h = xxhash.xxh3_64()
         ends = [off for off, _ in self.parts[1:]] + [self.size]
@@ -316,8 +317,7 @@ def _serialize(block: Block, key: bytes) -> tuple[memoryview, "Header"]:
     out = memoryview(arr)
     out[:start] = bytes(start)
     payload = out[start:]
-    digest = w.fill(payload)
-    fields["sum"] = xxhash.xxh3_64_intdigest(payload) if digest is None else digest
+    fields["sum"] = w.fill(payload)
     header = msgpack.packb(fields, use_bin_type=True)
     version = FORMAT_VERSION if w.rotated else 2
     head = _PREFIX.pack(MAGIC, version, 0, len(header), xxhash.xxh3_64_intdigest(header)) + header

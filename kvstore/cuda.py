@@ -180,9 +180,10 @@ def upload(rt: Runtime, dst: int, src: memoryview) -> None:
         rt.sync(stream)
 
 
-def download(rt: Runtime, dst: np.ndarray, src: int) -> None:
+def download(rt: Runtime, dst: np.ndarray, src: int, hasher=None) -> None:
     """Device bytes at ``src`` into host array ``dst`` (uint8): the copy
-    engine fills one pinned buffer while the host empties the other."""
+    engine fills one pinned buffer while the host empties the other (and
+    feeds ``hasher``, in order, while the bytes are in its cache)."""
     chunks = [(off, min(STAGE, len(dst) - off)) for off in range(0, len(dst), STAGE)]
     with _staging(rt) as (stream, bufs):
         for j, (off, n) in enumerate(chunks):
@@ -193,6 +194,8 @@ def download(rt: Runtime, dst: np.ndarray, src: int) -> None:
                 o, m = chunks[j + 1]
                 rt.copy(bufs[(j + 1) % 2].ctypes.data, src + o, m, stream)
             np.copyto(dst[off : off + n], bufs[j % 2][:n])
+            if hasher is not None:
+                hasher.update(bufs[j % 2][:n])
 
 
 def address(a: mx.array) -> int:

@@ -825,24 +825,24 @@ def test_each_block_starts_its_write_out_where_its_bytes_lie_in_the_file(ssd, mo
 
 @pytest.mark.skipif(not __import__("kvstore.tiers.residency").tiers.residency.can_start_writeback(),
                     reason="Linux only")
-def test_the_pages_a_write_takes_are_faulted_in_first_only_where_lmdb_appends(ssd, monkeypatch):
-    """A store with no free pages gets its values at the end of the file:
-    those pages are faulted in before the copy, and every value lies inside
-    them. With free pages (after an eviction) LMDB may reuse those instead,
-    and nothing is faulted in (the commit would write pages nothing uses)."""
+def test_the_pages_a_write_takes_are_prefilled_only_where_lmdb_appends(ssd, monkeypatch):
+    """A store with no free pages gets its values past the last page in use:
+    those pages' cache is put in place before the copy (zeros written over
+    unused pages), and every value lies inside them. With free pages (after
+    an eviction) LMDB may reuse them instead, and nothing is prefilled."""
     import kvstore.tiers.lmdb as lmdb_tier
 
     big = dict(heads=4, dim=256)  # 64 KiB blocks: values on pages of their own
     s = ssd(budget_gb=0)
     disk = s._persist.disk
     ranges: list[tuple[int, int]] = []  # file offsets
-    real = lmdb_tier.populate
+    real = lmdb_tier.prefill
 
-    def populate(addr, n):
-        ranges.append((addr - disk._map_span()[0], n))
-        return real(addr, n)
+    def prefill(fd, off, n):
+        ranges.append((off, n))
+        return real(fd, off, n)
 
-    monkeypatch.setattr(lmdb_tier, "populate", populate)
+    monkeypatch.setattr(lmdb_tier, "prefill", prefill)
     p = toks(6 * BS)
     s.put(M, p, kv_layers(p, **big))
     s.flush()

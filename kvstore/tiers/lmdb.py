@@ -51,7 +51,7 @@ from ..record import BlockRecord
 from ..spread import pool
 from .base import Entry, Loaded, Use, decode_into
 from .gate import Gate
-from .residency import (address, can_start_writeback, map_base, populate, resident_at, start_writeback,
+from .residency import (address, can_start_writeback, map_base, prefill, resident_at, start_writeback,
                         view_at)
 
 log = logging.getLogger("kvstore")
@@ -425,11 +425,11 @@ class LmdbTier:
     def store(self, entries: Sequence[Entry]) -> None:
         """Each payload and its record in one transaction."""
         dbs = self.dbs
-        fd = os.open(self._data_file, os.O_RDONLY) if self.writemap and can_start_writeback() else -1
+        fd = os.open(self._data_file, os.O_RDWR) if self.writemap and can_start_writeback() else -1
 
         def fn(txn):
             if fd >= 0:
-                self._prefault(txn, [len(e.payload) for e in entries])
+                self._prefill(txn, fd, [len(e.payload) for e in entries])
             for e in entries:
                 txn.put(e.key, e.payload, db=dbs[b"blocks"])
                 # with writemap a new value's pages are its pages in the file: its offset is final
@@ -446,23 +446,21 @@ class LmdbTier:
             if fd >= 0:
                 os.close(fd)
 
-    def _prefault(self, txn: lmdb.Transaction, sizes: Sequence[int]) -> None:
-        """Fault in the map pages the values of a write will take, where that
-        is known: when the file's free pages could not hold even the smallest
-        of them, LMDB takes new pages from the end of what is in use. Where
-        they could (after evictions), LMDB may reuse them, and faulting in
-        the end of the file would only make the commit write pages nothing
-        uses: left alone then."""
-        info, psize = self.env.info(), self.env.stat()["psize"]
+    def _prefill(self, txn: lmdb.Transaction, fd: int, sizes: Sequence[int]) -> None:
+        """Put in place the page cache of the pages the values of a write will
+        take, where that is known: when the file's free pages could not hold
+        even the smallest of them, LMDB takes new pages past the last one in
+        use (which hold nothing: zeros are written there). Where they could
+        (after evictions), LMDB may reuse those instead: left alone then."""
+        info, psize = self.env.info(), self._psize()
         end = (info["last_pgno"] + 1) * psize
         used = 2 * psize + _pages(self.env.stat()) + sum(_pages(txn.stat(db)) for db in self.dbs.values())
-        span = self._map_span()
-        if span is None or not sizes or end - used >= min(sizes):
+        if not sizes or end - used >= min(sizes):
             return
         nbytes = sum(sizes) + len(sizes) * psize  # each value starts a page: a page more at most
         stop = min(end + nbytes + nbytes // 64 + _GROW_MIN, info["map_size"], self._file_size())
         if stop > end:
-            populate(span[0] + end, stop - end)
+            prefill(fd, end, stop - end)
 
     def remove(self, keys: Sequence[bytes]) -> list[bytes]:
         """Remove blocks and their records; returns the keys that were there."""

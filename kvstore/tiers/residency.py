@@ -12,11 +12,11 @@ unchanged value), and the check finds LMDB's mapping of the file in
 there is no ``/proc`` (macOS) or no offset (values written before offsets
 were recorded, or without ``writemap``), residency is unknown.
 
-The writer uses the same file mapping the other way: it faults in, in one
-call, the pages LMDB is about to write (``populate``), and starts a value's
-write-out as soon as it is in the map (``start_writeback``), so the disk
-writes one value while the next is copied instead of all of them in the
-commit's sync.
+The writer uses the same offsets the other way: it puts the page cache of
+the pages LMDB is about to write in place beforehand (``prefill``), and
+starts a value's write-out as soon as it is in the map
+(``start_writeback``), so the disk writes one value while the next is copied
+instead of all of them in the commit's sync.
 """
 
 from __future__ import annotations
@@ -41,12 +41,6 @@ try:
 except (NameError, AttributeError):
     _sync_file_range = None
 _SYNC_FILE_RANGE_WRITE = 2
-try:
-    _madvise = _libc.madvise
-    _madvise.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
-except (NameError, AttributeError):
-    _madvise = None
-_MADV_POPULATE_WRITE = 23  # Linux 5.14
 
 
 def address(buf) -> int:
@@ -106,14 +100,17 @@ def start_writeback(fd: int, offset: int, nbytes: int) -> None:
         _sync_file_range(fd, start, offset + nbytes - start, _SYNC_FILE_RANGE_WRITE)  # advice: errors ignored
 
 
-def populate(addr: int, nbytes: int) -> bool:
-    """Fault in ``[addr, addr + nbytes)`` of a shared file mapping, writable,
-    in one call (``MADV_POPULATE_WRITE``, Linux 5.14): what copying into the
-    mapping would otherwise do one 4 KiB page fault at a time. Content is
-    unchanged. Copying 64 MiB into a fresh allocated file's mapping took 52
-    ms through faults, 16 + 3 ms populated first (the 2-core box). False
-    where the kernel cannot (the copy then faults as before)."""
-    if _madvise is None or nbytes <= 0:
-        return False
-    start = addr - addr % _PAGE
-    return _madvise(start, addr + nbytes - start, _MADV_POPULATE_WRITE) == 0
+_ZEROS = bytes(8 << 20)
+
+
+def prefill(fd: int, offset: int, nbytes: int) -> None:
+    """Write zeros over ``[offset, offset + nbytes)`` of a file whose bytes
+    there are unused (an allocated file's unwritten end): its page cache is
+    then in place, in large folios and already dirty, when a copy into the
+    mapping of those pages follows, which otherwise takes a write fault per
+    4 KiB page. Per 128 MiB on the 2-core box: 10 ms of zeros + 9 ms of copy,
+    against 101 ms of copy through faults (23 + 7 ms with MADV_POPULATE_WRITE),
+    and the commit's sync of large folios is faster too (35 vs 42-58 ms)."""
+    end = offset + nbytes
+    while offset < end:
+        offset += os.pwrite(fd, memoryview(_ZEROS)[: min(len(_ZEROS), end - offset)], offset)
