@@ -10,9 +10,9 @@ kind back to back (see ``run``):
   (``put_list_ms``: given a Python list; ``put_profile``: where one put's
   time goes); ``flush_GBps``: put -> on disk (written and committed) in a
   serving store's steady state (RAM full: each block kept evicts one; the
-  store already holds a prompt), vs ``write_fsync_appending_GBps`` (a plain
-  file of one prompt's bytes, then the same bytes appended + fsync) and
-  ``write_fsync_GBps`` (a plain file write + fsync);
+  store already holds a prompt), vs the faster of ``write_fsync_appending_GBps``
+  (a plain file of one prompt's bytes, then the same bytes appended + fsync)
+  and ``write_fsync_GBps`` (a plain file write + fsync);
   ``flush_first_fill_GBps``: the same into a new store (every block kept in
   RAM takes fresh memory); ``flush_disk_only_GBps``: into a store with no
   RAM tier;
@@ -190,10 +190,109 @@ def _plain_read(f: Path, cold: bool, into: dict[str, list[float]]) -> None:
     into[f"{name}_to_device"].append(time.perf_counter() - t)
 
 
+def _writes(path: Path, plain: Path, prompt, src, kind: str, repeats: int) -> dict:
+    """put -> flushed in three kinds of store, and the plain writes of the
+    same bytes, each kind back to back (on this VM, memory one kind frees and
+    the host takes back is slow for the next to touch: interleaved, the plain
+    write ran at 0.4 GB/s after a store's flush)."""
+    t: dict[str, list[float]] = {k: [] for k in ("put", "first_fill", "flush", "first", "later", "disk_only",
+                                                 "write_fsync", "write_fsync_appending")}
+    stored = 0
+    for rep in range(repeats):  # a new store: its RAM tier takes fresh memory for every block
+        _fresh(path)
+        with PrefixStore(budget_gb=64, ssd_path=path, kv_bits=KV[kind], fetch_policy="always") as s:
+            t0 = time.perf_counter()
+            s.put("bench", prompt, src)
+            t1 = time.perf_counter()
+            s.flush()
+            t["put"].append((t1 - t0) * 1e3)
+            t["first_fill"].append(time.perf_counter() - t0)
+            stored = s.stats()["ssd_bytes"]
+    # the steady state of a serving store: RAM is full (of one prompt), so each block a put keeps evicts one
+    # (and reuses its buffer) while the blocks are written through to disk. A new store per repeat, like the
+    # plain write's new file: on this VM a file that keeps growing needs page cache from memory the host took
+    # back (0.39 GB/s when each repeat grew one store)
+    for rep in range(repeats):
+        _fresh(path)
+        with PrefixStore(budget_gb=stored / 1e9, ssd_path=path, kv_bits=KV[kind], fetch_policy="always") as s:
+            s.put("bench", prompt + 900_000, src)
+            s.flush()
+            t0 = time.perf_counter()
+            s.put("bench", prompt, src)
+            s.flush()
+            t["flush"].append(time.perf_counter() - t0)
+            t["first"].append(_timed_fetch(s, prompt, src, kind, "ram_tokens"))
+            t["later"].append(_timed_fetch(s, prompt, src, kind, "ram_tokens"))
+    for rep in range(repeats):  # the writer alone: nothing kept in RAM
+        _fresh(path)
+        with PrefixStore(budget_gb=0, ssd_path=path, kv_bits=KV[kind], fetch_policy="always") as s:
+            t0 = time.perf_counter()
+            s.put("bench", prompt, src)
+            s.flush()
+            t["disk_only"].append(time.perf_counter() - t0)
+    for rep in range(repeats):
+        t["write_fsync"].append(_plain_write(plain, stored))
+    for rep in range(repeats):
+        t["write_fsync_appending"].append(_plain_write(plain, stored, after=stored))
+    row = {"put_ms": statistics.median(t["put"]), **_puts(src, prompt, repeats),
+           "first_hit_ms": statistics.median(t["first"]) * 1e3, "later_hit_ms": statistics.median(t["later"]) * 1e3,
+           "stored_bytes": stored}
+    row["first_vs_later"] = row["first_hit_ms"] / row["later_hit_ms"]
+    for name, key in (("flush", "flush"), ("first_fill", "flush_first_fill"), ("disk_only", "flush_disk_only"),
+                      ("write_fsync", "write_fsync"), ("write_fsync_appending", "write_fsync_appending")):
+        row[f"{key}_GBps"] = _gbps(stored, t[name])
+        row[f"{key}_each_ms"] = [round(x * 1e3, 1) for x in t[name]]
+    # against the faster plain write (a slow repeat of either baseline is this VM's, not the store's gain)
+    row["flush_vs_write_fsync"] = row["flush_GBps"] / max(row["write_fsync_appending_GBps"], row["write_fsync_GBps"])
+    row["flush_first_fill_vs_write_fsync"] = row["flush_first_fill_GBps"] / row["write_fsync_GBps"]
+    row["flush_disk_only_vs_write_fsync"] = row["flush_disk_only_GBps"] / row["write_fsync_GBps"]
+    return row
+
+
+def _reads(path: Path, plain: Path, prompt, src, kind: str, repeats: int, stored: int) -> dict:
+    """Fetches from RAM and from disk (page-cached, cold), and the plain reads
+    of the same bytes, each kind back to back (alternating, each found the
+    memory the other had just freed taken back by the VM's host)."""
+    ts: dict[str, list[float]] = {"fetch_ram": [], "fetch_ssd_cached_promoting": []}
+    base: dict[str, list[float]] = {k: [] for k in ("read_cached", "read_cold", "read_cached_to_device",
+                                                    "read_cold_to_device")}
+    np.fromfile(plain, np.uint8)  # written pages settle before reads are timed
+    for cold in (False, True):
+        for _ in range(repeats):
+            _plain_read(plain, cold, base)
+    with PrefixStore(budget_gb=0, ssd_path=path, fetch_policy="always") as s:  # the fetch alone
+        ts["fetch_ssd_cached"] = [_timed_fetch(s, prompt, src, kind, "ssd_tokens") for _ in range(repeats)]
+    ts["fetch_ssd_cold"] = []
+    for _ in range(repeats):
+        _drop(path)
+        with PrefixStore(budget_gb=0, ssd_path=path, fetch_policy="always") as s:
+            ts["fetch_ssd_cold"].append(_timed_fetch(s, prompt, src, kind, "ssd_tokens"))
+    with PrefixStore(budget_gb=64, ssd_path=path, fetch_policy="always") as s:
+        s.fetch("bench", prompt)  # read once: warm and in RAM
+        s.flush()
+        for _ in range(repeats):
+            ts["fetch_ram"].append(_timed_fetch(s, prompt, src, kind, "ram_tokens"))
+            s.trim_ram(0)
+            # (this store copies what it read into RAM on its writer thread meanwhile)
+            ts["fetch_ssd_cached_promoting"].append(_timed_fetch(s, prompt, src, kind, "ssd_tokens"))
+            s.flush()
+    row: dict = {}
+    for name, secs in base.items():
+        if secs:
+            row[f"{name}_GBps"] = _gbps(stored, secs)
+    for name, secs in ts.items():
+        row[f"{name}_ms"] = statistics.median(secs) * 1e3
+        row[f"{name}_GBps"] = _gbps(stored, secs)
+    dev = "_to_device" if base["read_cached_to_device"] else ""
+    row["ssd_cached_vs_read"] = row["fetch_ssd_cached_GBps"] / row[f"read_cached{dev}_GBps"]
+    row["ssd_cold_vs_read"] = row["fetch_ssd_cold_GBps"] / row[f"read_cold{dev}_GBps"]
+    return row
+
+
 def run(tokens: int, layers: int, heads: int, dim: int, kinds: list[str], repeats: int, tmp: Path,
         out: Path | None = None) -> dict:
-    """Every store figure with its plain baseline in the same run, each kind
-    of write and read back to back."""
+    """Per entry type: reads first (from a store written untimed, against a
+    plain file of its size), then writes."""
     src = _layers(tokens, layers, heads, dim)
     prompt = np.arange(5, tokens + 5, dtype=np.int32)
     res: dict = {"tokens": tokens, "shape": [layers, heads, dim], "device": str(mx.default_device()),
@@ -203,104 +302,20 @@ def run(tokens: int, layers: int, heads: int, dim: int, kinds: list[str], repeat
     plain = tmp / "plain.bin"
     for kind in kinds:
         path = tmp / f"store-{kind}"
-        row: dict = {"kv": kind}
-        t: dict[str, list[float]] = {k: [] for k in ("put", "first_fill", "flush", "first", "later", "disk_only",
-                                                     "write_fsync", "write_fsync_appending")}
-        stored = 0
-        # each kind of write back to back (on this VM, memory one kind frees and the host takes back is
-        # slow for the next one to touch: interleaved, the plain write ran at 0.4 GB/s after a store's flush)
-        for rep in range(repeats):  # a new store: its RAM tier takes fresh memory for every block
-            _fresh(path)
-            with PrefixStore(budget_gb=64, ssd_path=path, kv_bits=KV[kind], fetch_policy="always") as s:
-                t0 = time.perf_counter()
-                s.put("bench", prompt, src)
-                t1 = time.perf_counter()
-                s.flush()
-                t["put"].append((t1 - t0) * 1e3)
-                t["first_fill"].append(time.perf_counter() - t0)
-                stored = s.stats()["ssd_bytes"]
-        # the steady state of a serving store: RAM is full (of one prompt), so each block a put keeps evicts one
-        # (and reuses its buffer) while the blocks are written through to disk. A new store per repeat, like the plain write's
-        # new file: on this VM a file that keeps growing needs page cache from memory the host took back
-        # (0.39 GB/s when each repeat grew one store)
-        for rep in range(repeats):
-            _fresh(path)
-            with PrefixStore(budget_gb=stored / 1e9, ssd_path=path, kv_bits=KV[kind], fetch_policy="always") as s:
-                s.put("bench", prompt + 900_000, src)
-                s.flush()
-                t0 = time.perf_counter()
-                s.put("bench", prompt, src)
-                s.flush()
-                t["flush"].append(time.perf_counter() - t0)
-                t["first"].append(_timed_fetch(s, prompt, src, kind, "ram_tokens"))
-                t["later"].append(_timed_fetch(s, prompt, src, kind, "ram_tokens"))
-        for rep in range(repeats):  # the writer alone: nothing kept in RAM, so no fresh memory per block
-            _fresh(path)
-            with PrefixStore(budget_gb=0, ssd_path=path, kv_bits=KV[kind], fetch_policy="always") as s:
-                t0 = time.perf_counter()
-                s.put("bench", prompt, src)
-                s.flush()
-                t["disk_only"].append(time.perf_counter() - t0)
-        for rep in range(repeats):
-            t["write_fsync"].append(_plain_write(plain, stored))
-        for rep in range(repeats):
-            t["write_fsync_appending"].append(_plain_write(plain, stored, after=stored))
-        row["put_ms"] = statistics.median(t["put"])
-        row.update(_puts(src, prompt, repeats))
-        row["first_hit_ms"] = statistics.median(t["first"]) * 1e3
-        row["later_hit_ms"] = statistics.median(t["later"]) * 1e3
-        row["first_vs_later"] = row["first_hit_ms"] / row["later_hit_ms"]
-        row["stored_bytes"] = stored
-        row["flush_GBps"] = _gbps(stored, t["flush"])
-        row["write_fsync_GBps"] = _gbps(stored, t["write_fsync"])
-        row["write_fsync_appending_GBps"] = _gbps(stored, t["write_fsync_appending"])
-        row["flush_vs_write_fsync"] = row["flush_GBps"] / row["write_fsync_appending_GBps"]
-        row["flush_first_fill_GBps"] = _gbps(stored, t["first_fill"])
-        row["flush_first_fill_vs_write_fsync"] = row["flush_first_fill_GBps"] / row["write_fsync_GBps"]
-        row["flush_disk_only_GBps"] = _gbps(stored, t["disk_only"])
-        row["flush_disk_only_vs_write_fsync"] = row["flush_disk_only_GBps"] / row["write_fsync_GBps"]
-        row["write_fsync_each_ms"] = [round(x * 1e3, 1) for x in t["write_fsync"]]
-        row["flush_disk_only_each_ms"] = [round(x * 1e3, 1) for x in t["disk_only"]]
-        with PrefixStore(budget_gb=64, ssd_path=path, fetch_policy="always") as s:
-            ts = {"fetch_ram": [], "fetch_ssd_cached_promoting": []}
-            s.fetch("bench", prompt)  # read once: warm and in RAM
+        _fresh(path)
+        with PrefixStore(budget_gb=0, ssd_path=path, kv_bits=KV[kind]) as s:
+            s.put("bench", prompt, src)
             s.flush()
-            for _ in range(repeats):
-                ts["fetch_ram"].append(_timed_fetch(s, prompt, src, kind, "ram_tokens"))
-                s.trim_ram(0)
-                # (this store copies what it read into RAM on its writer thread meanwhile)
-                ts["fetch_ssd_cached_promoting"].append(_timed_fetch(s, prompt, src, kind, "ssd_tokens"))
-                s.flush()
-        base: dict[str, list[float]] = {k: [] for k in ("read_cached", "read_cold", "read_cached_to_device",
-                                                        "read_cold_to_device")}
-        # reads back to back too: alternating, each found the memory the other had just freed taken back by
-        # the VM's host (np.fromfile ran at half its speed: 6 vs 12 GB/s page-cached)
-        np.fromfile(plain, np.uint8)  # written pages settle before reads are timed
-        for cold in (False, True):
-            for _ in range(repeats):
-                _plain_read(plain, cold, base)
-        with PrefixStore(budget_gb=0, ssd_path=path, fetch_policy="always") as s:  # the fetch alone
-            ts["fetch_ssd_cached"] = [_timed_fetch(s, prompt, src, kind, "ssd_tokens") for _ in range(repeats)]
-        ts["fetch_ssd_cold"] = []
-        for _ in range(repeats):
-            _drop(path)
-            with PrefixStore(budget_gb=0, ssd_path=path, fetch_policy="always") as s:
-                ts["fetch_ssd_cold"].append(_timed_fetch(s, prompt, src, kind, "ssd_tokens"))
-        for name, secs in base.items():
-            if secs:
-                row[f"{name}_GBps"] = _gbps(stored, secs)
-        for name, secs in ts.items():
-            row[f"{name}_ms"] = statistics.median(secs) * 1e3
-            row[f"{name}_GBps"] = _gbps(stored, secs)
-        dev = "_to_device" if base["read_cached_to_device"] else ""
-        row["ssd_cached_vs_read"] = row["fetch_ssd_cached_GBps"] / row[f"read_cached{dev}_GBps"]
-        row["ssd_cold_vs_read"] = row["fetch_ssd_cold_GBps"] / row[f"read_cold{dev}_GBps"]
+            stored = s.stats()["ssd_bytes"]
+        _plain_write(plain, stored)
+        row: dict = {"kv": kind, **_reads(path, plain, prompt, src, kind, repeats, stored)}
+        row.update(_writes(path, plain, prompt, src, kind, repeats))
         res["rows"].append(row)
         print(json.dumps(row), flush=True)
         if out is not None:  # row by row: a later row's failure keeps the earlier ones
             out.mkdir(parents=True, exist_ok=True)
             (out / "ssd.json").write_text(json.dumps(res, indent=1))
-        shutil.rmtree(path, ignore_errors=True)
+        _fresh(path)
         plain.unlink(missing_ok=True)
     return res
 
