@@ -179,9 +179,10 @@ def reading_notes(results: dict) -> list[str]:
         n.append(_note_lookup(results["lookup"]))
     if "put" in results:
         n.append("**Put** blocks only for hashing and indexing; it never touches the disk. The background thread "
-                 "(one, so the engine keeps the other cores) copies each block out of the engine's buffers, writes it "
-                 "into its serialized buffer once and checksums it; a commit thread copies each 64 MiB batch into "
-                 "LMDB's writable map and commits it (msync + fsync) while the next batch is serialized.")
+                 "(one, so the engine keeps the other cores) copies each block straight out of the engine's buffers "
+                 "into its serialized buffer (one reused from a block evicted or written through), checksumming it on "
+                 "the way; a commit thread copies each 128 MiB batch into LMDB's writable map, starting each value's "
+                 "write-out as it goes, and commits it (msync + fsync) while the next batch is serialized.")
     if "ttft" in results:
         n.append(_note_ttft(results["ttft"], results.get("restore")))
     if "replay" in results:
