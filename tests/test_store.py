@@ -907,3 +907,25 @@ def test_a_record_pointing_at_other_bytes_falls_back_to_lmdb(ssd):
     assert hit.ssd_tokens == len(p)
     assert_hit_is(hit, p, len(p), **big)
     assert s.stats()["ssd_blocks"] == 3
+
+
+@pytest.mark.parametrize("bits", [8, 4])
+def test_rows_quantized_together_are_the_rows_quantized_block_by_block(tmp_path, monkeypatch, bits):
+    """The writer quantizes (and rotates) many rows of a layer at once and
+    cuts the blocks from them; each block's stored bytes are exactly those of
+    quantizing the block alone."""
+    import kvstore.writer as writer
+
+    p = toks(5 * BS)
+    layers = kv_layers(p, heads=2, dim=64)
+    stored = {}
+    for rows in (BS, 3 * BS):  # block by block; three blocks at once (a chunk ending mid-prompt)
+        monkeypatch.setattr(writer, "COMPRESS_ROWS", rows)
+        path = tmp_path / f"s{rows}"
+        with PrefixStore(budget_gb=0, block_size=BS, ssd_path=path, kv_bits=bits, rotate_keys=True) as s:
+            assert s.put(M, p, layers) == 5
+        with PrefixStore(budget_gb=0, block_size=BS, ssd_path=path, kv_bits=bits, rotate_keys=True) as s:
+            disk = s._persist.disk
+            with disk.env.begin(db=disk.dbs[b"blocks"]) as txn:
+                stored[rows] = {bytes(k): bytes(v) for k, v in txn.cursor()}
+    assert len(stored[BS]) == 5 and stored[BS] == stored[3 * BS]
