@@ -193,6 +193,15 @@ def write_file(path: Path, nbytes: int, chunk: int = WRITE_CHUNK, append: bool =
         os.fsync(f.fileno())
 
 
+def timed_write(path: Path, nbytes: int) -> float:
+    """Seconds of a ``write_file`` of ``nbytes`` to ``path`` (removed after)."""
+    t = time.perf_counter()
+    write_file(path, nbytes)
+    secs = time.perf_counter() - t
+    path.unlink()
+    return secs
+
+
 def memcpy_baselines(nbytes: int, repeats: int) -> dict:
     """numpy copy (alloc + memcpy) and numpy -> mx.array copy of ``nbytes``."""
     src = np.random.default_rng(2).integers(0, 256, nbytes, dtype=np.uint8)

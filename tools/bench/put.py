@@ -11,7 +11,8 @@ from typing import Any, Optional
 
 import numpy as np
 
-from .common import WRITE_CHUNK, GiB, MiB, fp16_nbytes, kv_layers, log, rand_tokens, random_chunk, stat, write_file
+from .common import (WRITE_CHUNK, GiB, MiB, fp16_nbytes, kv_layers, log, rand_tokens, random_chunk, stat,
+                     timed_write)
 from .settings import TARGETS
 
 KEY = "bench-put"
@@ -60,10 +61,7 @@ def run(cfg: dict, R: int, tmp: Path) -> dict:
     for r in range(R):
         # baseline in the same repeat (this box is shared: conditions drift between repeats):
         # write + fsync a plain file of the same size
-        t0 = time.perf_counter()
-        write_file(plain, nbytes)
-        ws.append(time.perf_counter() - t0)
-        plain.unlink()
+        ws.append(timed_write(plain, nbytes))
         toks = rand_tokens(rng, n, 100_000)
         path = tmp / f"put-{r}"
         store, t_first, t_put, t_total = _measured_put(path, budget, rand_tokens(rng, BLOCK, 100_000), warm,
@@ -80,10 +78,7 @@ def run(cfg: dict, R: int, tmp: Path) -> dict:
         shutil.rmtree(path)
         # and after it: the faster of the two counts (on this VM a write whose page cache is memory the host took
         # back runs at ~0.4 GB/s, whichever of the two it is)
-        t0 = time.perf_counter()
-        write_file(plain, nbytes)
-        ws[-1] = min(ws[-1], time.perf_counter() - t0)
-        plain.unlink()
+        ws[-1] = min(ws[-1], timed_write(plain, nbytes))
         s2, _, t_put, _ = _measured_put(None, budget, rand_tokens(rng, BLOCK, 100_000), warm, toks, layers)
         blocking_ram.append(t_put)
         s2.close()
