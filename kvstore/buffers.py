@@ -23,7 +23,7 @@ from collections import deque
 
 import numpy as np
 
-_KEEP = 256 << 20  # bytes of handed-back buffers kept for reuse
+_KEEP = 640 << 20  # bytes of handed-back buffers kept for reuse: a write transaction's worth, and more
 _MIN = 1 << 20  # smaller buffers come and go through numpy's own cache
 
 _lock = threading.Lock()

@@ -18,7 +18,7 @@ import heapq
 import itertools
 import logging
 import time
-from typing import Callable, Optional, Sequence
+from typing import Callable, Iterable, Iterator, Optional, Sequence
 
 from .counters import Counters
 from .errors import StoreOpenError
@@ -116,16 +116,31 @@ class Persist:
 
     # ------------------------------------------------------------- writes
 
-    def write(self, entries: Sequence[tuple[Node, Entry]]) -> bool:
+    def write(self, entries: Iterable[tuple[Node, Entry]], nbytes: Optional[int] = None) -> bool:
         """Write blocks and their records in one transaction; True when written.
-        Takes the lock itself (only after the write)."""
-        if not entries:
+        ``entries`` may be a stream (``nbytes``: about its total), copied as it
+        comes; it is taken to its end whether written or not. Takes the lock
+        itself (only after the write)."""
+        source = iter(entries)
+        first = next(source, None)
+        if first is None:
             return False
+        pairs: list[tuple[Node, Entry]] = []
+
+        def taken() -> Iterator[Entry]:
+            for pair in itertools.chain((first,), source):
+                pairs.append(pair)
+                yield pair[1]
+
         if self._full_at is not None and time.monotonic() - self._full_at < _FULL_PAUSE:
+            for _ in source:
+                pass
             return False  # the device is full and evicting did not help: RAM only for now
         try:
-            self.disk.store([e for _, e in entries])
+            self.disk.store(taken(), nbytes)
         except Exception as e:
+            for _ in source:
+                pass
             self.counters.count("write_errors")
             self.failed("writing to", e)
             if self.disk.is_full(e) and not self._shrink():
@@ -133,12 +148,12 @@ class Persist:
             return False
         self._full_at = None
         with self.lock:
-            for node, e in entries:
+            for node, e in pairs:
                 node.nbytes = len(e.payload)
                 node.used = e.record.used
                 node.offset = e.record.offset
                 self.mark_locked(node, True)
-        self.counters.count("blocks_written", len(entries))
+        self.counters.count("blocks_written", len(pairs))
         try:
             if self.disk.usage() > self.disk.budget:
                 self.evict_to(int(self.disk.budget * 0.9))

@@ -695,6 +695,101 @@ def test_a_put_of_many_batches_is_written_whole_while_encoding_overlaps(ssd, mon
     assert_hit_is(hit, p, 10 * BS)
 
 
+def test_a_transaction_copies_the_first_block_before_the_writer_has_encoded_the_last(ssd, monkeypatch):
+    """Blocks stream into the write transaction as they are encoded: LMDB
+    has the first block of a put before the writer encodes its last one, so
+    the disk is not idle while a whole batch is encoded first; the put
+    still lands whole, in one transaction."""
+    import kvstore.writer as writer
+    from kvstore.tiers.lmdb import LmdbTier
+
+    events: list[str] = []
+    real_encode, real_store = writer.encode, LmdbTier.store
+
+    def encode(job, node, codec):
+        events.append(f"encode {node.start // BS}")
+        if node.start // BS == 4:  # the last block comes after the transaction has had time to take the first
+            deadline = __import__("time").monotonic() + 5
+            while "copy 0" not in events and __import__("time").monotonic() < deadline:
+                threading.Event().wait(0.01)
+        return real_encode(job, node, codec)
+
+    def store(self, entries, nbytes=None):
+        def seen():
+            for e in entries:
+                events.append(f"copy {e.record.start // BS}")
+                yield e
+        events.append("transaction")
+        return real_store(self, seen(), nbytes)
+
+    monkeypatch.setattr(writer, "encode", encode)
+    monkeypatch.setattr(LmdbTier, "store", store)
+    s = ssd(budget_gb=0)
+    p = toks(5 * BS)
+    assert put(s, p) == 5
+    s.flush()
+    assert events.index("copy 0") < events.index("encode 4")
+    assert events.count("transaction") == 1 and sorted(e for e in events if e.startswith("copy")) == \
+        [f"copy {i}" for i in range(5)]
+    s.close()
+    hit = ssd(budget_gb=0).fetch(M, p)
+    assert hit.ssd_tokens == 5 * BS
+    assert_hit_is(hit, p, 5 * BS)
+
+
+def test_a_transaction_that_outgrows_the_map_is_written_again_whole(ssd, monkeypatch):
+    """A streamed transaction that fills the map part-way (no room made
+    ahead) is retried with a larger map: the blocks it had taken are written
+    again with the rest, and every block is on disk and exact."""
+    from kvstore.tiers.lmdb import LmdbTier
+
+    grown: list[int] = []
+    real_grow = LmdbTier._grow
+    monkeypatch.setattr(LmdbTier, "_make_room", lambda self, nbytes: None)
+    monkeypatch.setattr(LmdbTier, "_grow", lambda self, target: (grown.append(target), real_grow(self, target))[1])
+    big = dict(heads=8, dim=256)  # 64 KiB per layer per block: 40 blocks outgrow a new store's first map
+    s = ssd(budget_gb=0)
+    p = toks(40 * BS)
+    s.put(M, p, kv_layers(p, **big))
+    s.flush()
+    assert grown and s.stats()["ssd_blocks"] == 40
+    s.close()
+    hit = ssd(budget_gb=0).fetch(M, p)
+    assert hit.ssd_tokens == 40 * BS
+    assert_hit_is(hit, p, 40 * BS, **big)
+
+
+def test_a_write_that_fails_part_way_leaves_the_writer_free_and_ram_serving(ssd, monkeypatch):
+    """When the disk write fails after taking some blocks, the writer is not
+    left waiting on the transaction: the put finishes, the failure is
+    counted, RAM still serves the prompt, and the next put is written."""
+    from kvstore.tiers.lmdb import LmdbTier
+
+    real_store = LmdbTier.store
+    calls = []
+
+    def store(self, entries, nbytes=None):
+        calls.append(1)
+        if len(calls) == 1:
+            next(iter(entries))
+            raise OSError(5, "Input/output error")
+        return real_store(self, entries, nbytes)
+
+    monkeypatch.setattr(LmdbTier, "store", store)
+    s = ssd()
+    p = toks(6 * BS)
+    assert put(s, p) == 6
+    s.flush(timeout=30)
+    assert s._writer.pending_jobs == 0
+    st = s.stats()
+    assert st["write_errors"] == 1 and st["ssd_blocks"] == 0
+    assert_hit_is(s.fetch(M, p), p, 6 * BS)
+    q = toks(3 * BS, start=5000)
+    assert put(s, q) == 3
+    s.flush(timeout=30)
+    assert s.stats()["ssd_blocks"] == 3
+
+
 def test_put_leaves_every_disk_write_to_the_background_threads(ssd, monkeypatch):
     """A put never waits on a disk transaction (an fsync): not for its blocks
     and not for the first description of a new model, which still lands."""

@@ -40,7 +40,7 @@ from concurrent.futures import Future
 from contextlib import contextmanager
 from dataclasses import replace
 from pathlib import Path
-from typing import Callable, Iterator, Mapping, Optional, Sequence, Union
+from typing import Callable, Iterable, Iterator, Mapping, Optional, Sequence, Union
 
 import lmdb
 import msgpack
@@ -422,45 +422,55 @@ class LmdbTier:
                     break
         return out
 
-    def store(self, entries: Sequence[Entry]) -> None:
-        """Each payload and its record in one transaction."""
+    def store(self, entries: Iterable[Entry], nbytes: Optional[int] = None) -> list[Entry]:
+        """Each payload and its record in one transaction; returns the entries
+        written. ``entries`` may be a stream (the writer's blocks as it
+        encodes them, ``nbytes`` about their total): each is copied into the
+        map as it comes, so the disk writes the first while later ones are
+        still being encoded, rather than waiting for a whole batch."""
         dbs = self.dbs
         fd = os.open(self._data_file, os.O_RDWR) if self.writemap and can_start_writeback() else -1
+        source, taken = iter(entries), []
+
+        def attempt():  # a retried transaction writes again what an earlier attempt took
+            yield from list(taken)
+            for e in source:
+                taken.append(e)
+                yield e
 
         def fn(txn):
-            if fd >= 0:
-                self._prefill(txn, fd, [len(e.payload) for e in entries])
-            for e in entries:
+            ahead = _Prefill(self, txn, fd) if fd >= 0 else None
+            for e in attempt():
+                n = len(e.payload)
+                if ahead is not None:
+                    ahead.before(n)
                 txn.put(e.key, e.payload, db=dbs[b"blocks"])
                 # with writemap a new value's pages are its pages in the file: its offset is final
                 # (the get touches pages just written)
                 offset = self.offset_of(txn.get(e.key, db=dbs[b"blocks"])) if self.writemap else -1
-                if fd >= 0 and offset >= 0:
-                    start_writeback(fd, offset, len(e.payload))  # the disk writes it while the next is copied
+                if ahead is not None and offset >= 0:
+                    ahead.after(offset, n)
+                    start_writeback(fd, offset, n)  # the disk writes it while the next is copied
                 e.record = replace(e.record, offset=offset)
                 txn.put(e.key, e.record.pack(), db=dbs[b"nodes"])
                 txn.put(e.record.parent, e.key, db=dbs[b"children"], dupdata=True)
+        if nbytes is None:
+            source = iter(taken := list(source))
+            nbytes = sum(len(e.payload) for e in taken)
         try:
-            self.write(fn, sum(len(e.payload) for e in entries), buffers=True)
+            self.write(fn, nbytes, buffers=True)
         finally:
             if fd >= 0:
                 os.close(fd)
+        return taken
 
-    def _prefill(self, txn: lmdb.Transaction, fd: int, sizes: Sequence[int]) -> None:
-        """Put in place the page cache of the pages the values of a write will
-        take, where that is known: when the file's free pages could not hold
-        even the smallest of them, LMDB takes new pages past the last one in
-        use (which hold nothing: zeros are written there). Where they could
-        (after evictions), LMDB may reuse those instead: left alone then."""
+    def _free_and_end(self, txn: lmdb.Transaction) -> tuple[int, int]:
+        """Bytes of the file's free pages and where LMDB's last page in use
+        ends, as of the transaction's start."""
         info, psize = self.env.info(), self._psize()
         end = (info["last_pgno"] + 1) * psize
         used = 2 * psize + _pages(self.env.stat()) + sum(_pages(txn.stat(db)) for db in self.dbs.values())
-        if not sizes or end - used >= min(sizes):
-            return
-        nbytes = sum(sizes) + len(sizes) * psize  # each value starts a page: a page more at most
-        stop = min(end + nbytes + nbytes // 64 + _GROW_MIN, info["map_size"], self._file_size())
-        if stop > end:
-            prefill(fd, end, stop - end)
+        return end - used, end
 
     def remove(self, keys: Sequence[bytes]) -> list[bytes]:
         """Remove blocks and their records; returns the keys that were there."""
@@ -672,3 +682,33 @@ class LmdbTier:
 
 def _pages(stat: dict) -> int:
     return stat["psize"] * (stat["branch_pages"] + stat["leaf_pages"] + stat["overflow_pages"])
+
+
+class _Prefill:
+    """Puts in place the page cache of the pages each value of a write will
+    take, just before it is copied, where that is known: when the file's free
+    pages could not hold it, LMDB takes new pages past the last one in use
+    (which hold nothing: zeros are written there, ``residency.prefill``).
+    Where they could (after evictions), LMDB may reuse those instead: left
+    alone then. Value by value rather than a whole batch first, so the first
+    copy, and the disk's first write, do not wait for the rest."""
+
+    _SLACK = 1 << 20  # past a value: the few leaf and branch pages a put takes besides
+
+    def __init__(self, tier: LmdbTier, txn: lmdb.Transaction, fd: int):
+        self.tier, self.fd = tier, fd
+        self.free, self.at = tier._free_and_end(txn)  # at: where the next appended value starts (about)
+        self.done = self.at  # prefilled up to here
+        self.psize = tier._psize()
+
+    def before(self, n: int) -> None:
+        if self.free >= n:
+            return
+        info = self.tier.env.info()
+        stop = min(self.at + n + self.psize + self._SLACK, info["map_size"], self.tier._file_size())
+        if stop > self.done:
+            prefill(self.fd, self.done, stop - self.done)
+            self.done = stop
+
+    def after(self, offset: int, n: int) -> None:
+        self.at = max(self.at, offset + n)
