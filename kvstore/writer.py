@@ -158,7 +158,8 @@ class Writer:
         pl = self.placement
         feed: Optional[Feed] = None  # blocks of the write transaction being filled
         writing: list[Future] = []  # one per transaction, on the commit thread, in order
-        left = job.nbytes  # about what is still to come
+        # about what is still to come: the new blocks' share of the engine's bytes (an estimate to make room by)
+        left = job.nbytes * sum(n.length for n in job.nodes) // max(1, len(job.tokens))
         try:
             for node in job.nodes:
                 if not self._current(node, job):
