@@ -32,6 +32,7 @@ import numpy as np
 from . import buffers, cuda
 from .codec import Block, Codec, Stored, block_arrays
 from .counters import Counters
+from .errors import StorageError
 from .index import Node
 from .layers import KVLayer, Layer, StateLayer, Tensor, take_rows, tensor_rows
 from .persist import Persist
@@ -49,6 +50,8 @@ log = logging.getLogger("kvstore")
 # (a 256 MiB put went from ~150 ms in two transactions to ~110 ms in one; a plain write+fsync: ~118 ms).
 WRITE_BATCH = 512 << 20
 WRITE_AHEAD = 64 << 20  # bytes encoded and not yet taken by the transaction being written
+# and seconds: the transaction holds LMDB's write lock (other processes' writes wait) while blocks are encoded
+WRITE_SECONDS = 1.0
 
 
 @dataclass
@@ -158,8 +161,10 @@ class Writer:
         pl = self.placement
         feed: Optional[Feed] = None  # blocks of the write transaction being filled
         writing: list[Future] = []  # one per transaction, on the commit thread, in order
-        # about what is still to come: the new blocks' share of the engine's bytes (an estimate to make room by)
-        left = job.nbytes * sum(n.length for n in job.nodes) // max(1, len(job.tokens))
+        # about what is still to come, to make room by: the exact bytes of blocks read from the remote, else
+        # the new blocks' share of the engine's bytes
+        left = job.nbytes if job.found is not None else \
+            job.nbytes * sum(n.length for n in job.nodes) // max(1, len(job.tokens))
         try:
             for node in job.nodes:
                 if not self._current(node, job):
@@ -188,11 +193,10 @@ class Writer:
                     n = len(entry.payload)
                     if feed is None:
                         feed = Feed(WRITE_AHEAD)
-                        expect = min(WRITE_BATCH + n, max(left, n))
-                        writing.append(self._committer.submit(self._keep, feed, job, to_disk, to_remote, expect))
+                        writing.append(self._commit(feed, job, to_disk, to_remote, min(WRITE_BATCH + n, max(left, n))))
                     feed.put((node, entry), n)
                     left -= n
-                    if feed.nbytes >= WRITE_BATCH:
+                    if feed.nbytes >= WRITE_BATCH or time.monotonic() - feed.opened >= WRITE_SECONDS:
                         feed, full = None, feed
                         full.close()
             if feed is not None:
@@ -202,7 +206,8 @@ class Writer:
                 w.result()
         except Exception:
             if feed is not None:
-                feed.close()
+                feed, failed = None, feed
+                failed.close()
             wait(writing)  # their outcome is settled before blocks are dropped
             log.exception("kvstore: storing %d blocks failed; they are dropped", len(job.nodes))
             with self.lock:
@@ -210,6 +215,8 @@ class Writer:
                     if self._current(node, job) and not node.in_ram and not node.on_disk:
                         pl.forget_locked(node)
         finally:
+            if feed is not None:  # (an interrupt): the commit thread must not wait on it, holding LMDB's write lock
+                feed.close()
             job.compressed.clear()
             with self.lock:
                 for node in job.nodes:
@@ -229,6 +236,19 @@ class Writer:
                            length=node.length, tokens=block.tokens, nbytes=0, first=node.first,
                            snap=None if node.snap is None else has_state, gap=node.gap,
                            rows_from=node.rows_from if node.gap else -1, created=now, used=now, kv=kv, dtype=dtype)
+
+    def _commit(self, feed: "Feed", job: Job, to_disk: bool, to_remote: bool, nbytes: int) -> Future:
+        """``_keep`` of a feed on the commit thread, while it is filled; where
+        no thread can be started (an interpreter exiting, Python 3.12+), the
+        feed holds what it is given, unbounded, and is written once complete,
+        by whoever closes it (the writer)."""
+        try:
+            return self._committer.submit(self._keep, feed, job, to_disk, to_remote, nbytes)
+        except RuntimeError:
+            done: Future = Future()
+            feed.ahead = None
+            feed.on_close = lambda: _settle(done, self._keep, feed, job, to_disk, to_remote, nbytes)
+            return done
 
     def _keep(self, feed: "Feed", job: Job, to_disk: bool, to_remote: bool, nbytes: int) -> None:
         """On the commit thread: the local write of one transaction's blocks,
@@ -281,10 +301,11 @@ class Committer:
     def submit(self, fn: Callable, *args) -> Future:
         done: Future = Future()
         with self._lock:
-            self._jobs.put((done, fn, args))
             if self._thread is None:
-                self._thread = threading.Thread(target=self._loop, name="kvstore-commit", daemon=True)
-                self._thread.start()
+                thread = threading.Thread(target=self._loop, name="kvstore-commit", daemon=True)
+                thread.start()  # (raises RuntimeError where no thread can start: nothing is queued then)
+                self._thread = thread
+            self._jobs.put((done, fn, args))
         return done
 
     def stop(self) -> None:
@@ -308,11 +329,16 @@ class Committer:
                         return
                 continue
             done, fn, args = job
-            if done.set_running_or_notify_cancel():
-                try:
-                    done.set_result(fn(*args))
-                except BaseException as e:  # the writer waits on it and decides
-                    done.set_exception(e)
+            _settle(done, fn, *args)
+
+
+def _settle(done: Future, fn: Callable, *args) -> None:
+    """Run ``fn(*args)`` into ``done``: the writer waits on it and decides."""
+    if done.set_running_or_notify_cancel():
+        try:
+            done.set_result(fn(*args))
+        except BaseException as e:
+            done.set_exception(e)
 
 
 class Feed:
@@ -322,8 +348,10 @@ class Feed:
     instead of waiting for a whole batch. At most ``ahead`` bytes wait to be
     taken; past that the writer waits, so the bytes held stay bounded."""
 
-    def __init__(self, ahead: int):
-        self.ahead = ahead
+    def __init__(self, ahead: Optional[int]):
+        self.ahead = ahead  # None: no bound (nothing takes from it until it is closed)
+        self.opened = time.monotonic()
+        self.on_close: Optional[Callable[[], None]] = None  # run by close(), in its caller
         self.nbytes = 0  # put so far
         self.taken: list[tuple[Node, Entry]] = []
         self._items: "deque[tuple[tuple[Node, Entry], int]]" = deque()
@@ -333,8 +361,10 @@ class Feed:
 
     def put(self, item: tuple[Node, Entry], nbytes: int) -> None:
         with self._cond:
-            while self._waiting >= self.ahead and not self._abandoned:
+            while self.ahead is not None and self._waiting >= self.ahead and not self._abandoned:
                 self._cond.wait()
+            if self._abandoned:  # the transaction it was for failed: nothing will take this
+                raise StorageError("the write transaction these blocks were for has ended")
             self._items.append((item, nbytes))
             self._waiting += nbytes
             self.nbytes += nbytes
@@ -343,8 +373,12 @@ class Feed:
     def close(self) -> None:
         """Nothing more comes: iterating ends once the rest is taken."""
         with self._cond:
+            if self._closed:
+                return
             self._closed = True
             self._cond.notify_all()
+        if self.on_close is not None:
+            self.on_close()
 
     def abandon(self) -> None:
         """The commit thread is done with it (or failed): ``put`` no longer waits."""

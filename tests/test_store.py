@@ -790,6 +790,92 @@ def test_a_write_that_fails_part_way_leaves_the_writer_free_and_ram_serving(ssd,
     assert s.stats()["ssd_blocks"] == 3
 
 
+@pytest.mark.skipif(not __import__("kvstore.tiers.residency").tiers.residency.can_start_writeback(),
+                    reason="Linux only")
+def test_a_value_appended_without_prefill_is_never_zeroed_by_the_next_ones_prefill(tmp_path):
+    """Where free pages could hold a value, nothing is prefilled for it, yet
+    LMDB may append it after all (pages freed by the last transaction are not
+    reusable yet): a larger value after it in the same transaction must not
+    have its prefill start below it. Both come back intact."""
+    from kvstore.record import BlockRecord
+    from kvstore.tiers.base import Entry
+    from kvstore.tiers.lmdb import LmdbTier
+
+    def entry(i: int, n: int, fill: int) -> Entry:
+        key = i.to_bytes(KEY_BYTES, "little")
+        e = Entry(BlockRecord(key=key, parent=b"\0" * KEY_BYTES, root=b"\1" * KEY_BYTES, start=0, length=1,
+                              tokens=np.zeros(1, np.int32), nbytes=n), None)
+        e.payload = memoryview(bytes([fill]) * n)
+        return e
+
+    MiB = 1 << 20
+    tier = LmdbTier(tmp_path / "s", budget_bytes=1 << 30)
+    try:
+        assert tier.writemap
+        tier.store([entry(i, 2 * MiB, 7) for i in range(1, 4)], 6 * MiB)
+        tier.remove([i.to_bytes(KEY_BYTES, "little") for i in range(1, 4)])  # ~6 MiB of free pages
+        small, big = entry(10, MiB, 0xAB), entry(11, 8 * MiB, 0xCD)
+        tier.store(iter([small, big]), 9 * MiB)
+        with tier.reader() as txn:
+            assert bytes(tier.payload(txn, small.key)) == bytes([0xAB]) * MiB
+            assert bytes(tier.payload(txn, big.key)) == bytes([0xCD]) * 8 * MiB
+    finally:
+        tier.close()
+
+
+def test_where_no_commit_thread_can_start_the_writer_writes_the_blocks_itself(ssd, monkeypatch):
+    """An exiting interpreter (Python 3.12+) refuses new threads: a put whose
+    commit thread cannot start is still written whole, by the writer."""
+    import kvstore.writer as writer
+
+    real_start = threading.Thread.start
+
+    def start(self):
+        if self.name == "kvstore-commit":
+            raise RuntimeError("can't create new thread at interpreter shutdown")
+        return real_start(self)
+
+    monkeypatch.setattr(threading.Thread, "start", start)
+    monkeypatch.setattr(writer, "WRITE_BATCH", 1)  # several transactions
+    s = ssd(budget_gb=0)
+    p = toks(6 * BS)
+    assert put(s, p) == 6
+    s.flush(timeout=30)
+    assert s._writer.pending_jobs == 0 and s.stats()["ssd_blocks"] == 6
+    assert_hit_is(s.fetch(M, p), p, 6 * BS)
+
+
+def test_an_interrupt_while_the_engine_thread_encodes_leaves_no_transaction_open(ssd, monkeypatch):
+    """A put run in the engine's thread (the writer's queue over its bound)
+    that is interrupted (Ctrl-C) part-way: the interrupt reaches the engine,
+    the blocks handed over are written, and the store goes on writing and
+    closes (no write transaction left waiting for blocks that never come)."""
+    import kvstore.writer as writer
+
+    real_encode = writer.encode
+
+    def encode(job, node, codec):
+        if node.start >= 3 * BS and threading.current_thread() is threading.main_thread():
+            raise KeyboardInterrupt
+        return real_encode(job, node, codec)
+
+    monkeypatch.setattr(writer, "encode", encode)
+    s = ssd(budget_gb=0)
+    monkeypatch.setattr(s._writer, "submit", s._writer.run)  # the inline path
+    p = toks(6 * BS)
+    with pytest.raises(KeyboardInterrupt):
+        put(s, p)
+    monkeypatch.undo()
+    assert s.stats()["ssd_blocks"] == 3
+    q = toks(2 * BS, start=7000)
+    assert put(s, q) == 2
+    s.flush(timeout=30)
+    assert s.stats()["ssd_blocks"] == 5
+    done = threading.Event()
+    threading.Thread(target=lambda: (s.close(), done.set()), daemon=True).start()
+    assert done.wait(30)
+
+
 def test_put_leaves_every_disk_write_to_the_background_threads(ssd, monkeypatch):
     """A put never waits on a disk transaction (an fsync): not for its blocks
     and not for the first description of a new model, which still lands."""

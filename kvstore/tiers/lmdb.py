@@ -455,8 +455,8 @@ class LmdbTier:
                 txn.put(e.key, e.record.pack(), db=dbs[b"nodes"])
                 txn.put(e.record.parent, e.key, db=dbs[b"children"], dupdata=True)
         if nbytes is None:
-            source = iter(taken := list(source))
-            nbytes = sum(len(e.payload) for e in taken)
+            items = list(source)
+            source, nbytes = iter(items), sum(len(e.payload) for e in items)
         try:
             self.write(fn, nbytes, buffers=True)
         finally:
@@ -703,6 +703,7 @@ class _Prefill:
 
     def before(self, n: int) -> None:
         if self.free >= n:
+            self.free -= n  # (it may take free pages: counted as taken)
             return
         info = self.tier.env.info()
         stop = min(self.at + n + self.psize + self._SLACK, info["map_size"], self.tier._file_size())
@@ -711,4 +712,9 @@ class _Prefill:
             self.done = stop
 
     def after(self, offset: int, n: int) -> None:
+        """A value now lies at ``[offset, offset + n)``: nothing at or before
+        its end, nor the few pages LMDB takes right after it, is zeroed later
+        (a value that went where no prefill was, appended after all, moves
+        the prefilled end past it)."""
         self.at = max(self.at, offset + n)
+        self.done = max(self.done, self.at + self._SLACK)
