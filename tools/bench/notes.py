@@ -181,8 +181,9 @@ def reading_notes(results: dict) -> list[str]:
         n.append("**Put** blocks only for hashing and indexing; it never touches the disk. The background thread "
                  "(one, so the engine keeps the other cores) copies each block straight out of the engine's buffers "
                  "into its serialized buffer (one reused from a block evicted or written through), checksumming it on "
-                 "the way; a commit thread copies each 128 MiB batch into LMDB's writable map, starting each value's "
-                 "write-out as it goes, and commits it (msync + fsync) while the next batch is serialized.")
+                 "the way; a commit thread copies each block into LMDB's writable map as soon as it is handed over (an "
+                 "open write transaction of up to 512 MiB), starting each value's write-out as it goes, and commits "
+                 "(msync + fsync) at the end of the put.")
     if "ttft" in results:
         n.append(_note_ttft(results["ttft"], results.get("restore")))
     if "replay" in results:
