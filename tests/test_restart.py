@@ -21,7 +21,8 @@ ROOT = Path(__file__).resolve().parent.parent
 
 
 def run_child(mode: str, path: Path) -> dict:
-    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    # the repository first, then whatever the parent had (the GPU machine finds mlx through PYTHONPATH)
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])))
     out = subprocess.run([sys.executable, "-m", "tests._restart_child", mode, str(path)], cwd=ROOT, env=env,
                          capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, f"child {mode} failed:\n{out.stdout}\n{out.stderr}"
