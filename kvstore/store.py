@@ -154,8 +154,6 @@ class PrefixStore:
         if self._persist is not None:
             self._persist.load_index(self._index.root)
             self._costs.load()
-        if not readonly:
-            self._writer.start()  # (here, not in the first put)
         _OPEN.add(self)
 
     # ------------------------------------------------------------ public API

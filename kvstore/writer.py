@@ -21,7 +21,6 @@ import logging
 import queue
 import threading
 import time
-import weakref
 from collections import deque
 from concurrent.futures import Future, wait
 from dataclasses import dataclass, field, replace
@@ -84,7 +83,6 @@ class Writer:
         self.pending_bytes = 0
         self._queue: "queue.Queue[Union[Job, Callable[[], None], None]]" = queue.Queue()
         self._thread: Optional[threading.Thread] = None
-        self._ended: Optional[weakref.finalize] = None  # ends the thread once the writer is collected
         self._committer = Committer()
 
     @property
@@ -129,31 +127,30 @@ class Writer:
         self._committer.stop()
 
     def start(self) -> None:
-        """Start the writer thread (again, if it died). The store starts it
-        when it opens, so no put pays for a thread's start (0.1-0.4 ms). The
-        thread holds the writer only weakly between jobs: a store dropped
-        without ``close()`` is still collected, and its thread then ends."""
+        """Start the writer thread (again, if it died)."""
         with self.lock:
             if self._thread is None or not self._thread.is_alive():
-                self._thread = threading.Thread(target=_serve, args=(self._queue, weakref.ref(self)),
-                                                name="kvstore-writer", daemon=True)
+                self._thread = threading.Thread(target=self._loop, name="kvstore-writer", daemon=True)
                 self._thread.start()
-                if self._ended is None:
-                    self._ended = weakref.finalize(self, self._queue.put, None)
 
-    def _handle(self, job: Union[Job, Callable[[], None]]) -> None:
-        """One item of the queue, on the writer thread."""
-        try:
-            if isinstance(job, Job):
-                try:
-                    self.run(job)
-                finally:
-                    with self.lock:
-                        self.pending_bytes -= job.nbytes
-            else:
-                job()  # from later()
-        except Exception:  # the writer lives on: the next put's blocks still get stored
-            log.exception("kvstore: a background write failed")
+    def _loop(self) -> None:
+        while True:
+            job = self._queue.get()
+            try:
+                if job is None:
+                    return
+                if isinstance(job, Job):
+                    try:
+                        self.run(job)
+                    finally:
+                        with self.lock:
+                            self.pending_bytes -= job.nbytes
+                else:
+                    job()  # from later()
+            except Exception:  # the writer lives on: the next put's blocks still get stored
+                log.exception("kvstore: a background write failed")
+            finally:
+                self._queue.task_done()
 
     # ------------------------------------------------------------- one job
 
@@ -286,22 +283,6 @@ class Writer:
                     self.placement.forget_locked(node)  # the write failed and RAM could not hold it
 
 
-def _serve(jobs: "queue.Queue", writer: "weakref.ref[Writer]") -> None:
-    """The writer thread: the writer's queue, item by item, until ``None``
-    (``stop``, or the writer collected) or the writer is gone."""
-    while True:
-        job = jobs.get()
-        try:
-            w = writer() if job is not None else None
-            if w is None:
-                return
-            w._handle(job)
-            del w
-        finally:
-            job = None  # (not kept while waiting: a job holds the engine's arrays)
-            jobs.task_done()
-
-
 class Committer:
     """The commit thread: write transactions, one after another, each taking
     its blocks from a ``Feed`` while the writer thread fills it. A thread of
@@ -315,7 +296,6 @@ class Committer:
     def __init__(self):
         self._jobs: "queue.Queue[Optional[tuple[Future, Callable, tuple]]]" = queue.Queue()
         self._thread: Optional[threading.Thread] = None
-        self._ended: Optional[weakref.finalize] = None  # ends the thread once the writer is collected
         self._lock = threading.Lock()
 
     def submit(self, fn: Callable, *args) -> Future:

@@ -876,19 +876,6 @@ def test_an_interrupt_while_the_engine_thread_encodes_leaves_no_transaction_open
     assert done.wait(30)
 
 
-def test_the_first_put_starts_no_thread(ssd, monkeypatch):
-    """The writer thread runs from the moment a writable store opens: no put
-    pays for starting it (0.1-0.4 ms)."""
-    s = ssd()
-    started: list[str] = []
-    real_start = threading.Thread.start
-    monkeypatch.setattr(threading.Thread, "start", lambda self: (started.append(self.name), real_start(self))[1])
-    put(s, toks(3 * BS))
-    assert "kvstore-writer" not in started
-    s.flush()
-    assert s.stats()["ssd_blocks"] == 3
-
-
 def test_put_leaves_every_disk_write_to_the_background_threads(ssd, monkeypatch):
     """A put never waits on a disk transaction (an fsync): not for its blocks
     and not for the first description of a new model, which still lands."""
