@@ -18,6 +18,7 @@ kept locally: nothing to encode, nothing to send back.
 from __future__ import annotations
 
 import logging
+import os
 import queue
 import threading
 import time
@@ -84,6 +85,7 @@ class Writer:
         self._queue: "queue.Queue[Union[Job, Callable[[], None], None]]" = queue.Queue()
         self._thread: Optional[threading.Thread] = None
         self._committer = Committer()
+        self._pid = os.getpid()
 
     @property
     def pending_jobs(self) -> int:
@@ -93,6 +95,8 @@ class Writer:
         """Queue a job, or run it here when the queue is full (its bytes
         already over the bound). Call without the store lock."""
         with self.lock:
+            if self._pid != os.getpid():  # a forked child: the parent's queued jobs are the parent's to write
+                self._pid, self.pending_bytes = os.getpid(), 0
             inline = self.pending_bytes > 0 and self.pending_bytes + job.nbytes > self.max_pending
             if not inline:
                 self.pending_bytes += job.nbytes
@@ -100,14 +104,28 @@ class Writer:
             self.counters.count("puts_inline")
             self.run(job)
             return
-        self.start()
-        self._queue.put(job)
+        if not self._queued(job):
+            try:  # no thread can start (an interpreter exiting, Python 3.12+): done here
+                self.run(job)
+            finally:
+                with self.lock:
+                    self.pending_bytes -= job.nbytes
 
     def later(self, fn: Callable[[], None]) -> None:
         """Run ``fn`` on the writer thread after the jobs queued before it
         (a small write that should not block the caller on an fsync)."""
-        self.start()
-        self._queue.put(fn)
+        if not self._queued(fn):
+            fn()
+
+    def _queued(self, item: Union[Job, Callable[[], None]]) -> bool:
+        """Put ``item`` on the writer thread's queue, starting the thread
+        when it is not running; False where no thread can start."""
+        try:
+            self.start()
+        except RuntimeError:
+            return False
+        self._queue.put(item)
+        return True
 
     def flush(self, timeout: Optional[float] = None) -> None:
         """Wait until every queued job is done."""
@@ -127,15 +145,22 @@ class Writer:
         self._committer.stop()
 
     def start(self) -> None:
-        """Start the writer thread (again, if it died)."""
+        """Start the writer thread (again, if it is not running: not yet, or
+        in a forked child, where the parent's threads are gone). A thread
+        starts on a queue of its own: a queue a parent's thread waited on
+        would hand the next item to that thread, which does not exist here.
+        Raises ``RuntimeError`` where no thread can start."""
         with self.lock:
             if self._thread is None or not self._thread.is_alive():
-                self._thread = threading.Thread(target=self._loop, name="kvstore-writer", daemon=True)
-                self._thread.start()
+                jobs: "queue.Queue[Union[Job, Callable[[], None], None]]" = \
+                    queue.Queue() if self._thread is not None else self._queue
+                thread = threading.Thread(target=self._loop, args=(jobs,), name="kvstore-writer", daemon=True)
+                thread.start()
+                self._thread, self._queue = thread, jobs
 
-    def _loop(self) -> None:
+    def _loop(self, jobs: "queue.Queue") -> None:
         while True:
-            job = self._queue.get()
+            job = jobs.get()
             try:
                 if job is None:
                     return
@@ -150,7 +175,8 @@ class Writer:
             except Exception:  # the writer lives on: the next put's blocks still get stored
                 log.exception("kvstore: a background write failed")
             finally:
-                self._queue.task_done()
+                job = None  # (not kept while waiting: a job holds the engine's arrays)
+                jobs.task_done()
 
     # ------------------------------------------------------------- one job
 
@@ -301,10 +327,11 @@ class Committer:
     def submit(self, fn: Callable, *args) -> Future:
         done: Future = Future()
         with self._lock:
-            if self._thread is None:
-                thread = threading.Thread(target=self._loop, name="kvstore-commit", daemon=True)
+            if self._thread is None or not self._thread.is_alive():  # (not yet, idle, or a forked child)
+                jobs: "queue.Queue" = queue.Queue()  # of its own: see Writer.start
+                thread = threading.Thread(target=self._loop, args=(jobs,), name="kvstore-commit", daemon=True)
                 thread.start()  # (raises RuntimeError where no thread can start: nothing is queued then)
-                self._thread = thread
+                self._thread, self._jobs = thread, jobs
             self._jobs.put((done, fn, args))
         return done
 
@@ -316,20 +343,21 @@ class Committer:
         if thread is not None:
             thread.join(timeout=60)
 
-    def _loop(self) -> None:
+    def _loop(self, jobs: "queue.Queue") -> None:
         while True:
             try:
-                job = self._jobs.get(timeout=self.IDLE)
+                job = jobs.get(timeout=self.IDLE)
             except queue.Empty:
                 job = None
             if job is None:  # idle, or stopped: ends unless work came meanwhile
                 with self._lock:
-                    if self._jobs.empty():
-                        self._thread = None
+                    if jobs.empty():
+                        if self._thread is threading.current_thread():
+                            self._thread = None
                         return
                 continue
-            done, fn, args = job
-            _settle(done, fn, *args)
+            _settle(*job[:2], *job[2])
+            job = None  # (not kept while waiting: it holds the store's writer and the engine's arrays)
 
 
 def _settle(done: Future, fn: Callable, *args) -> None:

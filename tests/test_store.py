@@ -845,6 +845,23 @@ def test_where_no_commit_thread_can_start_the_writer_writes_the_blocks_itself(ss
     assert_hit_is(s.fetch(M, p), p, 6 * BS)
 
 
+def test_where_no_thread_can_start_a_put_is_written_in_the_callers_thread(ssd, monkeypatch):
+    """An exiting interpreter (Python 3.12+) refuses new threads: a put (and a
+    new model's description) then runs in the caller, written whole, with no
+    error raised into the engine and nothing left pending."""
+    from kvstore.hashing import root_key
+
+    s = ssd(budget_gb=0)
+    monkeypatch.setattr(threading.Thread, "start",
+                        lambda self: (_ for _ in ()).throw(RuntimeError("can't create new thread at interpreter shutdown")))
+    p = toks(4 * BS)
+    assert put(s, p) == 4
+    assert s.stats()["ssd_blocks"] == 4 and s._writer.pending_bytes == 0
+    assert root_key(M, s.namespace) in s._persist.disk.models()
+    monkeypatch.undo()
+    assert_hit_is(s.fetch(M, p), p, 4 * BS)
+
+
 def test_an_interrupt_while_the_engine_thread_encodes_leaves_no_transaction_open(ssd, monkeypatch):
     """A put run in the engine's thread (the writer's queue over its bound)
     that is interrupted (Ctrl-C) part-way: the interrupt reaches the engine,

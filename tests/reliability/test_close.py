@@ -49,3 +49,15 @@ def test_interpreter_exit_writes_pending_blocks(tmp_path, how):
     assert "Traceback" not in p.stderr or how == "exception", p.stderr[-3000:]
     assert "pending" in p.stdout
     _all_there(path, [D.tokens(70_000 + i, 100) for i in range(n)], "exit-model")
+
+
+def test_a_forked_child_writes_its_puts_with_threads_of_its_own(tmp_path):
+    """A store whose writer and commit threads ran in the parent, used in a
+    forked child: the child's put is written (it hung: the child's new thread
+    never got the job, the parent's vanished thread was woken instead)."""
+    p = subprocess.run([sys.executable, str(HERE / "child_fork.py"), str(tmp_path / "store")],
+                       capture_output=True, text=True, timeout=120)
+    assert p.returncode == 0, p.stdout + p.stderr[-3000:]
+    line = next(l for l in p.stdout.splitlines() if l.startswith("child"))
+    _, pending, blocks, length, problem = line.split(maxsplit=4)
+    assert (pending, length, problem) == ("0", "100", "None") and int(blocks) >= 2 * 100 // D.BLOCK
