@@ -230,19 +230,20 @@ class Writer:
                 last.close()
             for w in writing:
                 w.result()
-        except Exception:
-            if feed is not None:
+        except BaseException as e:  # an error, or an interrupt of a put run in the engine's thread
+            if feed is not None:  # (the commit thread must not wait on it, holding LMDB's write lock)
                 feed, failed = None, feed
                 failed.close()
             wait(writing)  # their outcome is settled before blocks are dropped
-            log.exception("kvstore: storing %d blocks failed; they are dropped", len(job.nodes))
-            with self.lock:
+            if isinstance(e, Exception):
+                log.exception("kvstore: storing %d blocks failed; they are dropped", len(job.nodes))
+            with self.lock:  # (indexed in no tier, a later put would take them as stored)
                 for node in job.nodes:
                     if self._current(node, job) and not node.in_ram and not node.on_disk:
                         pl.forget_locked(node)
+            if not isinstance(e, Exception):
+                raise
         finally:
-            if feed is not None:  # (an interrupt): the commit thread must not wait on it, holding LMDB's write lock
-                feed.close()
             job.compressed.clear()
             with self.lock:
                 for node in job.nodes:
