@@ -357,8 +357,9 @@ class Committer:
                             self._thread = None
                         return
                 continue
-            _settle(*job[:2], *job[2])
-            job = None  # (not kept while waiting: it holds the store's writer and the engine's arrays)
+            done, fn, args = job
+            _settle(done, fn, *args)
+            job = done = fn = args = None  # (not kept while waiting: it holds the store's writer and the engine's arrays)
 
 
 def _settle(done: Future, fn: Callable, *args) -> None:

@@ -422,12 +422,12 @@ class LmdbTier:
                     break
         return out
 
-    def store(self, entries: Iterable[Entry], nbytes: Optional[int] = None) -> list[Entry]:
-        """Each payload and its record in one transaction; returns the entries
-        written. ``entries`` may be a stream (the writer's blocks as it
-        encodes them, ``nbytes`` about their total): each is copied into the
-        map as it comes, so the disk writes the first while later ones are
-        still being encoded, rather than waiting for a whole batch."""
+    def store(self, entries: Iterable[Entry], nbytes: Optional[int] = None) -> None:
+        """Each payload and its record in one transaction. ``entries`` may be
+        a stream (the writer's blocks as it encodes them, ``nbytes`` about
+        their total): each is copied into the map as it comes, so the disk
+        writes the first while later ones are still being encoded, rather
+        than waiting for a whole batch."""
         dbs = self.dbs
         fd = os.open(self._data_file, os.O_RDWR) if self.writemap and can_start_writeback() else -1
         source, taken = iter(entries), []
@@ -462,7 +462,6 @@ class LmdbTier:
         finally:
             if fd >= 0:
                 os.close(fd)
-        return taken
 
     def _free_and_end(self, txn: lmdb.Transaction) -> tuple[int, int]:
         """Bytes of the file's free pages and where LMDB's last page in use
