@@ -359,7 +359,7 @@ class Committer:
                 continue
             done, fn, args = job
             _settle(done, fn, *args)
-            job = done = fn = args = None  # (not kept while waiting: it holds the store's writer and the engine's arrays)
+            job = done = fn = args = None  # (not kept while waiting: they hold the writer, the engine's arrays)
 
 
 def _settle(done: Future, fn: Callable, *args) -> None:

@@ -695,17 +695,19 @@ class _Prefill:
     _SLACK = 1 << 20  # past a value: the few leaf and branch pages a put takes besides
 
     def __init__(self, tier: LmdbTier, txn: lmdb.Transaction, fd: int):
-        self.tier, self.fd = tier, fd
+        self.fd = fd
         self.free, self.at = tier._free_and_end(txn)  # at: where the next appended value starts (about)
         self.done = self.at  # prefilled up to here
         self.psize = tier._psize()
+        # never past the map or the file (a write there would grow the file): neither changes during the
+        # transaction, since a resize waits for it on the gate
+        self.limit = min(tier.env.info()["map_size"], tier._file_size())
 
     def before(self, n: int) -> None:
         if self.free >= n:
             self.free -= n  # (it may take free pages: counted as taken)
             return
-        info = self.tier.env.info()
-        stop = min(self.at + n + self.psize + self._SLACK, info["map_size"], self.tier._file_size())
+        stop = min(self.at + n + self.psize + self._SLACK, self.limit)
         if stop > self.done:
             prefill(self.fd, self.done, stop - self.done)
             self.done = stop
