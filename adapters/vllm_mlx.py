@@ -456,8 +456,9 @@ def parse_serve_args(argv: Sequence[str]) -> tuple[dict, list[str]]:
 
 def serve(argv: Sequence[str]) -> None:
     """``kvstore vllm-mlx serve MODEL [store options] [vllm-mlx serve options]``:
-    vllm-mlx's own server, continuous batching, on a ``PrefixStore``. A
-    SIGTERM or Ctrl-C shuts the server down and flushes the store."""
+    vllm-mlx's own server, continuous batching, on a ``PrefixStore``. SIGTERM
+    or Ctrl-C shuts the server down, then flushes and closes the store."""
+    import signal
     import sys
 
     store_args, rest = parse_serve_args(argv)
@@ -467,12 +468,20 @@ def serve(argv: Sequence[str]) -> None:
     vargs = vcli.create_parser().parse_args(["serve", *rest])  # vllm-mlx's own reading of its options
     store = PrefixStore(**store_args)
     installed = install(store, model_path=vargs.model, max_kv_size=vargs.max_kv_size or None)
-    argv0 = sys.argv
+
+    def stop(signum, frame):
+        # uvicorn shuts down on SIGTERM, then raises it again for the handler it found: ours ends main()
+        raise KeyboardInterrupt
+
+    argv0, previous = sys.argv, signal.signal(signal.SIGTERM, stop)
     sys.argv = ["vllm-mlx", "serve", *rest]
     try:
-        vcli.main()  # returns once uvicorn has shut down (SIGTERM, SIGINT)
+        vcli.main()  # returns (or raises KeyboardInterrupt) once uvicorn has shut down
+    except KeyboardInterrupt:
+        pass
     finally:
         sys.argv = argv0
+        signal.signal(signal.SIGTERM, previous)
         installed.close()
         store.close()
         log.info("kvstore: store closed, pending blocks written")
