@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import logging
+from dataclasses import replace
 import re
 import signal
 import subprocess
@@ -370,3 +371,106 @@ def test_serve_repeats_from_the_store_shares_it_between_servers_and_survives_sig
     finally:
         assert c.stop() == 0  # SIGTERM: a clean shutdown, store flushed and closed
     assert "store closed" in log.read_text()
+
+
+# ---------------------------------------------------------------------------
+# vllm-mlx's own parity harness (tests/test_prefix_cache_scheduler_parity.py in
+# its sdist), re-targeted at the store: a deterministic module whose logits
+# depend on the sum of everything its cache holds, so KV served for the wrong
+# prefix, or a token fed twice, changes the output.
+# ---------------------------------------------------------------------------
+
+
+class _Tokenizer:
+    eos_token_id = 99
+    clean_up_tokenization_spaces = False
+
+    @staticmethod
+    def encode(text, **_kwargs):
+        return [int(t) for t in text.split()]
+
+    @staticmethod
+    def decode(tokens, **_kwargs):
+        return "".join(chr(65 + int(t) % 26) for t in tokens)
+
+
+class _CumulativeModel:
+    """vllm-mlx's ``_CacheWritingModel`` (kv kind): next token = running sum of all tokens mod 8."""
+
+    def __init__(self):
+        import mlx.nn as nn
+
+        class M(nn.Module):
+            def __init__(self):
+                super().__init__()
+                self.layers = [object()]
+
+            def make_cache(self):
+                from mlx_lm.models.cache import KVCache
+                return [KVCache()]
+
+            def __call__(self, tokens, cache=None):
+                import mlx.core as mx
+                values = tokens.astype(mx.float32)
+                layer = cache[0]
+                prior = mx.zeros((values.shape[0], 1)) if layer.keys is None else \
+                    mx.sum(layer.keys, axis=(1, 2, 3))[:, None]
+                cumulative = prior + mx.cumsum(values, axis=1)
+                kv = values[:, None, :, None]
+                layer.update_and_fetch(kv, kv)
+                selected = cumulative.astype(mx.int32) % 8
+                return mx.where(mx.arange(8)[None, None, :] == selected[:, :, None], 10.0, -10.0)
+
+        self.module = M()
+
+
+def _step_until_done(scheduler, rid, prompt, max_tokens=3):
+    from vllm_mlx.request import Request
+
+    request = Request(request_id=rid, prompt=list(prompt),
+                      sampling_params=SamplingParams(max_tokens=max_tokens, temperature=0.0))
+    scheduler.add_request(request)
+    out = []
+    for _ in range(64):
+        result = scheduler.step()
+        for o in result.outputs:
+            out.extend(o.new_token_ids)
+        if rid in result.finished_request_ids:
+            return out, request
+    raise AssertionError(f"request {rid} did not finish")
+
+
+def test_warm_equals_cold_on_random_prompt_families(tmp_path):
+    """Prompts that repeat, extend (with the answer) or branch off earlier
+    ones, through one scheduler on the store: each answer equals a cold
+    scheduler's, and the store serves most prompt tokens."""
+    import numpy as np
+
+    model = _CumulativeModel().module
+    rng = np.random.default_rng(7)
+    config = SchedulerConfig(max_num_seqs=1, prefill_batch_size=1, completion_batch_size=1)
+    history: list[list[int]] = []
+    served = requested = 0
+    with PrefixStore(budget_gb=1, ssd_path=tmp_path / "store", block_size=4, fetch_policy="always") as store, \
+            V.install(store) as installed:
+        warm = vllm_scheduler.Scheduler(model, _Tokenizer(), config)
+        for i in range(24):
+            pick = rng.integers(4) if history else 3
+            base = history[rng.integers(len(history))] if history else []
+            if pick == 0:
+                prompt = list(base)  # an exact repeat
+            elif pick == 1:
+                prompt = base[: rng.integers(1, len(base) + 1)] + [int(t) for t in rng.integers(1, 9, 3)]  # a branch
+            else:
+                prompt = base + [int(t) for t in rng.integers(1, 9, rng.integers(2, 12))]  # an extension
+            got, request = _step_until_done(warm, f"w{i}", prompt)
+            installed.flush()
+            cold = vllm_scheduler.Scheduler(model, _Tokenizer(), replace(config, enable_prefix_cache=False))
+            want, _ = _step_until_done(cold, f"c{i}", prompt)
+            assert got == want, f"request {i}: {prompt}"
+            served += request.cached_tokens
+            requested += len(prompt)
+            history.append(prompt + got)
+        installed.close()
+    assert served > requested // 2
+
