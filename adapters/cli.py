@@ -82,6 +82,7 @@ def vllm_mlx_serve(ctx: typer.Context):
     --namespace NAME, --fetch-policy auto | always | never, --remote URL, --remote-timeout S.
     vllm-mlx's own cache options (--ssd-cache-dir, --cache-memory-mb, --kv-cache-quantization, --use-paged-cache,
     --no-memory-aware-cache, --disable-prefix-cache) are refused, each naming the store's option to use.
+    With --prefix-trie-cache, vllm-mlx's SimpleEngine (one request at a time) serves instead, its prompt trie on the store.
 
     Example: [bold]kvstore vllm-mlx serve ./my-model --ssd-path ~/.cache/kvstore/store --kv-bits 8 --port 8000[/bold]
     """

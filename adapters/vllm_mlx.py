@@ -7,7 +7,9 @@ methods on it. ``StorePrefixCache`` has that interface over a ``PrefixStore``,
 and ``install`` puts it in the name's place, so every scheduler built while it
 is installed (``EngineCore``, ``AsyncEngineCore``, ``BatchedEngine``, the
 server) keeps its prompts' KV in the store: quantized, on SSD, across restarts
-and processes. ``attach`` swaps it into an engine already built.
+and processes. ``attach`` swaps it into an engine already built. The
+``SimpleEngine`` path (one request at a time, ``--prefix-trie-cache``: mlx-lm's
+``LRUPromptCache`` there) gets ``StoreTrieCache`` in that cache's place.
 
 Every reliance on vllm-mlx's internals lives in this module and is checked by
 ``check_vllm_mlx`` before anything is replaced: a version without what it
@@ -55,7 +57,7 @@ from .generate import calibrate, model_key
 from .mlx_lm import cache_offset, layers_to_cache, snapshot
 from .server import _Inserts
 
-__all__ = ["StorePrefixCache", "install", "attach", "check_vllm_mlx", "VllmMlxUnsupported", "TESTED"]
+__all__ = ["StorePrefixCache", "StoreTrieCache", "install", "attach", "check_vllm_mlx", "VllmMlxUnsupported", "TESTED"]
 
 log = logging.getLogger("kvstore")
 
@@ -106,6 +108,16 @@ def check_vllm_mlx() -> Any:
         raise fail("Scheduler.__init__ no longer builds MemoryAwarePrefixCache by name")
     if not isinstance(getattr(S.Scheduler, "SNAPSHOT_REFRESH_TOKENS", None), int):
         raise fail("Scheduler.SNAPSHOT_REFRESH_TOKENS is gone")
+    try:
+        from vllm_mlx.engine.simple import SimpleEngine
+    except ImportError as e:
+        raise fail(f"vllm_mlx.engine.simple does not import: {e}") from e
+    if not callable(getattr(SimpleEngine, "_ensure_prefix_trie_cache", None)) \
+            or "_prefix_trie_cache_enabled" not in inspect.getsource(SimpleEngine.__init__):
+        raise fail("SimpleEngine no longer builds its prompt trie in _ensure_prefix_trie_cache")
+    peek = inspect.getsource(getattr(SimpleEngine, "_peek_prefix_trie_tokens_saved", lambda: None))
+    if '"_trie"' not in peek or '"shorter"' not in peek:
+        raise fail("SimpleEngine no longer peeks at its prompt trie through _trie.search(...).shorter")
     missing = sorted(n for n in _called_on_cache(source) if not hasattr(StorePrefixCache, n))
     if missing:
         raise fail(f"its scheduler calls {', '.join(missing)} on the prefix cache, which the adapter does not provide")
@@ -183,7 +195,7 @@ class StorePrefixCache:
             self._stats.tokens_requested += len(tokens)
         cache = None
         if len(tokens) >= 2:
-            self._inserts.wait(self.key)  # a follow-up sent as its predecessor ends still finds it
+            self.settle()  # a follow-up sent as its predecessor ends still finds it
             try:
                 hit = self.prefix_store.fetch(self.key, tokens, limit=len(tokens) - 1)
                 if hit:
@@ -305,6 +317,10 @@ class StorePrefixCache:
 
     # -- ours -------------------------------------------------------------------
 
+    def settle(self) -> None:
+        """Wait until the stores so far are in the store's index (not yet written)."""
+        self._inserts.wait(self.key)
+
     def flush(self) -> None:
         """Wait until every store so far is in the store, encoded and written."""
         self._inserts.wait()
@@ -315,21 +331,79 @@ class StorePrefixCache:
         self._inserts.close()
 
 
+class StoreTrieCache:
+    """mlx-lm's ``LRUPromptCache`` interface, as vllm-mlx's ``SimpleEngine``
+    uses it (``--prefix-trie-cache``), over a ``PrefixStore``: one
+    ``StorePrefixCache`` per model it is asked about."""
+
+    def __init__(self, store: PrefixStore, *, model_path: Union[str, Path, None] = None,
+                 max_kv_size: Optional[int] = None, calibrate_prefill: bool = True):
+        self.prefix_store = store
+        self._args = dict(model_path=model_path, max_kv_size=max_kv_size, calibrate_prefill=calibrate_prefill)
+        self._caches: dict[int, StorePrefixCache] = {}
+
+    @property
+    def _trie(self) -> "StoreTrieCache":
+        return self  # SimpleEngine peeks here (``_trie.search``) before it fetches
+
+    def search(self, model: nn.Module, tokens: list[int]) -> Any:
+        """What a fetch would serve, as mlx-lm's trie search reports it: a
+        shorter stored prefix (short of the last token), nothing exact or longer."""
+        from types import SimpleNamespace
+
+        cache = self.cache_for(model)
+        cache.settle()  # as fetch: a request's insert is visible to the next one's peek
+        n = cache.prefix_store.contains(cache.key, list(tokens)[:-1]) if len(tokens) >= 2 else 0
+        return SimpleNamespace(model=model, exact=None, shorter=list(tokens[:n]) if n else None, longer=None,
+                               common_prefix=0)
+
+    def cache_for(self, model: nn.Module) -> StorePrefixCache:
+        if id(model) not in self._caches:
+            self._caches[id(model)] = StorePrefixCache(self.prefix_store, model, **self._args)
+        return self._caches[id(model)]
+
+    def fetch_nearest_cache(self, model: nn.Module, tokens: list[int]) -> tuple[Optional[list], list[int]]:
+        return self.cache_for(model).fetch(tokens)
+
+    def insert_cache(self, model: nn.Module, tokens: list[int], prompt_cache: list, **_: Any) -> None:
+        self.cache_for(model).store(tokens, prompt_cache)
+
+    @property
+    def nbytes(self) -> int:
+        return self.prefix_store.nbytes
+
+    def __len__(self) -> int:
+        for c in self._caches.values():  # SimpleEngine skips an empty trie: count the inserts in flight too
+            c.settle()
+        return self.prefix_store.sequences
+
+    def flush(self) -> None:
+        for c in self._caches.values():
+            c.flush()
+
+    def close(self) -> None:
+        for c in self._caches.values():
+            c.close()
+
+
 class Installed:
     """``install``'s handle: ``uninstall()`` (or leaving its ``with``) puts
     vllm-mlx's own cache back for schedulers built afterwards; ``caches`` are
     the ``StorePrefixCache`` objects built meanwhile."""
 
-    def __init__(self, module: Any, original: Any, previous_refresh: int):
+    def __init__(self, module: Any, simple_engine: Any):
         self._module = module
-        self._original = original
-        self._refresh = previous_refresh
-        self.caches: list[StorePrefixCache] = []
+        self._original = module.MemoryAwarePrefixCache
+        self._refresh = module.Scheduler.SNAPSHOT_REFRESH_TOKENS
+        self._simple = simple_engine
+        self._ensure_trie = simple_engine._ensure_prefix_trie_cache
+        self.caches: list[Union[StorePrefixCache, StoreTrieCache]] = []
 
     def uninstall(self) -> None:
         if self._module.MemoryAwarePrefixCache is not self._original:
             self._module.MemoryAwarePrefixCache = self._original
             self._module.Scheduler.SNAPSHOT_REFRESH_TOKENS = self._refresh
+            self._simple._ensure_prefix_trie_cache = self._ensure_trie
 
     def flush(self) -> None:
         for c in self.caches:
@@ -349,25 +423,39 @@ class Installed:
 def install(store: PrefixStore, *, model_path: Union[str, Path, None] = None, max_kv_size: Optional[int] = None,
             calibrate_prefill: bool = True) -> Installed:
     """Every vllm-mlx ``Scheduler`` built from now on (until ``uninstall``)
-    keeps its prefix cache in ``store``. The scheduler must use its
-    memory-aware cache (vllm-mlx's default: not ``--use-paged-cache``,
-    ``--no-memory-aware-cache`` or ``--disable-prefix-cache``).
+    keeps its prefix cache in ``store``, and so does every ``SimpleEngine``
+    run with ``prefix_trie_cache=True`` (mlx-lm's ``LRUPromptCache`` there).
+    The scheduler must use its memory-aware cache (vllm-mlx's default: not
+    ``--use-paged-cache``, ``--no-memory-aware-cache`` or
+    ``--disable-prefix-cache``).
 
     Also lets non-trimmable caches (sliding windows that wrapped, recurrent
     state) be offered after every request rather than once per 4,096 new
     tokens: the store keeps only the blocks it lacks, so a refresh is cheap.
     """
     S = check_vllm_mlx()
-    installed = Installed(S, S.MemoryAwarePrefixCache, S.Scheduler.SNAPSHOT_REFRESH_TOKENS)
+    from vllm_mlx.engine.simple import SimpleEngine
+
+    installed = Installed(S, SimpleEngine)
+    args = dict(model_path=model_path, max_kv_size=max_kv_size, calibrate_prefill=calibrate_prefill)
 
     def build(model: Any, config: Any = None) -> StorePrefixCache:
-        cache = StorePrefixCache(store, model, model_path=model_path, max_kv_size=max_kv_size,
-                                 calibrate_prefill=calibrate_prefill)
+        cache = StorePrefixCache(store, model, **args)
         installed.caches.append(cache)
         return cache
 
+    def trie(engine: Any) -> Optional[StoreTrieCache]:
+        if not engine._prefix_trie_cache_enabled or engine._is_mllm:
+            return None
+        with engine._prefix_trie_cache_lock:
+            if not isinstance(engine._prefix_trie_cache, StoreTrieCache):
+                engine._prefix_trie_cache = StoreTrieCache(store, **args)
+                installed.caches.append(engine._prefix_trie_cache)
+        return engine._prefix_trie_cache
+
     S.MemoryAwarePrefixCache = build
     S.Scheduler.SNAPSHOT_REFRESH_TOKENS = 0
+    SimpleEngine._ensure_prefix_trie_cache = trie
     return installed
 
 
@@ -408,6 +496,8 @@ _REFUSED = {
     "--kv-cache-quantization": "stored entries are quantized with --kv-bits B (8, 4, or K,V like 8,4)",
     "--kv-cache-quantization-bits": "stored entries are quantized with --kv-bits B",
     "--kv-cache-quantization-group-size": "the store's group size is --store-group-size",
+    "--prefix-trie-cache-size": "the store is bounded by bytes: --budget-gb (RAM) and --disk-budget-gb (SSD)",
+    "--prefix-trie-cache-memory-mb": "the store's RAM budget is --budget-gb",
 }
 
 
@@ -430,7 +520,8 @@ def _serve_parser() -> "argparse.ArgumentParser":
 
 def parse_serve_args(argv: Sequence[str]) -> tuple[dict, list[str]]:
     """``kvstore vllm-mlx serve``'s own options as ``PrefixStore`` arguments,
-    and the rest for ``vllm-mlx serve`` (continuous batching added). Options
+    and the rest for ``vllm-mlx serve``: continuous batching added, unless
+    ``--prefix-trie-cache`` asks for vllm-mlx's SimpleEngine. Options
     that would move the prefix cache off the store exit with code 2, naming
     what to use instead."""
     from .server import parse_kv_bits
@@ -449,7 +540,7 @@ def parse_serve_args(argv: Sequence[str]) -> tuple[dict, list[str]]:
                       kv_group_size=opts.store_group_size, namespace=opts.namespace,
                       disk_budget_gb=opts.disk_budget_gb, fetch_policy=opts.fetch_policy, remote=opts.remote,
                       remote_timeout=opts.remote_timeout)
-    if "--continuous-batching" not in rest:
+    if "--continuous-batching" not in rest and "--prefix-trie-cache" not in rest:
         rest.append("--continuous-batching")
     return store_args, rest
 

@@ -474,3 +474,39 @@ def test_warm_equals_cold_on_random_prompt_families(tmp_path):
         installed.close()
     assert served > requested // 2
 
+
+
+def test_simple_engine_prompt_trie_on_the_store(models, tmp_path):
+    """vllm-mlx's SimpleEngine with --prefix-trie-cache (mlx-lm's LRUPromptCache
+    there): the same answers as without it, and a repeat served from the store."""
+    import asyncio
+
+    from vllm_mlx.engine.simple import SimpleEngine
+
+    path = models["llama"][0]
+    messages = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "What is two plus two?"}]
+
+    async def answers(engine, n):
+        await engine.start()
+        out = []
+        for _ in range(n):
+            text = ""
+            async for o in engine.stream_chat(messages=messages, max_tokens=8, temperature=0.0):
+                text = o.text
+            out.append(text)
+        await engine.stop()
+        return out
+
+    plain = asyncio.run(answers(SimpleEngine(str(path)), 1))
+    with PrefixStore(budget_gb=1, ssd_path=tmp_path / "store", block_size=BLOCK) as store, \
+            V.install(store, model_path=path) as installed:
+        engine = SimpleEngine(str(path), prefix_trie_cache=True)
+        ours = asyncio.run(answers(engine, 3))
+        (trie,) = installed.caches
+        assert isinstance(trie, V.StoreTrieCache)
+        (cache,) = trie._caches.values()
+        stats = cache.get_stats()
+        installed.close()
+    assert ours == plain * 3
+    assert stats["hits"] == 2 and stats["misses"] == 1, stats
+    assert stats["tokens_saved"] >= 2 * (stats["kvstore"]["tokens_requested"] // 3 - BLOCK)
