@@ -510,3 +510,20 @@ def test_simple_engine_prompt_trie_on_the_store(models, tmp_path):
     assert ours == plain * 3
     assert stats["hits"] == 2 and stats["misses"] == 1, stats
     assert stats["tokens_saved"] >= 2 * (stats["kvstore"]["tokens_requested"] // 3 - BLOCK)
+
+
+def test_short_prompts_are_cached_too(models, tmp_path, prefills):
+    """vllm-mlx's own cache skips prompts under 128 tokens; the store keeps a
+    partial block as a leaf, so a short prompt repeated computes one token."""
+    path, model, tokenizer = models["llama"]
+    prompt = tokenizer.apply_chat_template([{"role": "user", "content": "Hi!"}], add_generation_prompt=True,
+                                           tokenize=True)
+    assert len(prompt) < min(BLOCK, 128)
+    with PrefixStore(budget_gb=1, block_size=BLOCK) as store, V.install(store, model_path=path) as installed:
+        eng = engine(model, tokenizer, "store")
+        cold = generate(eng, prompt)
+        installed.flush()
+        assert generate(eng, prompt) == cold
+        eng.close()
+        installed.close()
+    assert prefills.counts == [len(prompt), 1]
