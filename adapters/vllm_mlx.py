@@ -115,14 +115,15 @@ def check_vllm_mlx() -> Any:
     if not callable(getattr(SimpleEngine, "_ensure_prefix_trie_cache", None)) \
             or "_prefix_trie_cache_enabled" not in inspect.getsource(SimpleEngine.__init__):
         raise fail("SimpleEngine no longer builds its prompt trie in _ensure_prefix_trie_cache")
-    peek = inspect.getsource(getattr(SimpleEngine, "_peek_prefix_trie_tokens_saved", lambda: None))
-    if '"_trie"' not in peek or '"shorter"' not in peek:
+    peek = getattr(SimpleEngine, "_peek_prefix_trie_tokens_saved", None)
+    if peek is None or '"_trie"' not in inspect.getsource(peek) or '"shorter"' not in inspect.getsource(peek):
         raise fail("SimpleEngine no longer peeks at its prompt trie through _trie.search(...).shorter")
     missing = sorted(n for n in _called_on_cache(source) if not hasattr(StorePrefixCache, n))
     if missing:
         raise fail(f"its scheduler calls {', '.join(missing)} on the prefix cache, which the adapter does not provide")
+    builtin = getattr(S.MemoryAwarePrefixCache, "kvstore_replaces", S.MemoryAwarePrefixCache)  # installed already?
     for name, params in _SIGNATURES.items():
-        have = list(inspect.signature(getattr(S.MemoryAwarePrefixCache, name)).parameters)
+        have = list(inspect.signature(getattr(builtin, name)).parameters)
         if have[: len(params)] != list(params):
             raise fail(f"MemoryAwarePrefixCache.{name} takes {have}, the adapter expects {list(params)}")
     return S
@@ -453,6 +454,7 @@ def install(store: PrefixStore, *, model_path: Union[str, Path, None] = None, ma
                 installed.caches.append(engine._prefix_trie_cache)
         return engine._prefix_trie_cache
 
+    build.kvstore_replaces = getattr(S.MemoryAwarePrefixCache, "kvstore_replaces", S.MemoryAwarePrefixCache)
     S.MemoryAwarePrefixCache = build
     S.Scheduler.SNAPSHOT_REFRESH_TOKENS = 0
     SimpleEngine._ensure_prefix_trie_cache = trie

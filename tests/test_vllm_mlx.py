@@ -527,3 +527,15 @@ def test_short_prompts_are_cached_too(models, tmp_path, prefills):
         eng.close()
         installed.close()
     assert prefills.counts == [len(prompt), 1]
+
+
+def test_installs_nest_and_each_uninstall_puts_back_what_it_replaced(tmp_path):
+    builtin, refresh = vllm_scheduler.MemoryAwarePrefixCache, vllm_scheduler.Scheduler.SNAPSHOT_REFRESH_TOKENS
+    with PrefixStore(budget_gb=1) as one, PrefixStore(budget_gb=1) as two:
+        with V.install(one):
+            first = vllm_scheduler.MemoryAwarePrefixCache
+            with V.install(two):
+                assert vllm_scheduler.MemoryAwarePrefixCache is not first
+            assert vllm_scheduler.MemoryAwarePrefixCache is first
+        assert vllm_scheduler.MemoryAwarePrefixCache is builtin
+        assert vllm_scheduler.Scheduler.SNAPSHOT_REFRESH_TOKENS == refresh
