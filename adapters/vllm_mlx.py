@@ -29,9 +29,10 @@ What the scheduler expects of the cache and how the store answers:
 * ``remove`` / ``evict_prefixes``: blocks are shared by every prompt that
   starts with them, so nothing is removed for one key (the store evicts
   least recently used leaves under its budgets).
-* ``clear()``: the RAM tier is emptied; what is on SSD stays (the scheduler
-  clears on an engine error, which says nothing about stored KV; ``kvstore
-  clear PATH`` empties a store).
+* ``clear()``: resets this engine's counters and leaves the store alone (the
+  scheduler clears on an engine reset, on close and after an engine error,
+  none of which says anything about stored KV, and other engines and processes
+  may share the store; ``kvstore clear PATH`` empties a store).
 * vllm-mlx's own SSD tier and save/load are not used: the store writes
   through to its own LMDB file as it goes (``save_to_disk`` flushes it).
 """
@@ -104,7 +105,8 @@ def check_vllm_mlx() -> Any:
         source = inspect.getsource(S.Scheduler)
     except (OSError, TypeError) as e:
         raise fail(f"the Scheduler's source cannot be read: {e}") from e
-    if "MemoryAwarePrefixCache(" not in inspect.getsource(S.Scheduler.__init__):
+    init = getattr(S.Scheduler.__init__, "kvstore_replaces", S.Scheduler.__init__)  # installed already?
+    if "MemoryAwarePrefixCache(" not in inspect.getsource(init):
         raise fail("Scheduler.__init__ no longer builds MemoryAwarePrefixCache by name")
     if not isinstance(getattr(S.Scheduler, "SNAPSHOT_REFRESH_TOKENS", None), int):
         raise fail("Scheduler.SNAPSHOT_REFRESH_TOKENS is gone")
@@ -245,9 +247,13 @@ class StorePrefixCache:
         return False
 
     def clear(self) -> None:
-        """Empty the RAM tier (stored blocks on SSD stay servable)."""
-        self._inserts.wait()
-        self.prefix_store.trim_ram(0)
+        """Reset this engine's counters; what is stored stays. The scheduler
+        clears on an engine reset, on closing and after an engine error, none
+        of which says anything about stored KV, and the store may serve other
+        engines and processes: ``kvstore clear PATH`` (or ``PrefixStore.clear``)
+        empties it."""
+        self.settle()
+        self.reset_stats()
 
     def get_stats(self) -> dict[str, Any]:
         """The built-in cache's counters (same keys, this process's requests),
@@ -259,7 +265,7 @@ class StorePrefixCache:
             "hits": s.hits,
             "misses": s.misses,
             "hit_rate": round(s.hits / looked, 4) if looked else 0.0,
-            "evictions": stats.get("evicted_ram", 0),
+            "evictions": stats.get("evictions_ram", 0),
             "tokens_saved": s.tokens_saved,
             "current_memory_mb": round(self.prefix_store.nbytes / _MB, 2),
             "max_memory_mb": round(self.memory_limit_mb, 2),
@@ -395,15 +401,17 @@ class Installed:
     def __init__(self, module: Any, simple_engine: Any):
         self._module = module
         self._original = module.MemoryAwarePrefixCache
-        self._refresh = module.Scheduler.SNAPSHOT_REFRESH_TOKENS
+        self._init = module.Scheduler.__init__
         self._simple = simple_engine
         self._ensure_trie = simple_engine._ensure_prefix_trie_cache
         self.caches: list[Union[StorePrefixCache, StoreTrieCache]] = []
 
     def uninstall(self) -> None:
+        """Schedulers built from now on get vllm-mlx's own cache; those built
+        while installed keep the store."""
         if self._module.MemoryAwarePrefixCache is not self._original:
             self._module.MemoryAwarePrefixCache = self._original
-            self._module.Scheduler.SNAPSHOT_REFRESH_TOKENS = self._refresh
+            self._module.Scheduler.__init__ = self._init
             self._simple._ensure_prefix_trie_cache = self._ensure_trie
 
     def flush(self) -> None:
@@ -454,9 +462,17 @@ def install(store: PrefixStore, *, model_path: Union[str, Path, None] = None, ma
                 installed.caches.append(engine._prefix_trie_cache)
         return engine._prefix_trie_cache
 
+    init = S.Scheduler.__init__
+
+    def scheduler_init(scheduler: Any, *a: Any, **kw: Any) -> None:
+        init(scheduler, *a, **kw)
+        if isinstance(scheduler.memory_aware_cache, StorePrefixCache):
+            scheduler.SNAPSHOT_REFRESH_TOKENS = 0  # this scheduler's own, whatever is installed later
+
+    scheduler_init.kvstore_replaces = getattr(init, "kvstore_replaces", init)
     build.kvstore_replaces = getattr(S.MemoryAwarePrefixCache, "kvstore_replaces", S.MemoryAwarePrefixCache)
     S.MemoryAwarePrefixCache = build
-    S.Scheduler.SNAPSHOT_REFRESH_TOKENS = 0
+    S.Scheduler.__init__ = scheduler_init
     SimpleEngine._ensure_prefix_trie_cache = trie
     return installed
 

@@ -234,17 +234,23 @@ def test_a_second_host_hits_through_the_remote_tier(models, tmp_path, prefills):
     assert stats["tokens_remote"] == len(prompt) - 1
 
 
-def test_clear_empties_ram_and_keeps_the_ssd_tier(models, tmp_path):
+def test_an_engine_clearing_or_closing_leaves_the_shared_store_alone(models, tmp_path):
+    """vllm-mlx clears its cache on an engine reset, on close and after an
+    engine error: none of that says anything about stored KV, which other
+    engines may be using."""
     path, model, tokenizer = models["llama"]
-    prompt = chat(tokenizer, "Keep me on disk.")
-    with PrefixStore(budget_gb=1, ssd_path=tmp_path / "store", block_size=BLOCK) as store, \
-            V.install(store, model_path=path) as installed:
-        eng = engine(model, tokenizer, "store")
-        generate(eng, prompt)
-        eng.scheduler.clear_runtime_caches()  # what vllm-mlx's /v1/cache clear and its error recovery call
-        assert store.nbytes == 0
-        cache, rest = eng.scheduler.memory_aware_cache.fetch(prompt)
-        eng.close()
+    prompt = chat(tokenizer, "Keep me.")
+    with PrefixStore(budget_gb=1, block_size=BLOCK) as store, V.install(store, model_path=path) as installed:
+        one, two = engine(model, tokenizer, "store"), engine(model, tokenizer, "store")
+        generate(one, prompt)
+        installed.flush()
+        held = store.nbytes
+        one.scheduler.clear_runtime_caches()  # what vllm-mlx's DELETE /v1/cache and its error recovery call
+        one.close()  # resets its scheduler
+        assert store.nbytes == held > 0
+        cache, rest = two.scheduler.memory_aware_cache.fetch(prompt)
+        assert one.scheduler.memory_aware_cache.get_stats()["hits"] == 0  # its counters were reset
+        two.close()
         installed.close()
     assert cache is not None and len(rest) == 1
 
@@ -530,12 +536,27 @@ def test_short_prompts_are_cached_too(models, tmp_path, prefills):
 
 
 def test_installs_nest_and_each_uninstall_puts_back_what_it_replaced(tmp_path):
-    builtin, refresh = vllm_scheduler.MemoryAwarePrefixCache, vllm_scheduler.Scheduler.SNAPSHOT_REFRESH_TOKENS
+    builtin, init = vllm_scheduler.MemoryAwarePrefixCache, vllm_scheduler.Scheduler.__init__
     with PrefixStore(budget_gb=1) as one, PrefixStore(budget_gb=1) as two:
         with V.install(one):
             first = vllm_scheduler.MemoryAwarePrefixCache
             with V.install(two):
                 assert vllm_scheduler.MemoryAwarePrefixCache is not first
             assert vllm_scheduler.MemoryAwarePrefixCache is first
-        assert vllm_scheduler.MemoryAwarePrefixCache is builtin
-        assert vllm_scheduler.Scheduler.SNAPSHOT_REFRESH_TOKENS == refresh
+        assert vllm_scheduler.MemoryAwarePrefixCache is builtin and vllm_scheduler.Scheduler.__init__ is init
+
+
+def test_a_scheduler_built_while_installed_keeps_the_store_and_its_refresh_after_uninstall(models):
+    """Non-trimmable caches are offered after every request (the store keeps
+    only blocks it lacks): the scheduler's own setting, which outlives uninstall."""
+    path, model, tokenizer = models["gemma3_text"]
+    refresh = vllm_scheduler.Scheduler.SNAPSHOT_REFRESH_TOKENS
+    with PrefixStore(budget_gb=1) as store:
+        with V.install(store, model_path=path):
+            eng = engine(model, tokenizer, "store")
+        other = engine(model, tokenizer, "builtin")
+        assert isinstance(eng.scheduler.memory_aware_cache, V.StorePrefixCache)
+        assert eng.scheduler.SNAPSHOT_REFRESH_TOKENS == 0
+        assert other.scheduler.SNAPSHOT_REFRESH_TOKENS == refresh > 0
+        eng.close()
+        other.close()
