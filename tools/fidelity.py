@@ -270,7 +270,7 @@ def run(model_spec: str = "smollm2", texts: Optional[list[Text]] = None, prefix:
 
 def table(res: dict) -> str:
     """The markdown section for docs/benchmarks.md."""
-    L = [_MARK_BEGIN, "## fidelity on a trained model: SmolLM2-135M-Instruct on real text\n"]
+    L = [_MARK_BEGIN, f"## fidelity on a trained model: {model_title(res)} on real text\n"]
     texts = "; ".join(f"{t['name']} ({t['tokens']:,} tokens)" for t in res["texts"])
     L.append(f"Model: `{Path(res['model_path']).name}` ({res['model']}; mlx {res['mlx']}, {res['device']}, "
              f"{res['machine']}; KV in {res['kv_dtype']}). Texts: {texts}. Per text the first {res['prefix']:,} "
@@ -299,6 +299,15 @@ def table(res: dict) -> str:
              f"--greedy {res['greedy_tokens']}{settings}` ({res['seconds'] / 60:.0f} min).\n")
     L.append(_MARK_END)
     return "\n".join(L)
+
+
+_TITLES = {"SmolLM2-135M-Instruct.Q4_1.gguf": "SmolLM2-135M-Instruct", "gemma-3-270m-q4_k_m.gguf": "Gemma 3 270M"}
+
+
+def model_title(res: dict) -> str:
+    """The model's name for a heading: the known trained models by name, others by file or folder."""
+    name = Path(res["model_path"]).name
+    return _TITLES.get(name, name)
 
 
 def _bits(name: str) -> tuple[Optional[int], Optional[int]]:
