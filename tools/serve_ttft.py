@@ -26,6 +26,7 @@ import argparse
 import json
 import os
 import platform
+import re
 import socket
 import statistics
 import subprocess
@@ -86,6 +87,18 @@ def _system_prompts(tokenizer, texts, n: int, prefix: int) -> list[tuple[str, st
     return out[:n]
 
 
+def _computed_tokens(log: str) -> list[int]:
+    """Prompt tokens the server computed per request, in order, from mlx-lm's progress lines
+    ('Prompt processing progress: done/total'; a hit computes only the part after the stored prefix)."""
+    out, last = [], None
+    for m in re.finditer(r"Prompt processing progress: (\d+)/(\d+)", log):
+        done, total = int(m.group(1)), int(m.group(2))
+        if done == total:
+            out.append(total)
+        last = (done, total)
+    return out if last is None or last[0] == last[1] else out + [last[1]]
+
+
 def run(model: str, prefix: int = 1536, trials: int = 3, max_tokens: int = 8, port: Optional[int] = None,
         extra: Optional[list[str]] = None, texts=None, log=print) -> dict:
     from openai import OpenAI
@@ -117,9 +130,14 @@ def run(model: str, prefix: int = 1536, trials: int = 3, max_tokens: int = 8, po
                 proc.wait(60)
             except subprocess.TimeoutExpired:
                 proc.kill()
-            serve_log = Path(d, "serve.log").read_text(errors="replace")[-4000:]
+            serve_log_all = Path(d, "serve.log").read_text(errors="replace")
+            serve_log = serve_log_all[-4000:]
     import mlx.core as mx
 
+    computed = _computed_tokens(serve_log_all)
+    if len(computed) == 1 + 2 * len(rows):  # warm-up, then cold and hit per trial
+        for i, r in enumerate(rows):
+            r["cold"]["computed_tokens"], r["hit"]["computed_tokens"] = computed[1 + 2 * i], computed[2 + 2 * i]
     med = lambda k: statistics.median(r[k]["ttft_s"] for r in rows)  # noqa: E731
     return {"model": model, "model_path": str(path), "prefix_tokens": prefix, "trials": trials,
             "max_tokens": max_tokens, "device": str(mx.default_device()), "mlx": mx.__version__,

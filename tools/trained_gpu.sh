@@ -87,13 +87,14 @@ run)
   ln -s "$CODE/adapters" "$pkg/kvstore/adapters"; ln -s "$CODE/tools" "$pkg/kvstore/tools"
   source "$SITE/env.sh"
   export PYTHONPATH="$SITE:$pkg${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
+  out=$(mkdir -p "${OUT:-trained-gpu}" && cd "${OUT:-trained-gpu}" && pwd)
+  cd /tmp  # not the checkout's root: python would import its kvstore/ (without adapters/) from there
   python3 -c 'import mlx.core as mx, kvstore, kvstore.adapters.gguf; print("mlx", mx.__version__, mx.default_device())'
   case $model in
     smollm2) gguf=$(ls "$STAGE"/bundle/SmolLM2*.gguf) ;;
     gemma3) gguf=$(ls "$STAGE"/bundle/gemma-3*.gguf) ;;
     *) echo "model: smollm2 or gemma3"; exit 2 ;;
   esac
-  out=${OUT:-trained-gpu}; mkdir -p "$out"
   if [[ $what == fidelity ]]; then
     if [[ $# -gt 0 ]]; then set -- --settings "$@"; fi
     python3 -m kvstore.tools.fidelity --model "$gguf" --texts-json "$STAGE/bundle/texts.json" \
