@@ -57,6 +57,7 @@ SETTINGS: dict[str, dict[str, Any]] = {
     "q8": dict(kv_bits=8),
     "q8 g32": dict(kv_bits=8, kv_group_size=32),
     "q8 rotK+rotV": dict(kv_bits=8, rotate_keys=True, rotate_values=True),
+    "q8 g32 rotK+rotV": dict(kv_bits=8, kv_group_size=32, rotate_keys=True, rotate_values=True),
     "q6": dict(kv_bits=6),
     "K8/V4": dict(kv_bits=(8, 4), rotate_keys=False, rotate_values=False),
     "q4": dict(kv_bits=4, rotate_keys=False, rotate_values=False),
