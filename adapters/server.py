@@ -32,6 +32,7 @@ from mlx_lm.models import cache as C
 from kvstore import Hit, PrefixStore
 
 from .generate import calibrate, models_key
+from .gguf import TRAINED, is_gguf, load_model, resolve_model
 from .mlx_lm import cache_offset, caches_to_layers, layers_to_caches, snapshot
 
 log = logging.getLogger("kvstore")
@@ -253,9 +254,29 @@ class StorePromptCache:
 
 
 def _folder(path: Any) -> Optional[Path]:
-    """``path`` when it is a local model folder (not a hub name)."""
+    """``path`` when it is a local model folder or GGUF file (not a hub name)."""
+    if path is None:
+        return None
+    if str(path) in TRAINED:
+        return resolve_model(path)
     local = Path(str(path)).expanduser()
-    return local if (local / "config.json").is_file() else None
+    return local if (local / "config.json").is_file() or is_gguf(local) else None
+
+
+def _load_gguf_too(load):
+    """mlx-lm's ``load``, which also takes a GGUF file or a trained model's
+    name (``smollm2``, ``gemma3``) and reads it with ``load_gguf``."""
+    if getattr(load, "reads_gguf", False):
+        return load
+
+    def load_any(path, *args, return_config: bool = False, **kwargs):
+        if str(path) in TRAINED or is_gguf(Path(str(path)).expanduser()):
+            model, tokenizer, _ = load_model(path)
+            return (model, tokenizer, {}) if return_config else (model, tokenizer)
+        return load(path, *args, return_config=return_config, **kwargs)
+
+    load_any.reads_gguf = True
+    return load_any
 
 
 # ---------------------------------------------------------------------------
@@ -378,6 +399,7 @@ def start(argv: Sequence[str]) -> Server:
     def capture(host, port, model_provider, *args, **kwargs):  # mlx-lm's main() ends by calling run()
         got.update(host=host, port=port, provider=model_provider)
 
+    S.load = _load_gguf_too(S.load)  # the generation thread loads the model later, through this name
     run, argv0 = S.run, sys.argv
     S.run, sys.argv = capture, ["mlx_lm.server", *rest]
     try:

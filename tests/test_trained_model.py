@@ -106,3 +106,38 @@ def test_fidelity_texts_travel_as_json_with_their_names(tmp_path):
     fidelity.save_texts(texts, path)
     back = fidelity.load_texts(path)
     assert [(t.name, t.text) for t in back] == [(t.name, t.text) for t in texts]
+
+
+def test_serve_reads_gguf_files_and_trained_model_names(tmp_path):
+    """``kvstore serve --model`` takes a GGUF file or 'smollm2' / 'gemma3' (read by load_gguf); a model
+    folder or hub name still goes to mlx-lm's own ``load``."""
+    from kvstore.adapters import server
+
+    calls = []
+
+    def mlx_load(path, *args, return_config=False, **kwargs):
+        calls.append(path)
+        return ("model", "tokenizer", {"x": 1}) if return_config else ("model", "tokenizer")
+
+    load = server._load_gguf_too(mlx_load)
+    assert server._load_gguf_too(load) is load  # wrapped once, however often the server starts
+    assert load("some-org/some-model", return_config=True) == ("model", "tokenizer", {"x": 1})
+    assert calls == ["some-org/some-model"] and server._folder("some-org/some-model") is None
+    folder = tmp_path / "m"
+    folder.mkdir()
+    (folder / "config.json").write_text("{}")
+    assert server._folder(str(folder)) == folder
+    p = tmp_path / "x.gguf"
+    p.write_bytes(b"GGUF" + bytes(64))
+    assert server._folder(str(p)) == p
+    with pytest.raises(ValueError):  # a GGUF file goes to load_gguf, which reads its header
+        load(str(p))
+    assert calls == ["some-org/some-model"]
+
+
+@needs_smollm2
+def test_serve_loads_smollm2_by_name():
+    from kvstore.adapters import server
+
+    model, tok, config = server._load_gguf_too(None)("smollm2", return_config=True)
+    assert config == {} and model.args.num_hidden_layers == 30 and server._folder("smollm2") == smollm2_path()

@@ -55,6 +55,9 @@ ROOT = Path(__file__).resolve().parents[1]
 SETTINGS: dict[str, dict[str, Any]] = {
     "dense": dict(kv_bits=None),
     "q8": dict(kv_bits=8),
+    "q8 g32": dict(kv_bits=8, kv_group_size=32),
+    "q8 rotK+rotV": dict(kv_bits=8, rotate_keys=True, rotate_values=True),
+    "q8 g32 rotK+rotV": dict(kv_bits=8, kv_group_size=32, rotate_keys=True, rotate_values=True),
     "q6": dict(kv_bits=6),
     "K8/V4": dict(kv_bits=(8, 4), rotate_keys=False, rotate_values=False),
     "q4": dict(kv_bits=4, rotate_keys=False, rotate_values=False),
@@ -167,6 +170,14 @@ def _rel_err(got: mx.array, want: mx.array) -> float:
     return float((mx.linalg.norm(g - w) / mx.linalg.norm(w)).item())
 
 
+def _common_rows(got, want, length: int, which: str) -> tuple[mx.array, mx.array]:
+    """The rows both layers hold: a sliding-window layer is served with its window's rows, while the
+    cold cache it is compared with may hold more (mlx-lm's rotating buffer keeps a chunk's worth extra)."""
+    lo = max(got.start, want.start)
+    g, w = getattr(got, which), getattr(want, which)
+    return g[..., lo - got.start:length - got.start, :], w[..., lo - want.start:length - want.start, :]
+
+
 def _greedy(model, cache, first: int, n: int) -> list[int]:
     """Feed ``first``, then ``n`` greedy tokens."""
     out, y = [], first
@@ -239,8 +250,8 @@ def run(model_spec: str = "smollm2", texts: Optional[list[Text]] = None, prefix:
                 lg = _forward(model, layers_to_cache(hit.layers, model, length=prefix), nxt)
                 lp = _logprobs(lg)
                 a = acc[s]
-                a.key_err += [_rel_err(r.keys, c.keys) for r, c in zip(hit.layers, layers)]
-                a.value_err += [_rel_err(r.values, c.values) for r, c in zip(hit.layers, layers)]
+                a.key_err += [_rel_err(*_common_rows(r, c, prefix, "keys")) for r, c in zip(hit.layers, layers)]
+                a.value_err += [_rel_err(*_common_rows(r, c, prefix, "values")) for r, c in zip(hit.layers, layers)]
                 a.max_err = max(a.max_err, float(mx.max(mx.abs(lg.astype(mx.float32) - lg0.astype(mx.float32))).item()))
                 a.kl.append(np.array(mx.sum(p0 * (lp0 - lp), axis=-1)))
                 a.top1 += int(mx.sum(mx.argmax(lp, axis=-1) == top0).item())
@@ -270,7 +281,7 @@ def run(model_spec: str = "smollm2", texts: Optional[list[Text]] = None, prefix:
 
 def table(res: dict) -> str:
     """The markdown section for docs/benchmarks.md."""
-    L = [_MARK_BEGIN, "## fidelity on a trained model: SmolLM2-135M-Instruct on real text\n"]
+    L = [_MARK_BEGIN, f"## fidelity on a trained model: {model_title(res)} on real text\n"]
     texts = "; ".join(f"{t['name']} ({t['tokens']:,} tokens)" for t in res["texts"])
     L.append(f"Model: `{Path(res['model_path']).name}` ({res['model']}; mlx {res['mlx']}, {res['device']}, "
              f"{res['machine']}; KV in {res['kv_dtype']}). Texts: {texts}. Per text the first {res['prefix']:,} "
@@ -299,6 +310,15 @@ def table(res: dict) -> str:
              f"--greedy {res['greedy_tokens']}{settings}` ({res['seconds'] / 60:.0f} min).\n")
     L.append(_MARK_END)
     return "\n".join(L)
+
+
+_TITLES = {"SmolLM2-135M-Instruct.Q4_1.gguf": "SmolLM2-135M-Instruct", "gemma-3-270m-q4_k_m.gguf": "Gemma 3 270M"}
+
+
+def model_title(res: dict) -> str:
+    """The model's name for a heading: the known trained models by name, others by file or folder."""
+    name = Path(res["model_path"]).name
+    return _TITLES.get(name, name)
 
 
 def _bits(name: str) -> tuple[Optional[int], Optional[int]]:

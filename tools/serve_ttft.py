@@ -1,0 +1,171 @@
+#!/usr/bin/env python
+"""Time to first token through ``kvstore serve``, cold and hit, with the OpenAI client.
+
+    python -m kvstore.tools.serve_ttft --model smollm2|gemma3|PATH --prefix 1536 --trials 3 --out ttft.json \
+        [--texts-json FILE] [kvstore serve options]
+
+``kvstore serve`` runs as its own process on an empty store. Each trial takes a
+new system prompt of ``--prefix`` tokens (the head of a text from
+``tools/fidelity.py``'s set, different per trial) and sends, through the
+``openai`` package's streaming chat API:
+
+1. ``cold``: the system prompt and a question: nothing stored yet.
+2. ``hit``: the same system prompt and another question: mlx-lm's server
+   stored the cache at the end of the system segment, and the store serves
+   that prefix (``--fetch-policy always``, so a hit is always loaded and timed).
+
+TTFT is the time from sending the request to the first streamed content
+token, as a client sees it (HTTP, tokenizing, chat template, fetch, prefill).
+The first request of a run also loads the model and is not counted (a warm-up
+trial on another text comes first).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import re
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Optional
+
+QUESTIONS = ("Summarize the text above in one sentence.", "Which names appear in the text above?")
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _wait_ready(port: int, proc, timeout: float) -> None:
+    """Until the server answers /health (its /v1/models fails without a Hugging Face cache folder)."""
+    import urllib.request
+
+    t = time.monotonic()
+    while time.monotonic() - t < timeout:
+        if proc.poll() is not None:
+            raise RuntimeError(f"kvstore serve exited with {proc.returncode}")
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=5):
+                return
+        except OSError:
+            time.sleep(0.5)
+    raise TimeoutError("kvstore serve did not answer")
+
+
+def _ttft(client, model: str, system: str, question: str, max_tokens: int) -> dict:
+    t0 = time.perf_counter()
+    stream = client.chat.completions.create(
+        model=model, messages=[{"role": "system", "content": system}, {"role": "user", "content": question}],
+        max_tokens=max_tokens, temperature=0.0, stream=True)
+    first, text = None, ""
+    for chunk in stream:
+        delta = chunk.choices[0].delta.content if chunk.choices else None
+        if delta and first is None:
+            first = time.perf_counter() - t0
+        text += delta or ""
+    return {"ttft_s": first, "total_s": time.perf_counter() - t0, "text": text}
+
+
+def _system_prompts(tokenizer, texts, n: int, prefix: int) -> list[tuple[str, str]]:
+    """``n`` system prompts of ``prefix`` tokens each, from the fidelity texts (long enough ones)."""
+    out = []
+    for t in texts:
+        ids = tokenizer.encode(t.text, add_special_tokens=False)
+        if len(ids) >= prefix:
+            out.append((t.name, tokenizer.decode(ids[:prefix])))
+    if len(out) < n:
+        raise ValueError(f"only {len(out)} texts have {prefix} tokens; {n} needed")
+    return out[:n]
+
+
+def _computed_tokens(log: str) -> list[int]:
+    """Prompt tokens the server computed per request, in order, from mlx-lm's progress lines
+    ('Prompt processing progress: done/total'; a hit computes only the part after the stored prefix)."""
+    out, last = [], None
+    for m in re.finditer(r"Prompt processing progress: (\d+)/(\d+)", log):
+        done, total = int(m.group(1)), int(m.group(2))
+        if done == total:
+            out.append(total)
+        last = (done, total)
+    return out if last is None or last[0] == last[1] else out + [last[1]]
+
+
+def run(model: str, prefix: int = 1536, trials: int = 3, max_tokens: int = 8, port: Optional[int] = None,
+        extra: Optional[list[str]] = None, texts=None, log=print) -> dict:
+    from openai import OpenAI
+
+    from kvstore.adapters.gguf import load_model
+    from kvstore.tools.fidelity import default_texts
+
+    _, tokenizer, path = load_model(model)  # for the texts' token counts; the server loads its own
+    prompts = _system_prompts(tokenizer, default_texts() if texts is None else texts, trials + 1, prefix)
+    port = port or _free_port()
+    with tempfile.TemporaryDirectory(prefix="kvstore-ttft-") as d:
+        cmd = [sys.executable, "-m", "kvstore.adapters.cli", "serve", "--model", str(path), "--port", str(port),
+               "--ssd-path", str(Path(d, "store")), "--fetch-policy", "always", *(extra or [])]
+        log("starting: " + " ".join(cmd))
+        proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=open(Path(d, "serve.log"), "w"))
+        try:
+            client = OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none", timeout=600)
+            _wait_ready(port, proc, 600)
+            _ttft(client, str(path), prompts[0][1], QUESTIONS[0], max_tokens)  # warm-up: loads the model
+            rows = []
+            for name, system in prompts[1:]:
+                cold = _ttft(client, str(path), system, QUESTIONS[0], max_tokens)
+                hit = _ttft(client, str(path), system, QUESTIONS[1], max_tokens)
+                rows.append({"text": name, "cold": cold, "hit": hit})
+                log(f"{name}: cold {cold['ttft_s'] * 1e3:.1f} ms, hit {hit['ttft_s'] * 1e3:.1f} ms")
+        finally:
+            proc.terminate()
+            try:
+                proc.wait(60)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+            serve_log_all = Path(d, "serve.log").read_text(errors="replace")
+            serve_log = serve_log_all[-4000:]
+    import mlx.core as mx
+
+    computed = _computed_tokens(serve_log_all)
+    if len(computed) == 1 + 2 * len(rows):  # warm-up, then cold and hit per trial
+        for i, r in enumerate(rows):
+            r["cold"]["computed_tokens"], r["hit"]["computed_tokens"] = computed[1 + 2 * i], computed[2 + 2 * i]
+    med = lambda k: statistics.median(r[k]["ttft_s"] for r in rows)  # noqa: E731
+    return {"model": model, "model_path": str(path), "prefix_tokens": prefix, "trials": trials,
+            "max_tokens": max_tokens, "device": str(mx.default_device()), "mlx": mx.__version__,
+            "machine": f"{platform.system()} {platform.machine()}", "server_args": extra or [],
+            "rows": rows, "cold_ttft_s_median": med("cold"), "hit_ttft_s_median": med("hit"),
+            "speedup": med("cold") / med("hit"), "serve_log_tail": serve_log}
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(prog="serve_ttft", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--model", default="smollm2", help="'smollm2', 'gemma3', a GGUF file or an mlx-lm model folder")
+    ap.add_argument("--prefix", type=int, default=1536, help="system prompt tokens")
+    ap.add_argument("--trials", type=int, default=3)
+    ap.add_argument("--max-tokens", type=int, default=8)
+    ap.add_argument("--texts-json", metavar="FILE", help="texts saved by tools/fidelity.py --save-texts "
+                    "(default: its texts from installed packages)")
+    ap.add_argument("--out", help="write the result as JSON here")
+    a, extra = ap.parse_known_args(argv)
+    from kvstore.tools.fidelity import load_texts
+
+    texts = load_texts(Path(a.texts_json)) if a.texts_json else None
+    res = run(a.model, a.prefix, a.trials, a.max_tokens, extra=extra, texts=texts,
+              log=lambda m: print(m, file=sys.stderr, flush=True))
+    print(json.dumps({k: v for k, v in res.items() if k not in ("rows", "serve_log_tail")}, indent=1))
+    if a.out:
+        Path(a.out).write_text(json.dumps(res, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
