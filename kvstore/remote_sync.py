@@ -11,7 +11,9 @@ local tiers stay authoritative. So:
 - copies of new blocks go out on a background thread, in pipelined batches,
   after the local write. The queue is bounded by bytes: when the remote is
   slower than the engine, later copies are skipped and counted (the local
-  copy exists), never queued without limit, and never the engine's wait;
+  copy exists), never queued without limit, and never the engine's wait; a
+  write transaction's blocks are queued or skipped together, so the remote
+  never holds a prompt's blocks with a gap;
 - a server that cannot be reached at open is the same case: the store opens
   on its local tiers and the breaker connects later. A malformed URL or
   refused credentials are configuration errors, raised at open.
@@ -148,22 +150,23 @@ class Remote:
     # -------------------------------------------------------- write-behind
 
     def offer(self, entries: Sequence[Entry]) -> None:
-        """Queue copies of blocks just kept locally; skips (and counts) what
-        does not fit or cannot go now. Never blocks."""
+        """Queue copies of blocks just kept locally (one write transaction's:
+        new blocks of a prompt, parents first); skips (and counts) what cannot
+        go now. Never blocks. The bound is taken per offer, not per block: an
+        offer is queued whole while the queue is under its bound (which it may
+        pass by one offer) and skipped whole otherwise, since a block whose
+        parent was skipped could never be served from the remote."""
         if not entries:
             return
-        skipped = 0
         with self._cond:
-            for e in entries:
-                size = len(e.payload)
-                if self._stop or not self.breaker.allow() or (self._queued and self._queued + size > self.queue_bytes):
-                    skipped += 1
-                    continue
-                self._queue.append((e.record, e.payload))
-                self._queued += size
-            self._cond.notify()
-        if skipped:
-            self.counters.count("remote_skipped", skipped)
+            take = not self._stop and self.breaker.allow() and self._queued < self.queue_bytes
+            if take:
+                for e in entries:
+                    self._queue.append((e.record, e.payload))
+                    self._queued += len(e.payload)
+                self._cond.notify()
+        if not take:
+            self.counters.count("remote_skipped", len(entries))
         self._ensure_thread()
 
     def register_model(self, root: bytes, info: dict) -> None:

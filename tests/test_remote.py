@@ -289,20 +289,25 @@ def test_a_hung_server_costs_a_fetch_one_timeout_and_puts_nothing(server, host):
     assert a.fetch(MODEL, prompt(256, seed=9)).length == 256
 
 
+def _entries(n: int, size: int = 256 << 10, first: int = 0) -> list[Entry]:
+    """``n`` chained blocks of ``size`` payload bytes each."""
+    out = []
+    for i in range(first, first + n):
+        rec = BlockRecord(key=i.to_bytes(16, "little"), parent=b"\0" * 16, root=b"\1" * 16, start=0, length=1,
+                          tokens=np.array([i], dtype=np.int32), nbytes=size)
+        e = Entry(rec, None)
+        e.payload = os.urandom(size)
+        out.append(e)
+    return out
+
+
 def test_copies_beyond_the_queue_bound_are_skipped_and_counted(server):
     counters = Counters()
     remote = Remote(server.url, None, counters, queue_bytes=1 << 20)
-    entries = []
-    for i in range(12):
-        rec = BlockRecord(key=i.to_bytes(16, "little"), parent=b"\0" * 16, root=b"\1" * 16, start=0, length=1,
-                          tokens=np.array([i], dtype=np.int32), nbytes=256 << 10)
-        e = Entry(rec, None)
-        e.payload = os.urandom(256 << 10)
-        entries.append(e)
     server.pause()  # slower than the engine
     try:
         t0 = time.monotonic()
-        for e in entries:
+        for e in _entries(12):
             remote.offer([e])
         assert time.monotonic() - t0 < 0.2
     finally:
@@ -311,6 +316,24 @@ def test_copies_beyond_the_queue_bound_are_skipped_and_counted(server):
     c = counters.snapshot()
     assert c["remote_skipped"] == 8 and c["remote_blocks_written"] == 4  # 1 MiB held at most, in flight included
     assert len(server.client().keys(PREFIX + b"-:{*}")) == 4
+    remote.close()
+
+
+def test_one_write_transaction_is_queued_whole_or_skipped_whole(server):
+    """A prompt's new blocks larger than the whole bound still all reach the
+    remote (a gap would make every later block unservable there); an offer
+    that arrives while the queue is over its bound is skipped whole."""
+    counters = Counters()
+    remote = Remote(server.url, None, counters, queue_bytes=1 << 20)
+    server.pause()
+    try:
+        remote.offer(_entries(6))  # 1.5 MiB: past the bound, queued whole
+        remote.offer(_entries(3, first=6))  # the queue is over its bound: none of these
+    finally:
+        server.resume()
+    assert remote.flush(10)
+    c = counters.snapshot()
+    assert c["remote_blocks_written"] == 6 and c["remote_skipped"] == 3
     remote.close()
 
 
