@@ -47,7 +47,7 @@ from .counters import Counters
 from .errors import ConfigError, ReadOnlyError, StoreClosedError
 from .hashing import KeyChain, as_tokens, root_key
 from .index import Node, RadixIndex
-from .layers import KVLayer, Layer, StateLayer, check_layers
+from .layers import KVLayer, Layer, StateLayer, captured_layers
 from .discovery import Discovery
 from .persist import Persist
 from .placement import Placement
@@ -169,7 +169,7 @@ class PrefixStore:
         self._check_open(write=True)
         toks = as_tokens(tokens)
         n = len(toks)
-        check_layers(layers, n)
+        layers = captured_layers(layers, n)  # the values of now, whatever the caller changes later
         if n == 0:
             return 0
         # Evaluate here: mlx streams are per thread, so the background thread
@@ -186,7 +186,7 @@ class PrefixStore:
             self._counters.count("puts")
             if not new:
                 return 0
-            job = Job(new, root.key, toks, list(layers), sum(l.nbytes for l in layers))
+            job = Job(new, root.key, toks, layers, sum(l.nbytes for l in layers))
             for node in new:
                 node.job = job
         self._writer.submit(job)
