@@ -46,7 +46,7 @@ class SortKey(str, Enum):
 
 def _open(path: Path, readonly: bool = True) -> LmdbTier:
     try:
-        return LmdbTier(path, readonly=readonly)
+        return LmdbTier.open(path, readonly=readonly)
     except StoreOpenError as e:
         err.print(f"[red]error:[/red] {e}")
         raise typer.Exit(2)

@@ -15,6 +15,7 @@ stays in the index: the background writer still holds it and writes it.
 from __future__ import annotations
 
 import logging
+import os
 import time
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
@@ -45,6 +46,7 @@ class Placement:
         self.writable = writable
         self._promoting: dict = {}  # key -> future of its pending promotion
         self._promote_pool = None
+        self._promote_pid = os.getpid()
         if persist is not None:
             persist.forget = self.forget_locked
 
@@ -254,8 +256,9 @@ class Placement:
             f.result()
 
     def _promoter(self):
-        if self._promote_pool is None:
+        if self._promote_pool is None or self._promote_pid != os.getpid():  # (a forked child: the thread is not here)
             self._promote_pool = ThreadPoolExecutor(1, thread_name_prefix="kvstore-promote")
+            self._promote_pid = os.getpid()
         return self._promote_pool
 
     def _promote(self, nodes: list[Node]) -> None:

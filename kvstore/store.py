@@ -30,6 +30,7 @@ from __future__ import annotations
 import atexit
 import logging
 import math
+import os
 import threading
 import time
 import weakref
@@ -38,13 +39,14 @@ from functools import partial
 from typing import Optional, Sequence, Union
 
 import mlx.core as mx
+import numpy as np
 
 from . import lookup
 from .codec import Codec, layer_arrays
 from .cost import CostModel
 from .costing import FetchCosts
 from .counters import Counters
-from .errors import ConfigError, ReadOnlyError, StoreClosedError
+from .errors import ConfigError, InputError, ReadOnlyError, StoreClosedError
 from .hashing import KeyChain, as_tokens, root_key
 from .index import Node, RadixIndex
 from .layers import KVLayer, Layer, StateLayer, captured_layers
@@ -59,6 +61,7 @@ from .writer import Job, Writer
 log = logging.getLogger("kvstore")
 
 GB = 1 << 30
+MAX_BLOCK = 1 << 16  # tokens per block: one block of an 8B model at fp16 is then 8 GiB, far past any use
 
 
 @dataclass
@@ -117,8 +120,15 @@ class PrefixStore:
                  disk_budget_gb: Optional[float] = None, *, readonly: bool = False, fetch_policy: str = "auto",
                  remote: Optional[str] = None, remote_timeout: float = 0.5, rotate_keys: Optional[bool] = None,
                  rotate_values: Optional[bool] = None):
-        if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < 1:
-            raise ConfigError(f"block_size must be an int >= 1, got {block_size!r}")
+        if isinstance(block_size, bool) or not isinstance(block_size, int) or not 1 <= block_size <= MAX_BLOCK:
+            raise ConfigError(f"block_size must be an int in [1, {MAX_BLOCK}] (tokens per block), got {block_size!r}")
+        if namespace is not None and (not isinstance(namespace, str) or not namespace):
+            raise ConfigError(f"namespace must be a non-empty str or None, got {namespace!r}")
+        if not isinstance(readonly, bool):
+            raise ConfigError(f"readonly must be True or False, got {readonly!r}")
+        if ssd_path is not None and (not isinstance(ssd_path, (str, os.PathLike)) or not str(ssd_path).strip()):
+            # "" would be the working directory: a store is made only where it is named
+            raise ConfigError(f"ssd_path must name a directory (or be None for a RAM-only store), got {ssd_path!r}")
         self.block_size = block_size
         self.codec = Codec.from_bits(kv_bits, kv_group_size, rotate_keys, rotate_values)
         self.namespace = namespace
@@ -135,7 +145,7 @@ class PrefixStore:
         if ssd_path is not None:
             try:
                 budget = None if disk_budget_gb is None else _budget_bytes(disk_budget_gb, "disk_budget_gb")
-                disk = LmdbTier(ssd_path, budget, readonly=readonly)
+                disk = LmdbTier.open(ssd_path, budget, readonly=readonly)
             except BaseException:
                 if self._remote is not None:
                     self._remote.close()
@@ -203,7 +213,9 @@ class PrefixStore:
         """
         self._check_open()
         toks = as_tokens(tokens)
-        n = len(toks) if limit is None else max(0, min(len(toks), int(limit)))
+        if limit is not None:
+            _count(limit, "limit")
+        n = len(toks) if limit is None else min(len(toks), int(limit))
         root = self._root(model_key, register=False)
         chain = KeyChain(root.key, toks, self.block_size)
         match = self._match(root, chain, n)
@@ -278,10 +290,14 @@ class PrefixStore:
 
     def register_model(self, model_key: Union[str, bytes], info: dict) -> None:
         """Describe a model (path, name, tokenizer) for ``kvstore inspect``."""
+        self._check_open()
+        if not isinstance(info, dict):
+            raise InputError(f"info must be a dict, got {type(info).__name__}")
         self._root(model_key, info=info)
 
     def stats(self) -> dict:
         """Counters of this process plus bytes and blocks per tier."""
+        self._check_open()
         out = self._counters.snapshot()
         with self._lock:
             out.update(
@@ -321,6 +337,7 @@ class PrefixStore:
 
     def set_budget(self, budget_gb: float) -> None:
         """Change the RAM budget; evicts at once when it shrinks."""
+        self._check_open()
         budget = _budget_bytes(budget_gb, "budget_gb")
         with self._lock:
             self._ram.budget = budget
@@ -329,6 +346,8 @@ class PrefixStore:
     def trim_ram(self, n_bytes: int) -> None:
         """Evict RAM blocks until at most ``n_bytes`` are held (the budget
         stays; blocks with an SSD copy remain servable from there)."""
+        self._check_open()
+        _count(n_bytes, "n_bytes")
         with self._lock:
             if n_bytes < self._ram.nbytes:
                 self._placement.make_room_locked(self._ram.budget - n_bytes)
@@ -338,6 +357,7 @@ class PrefixStore:
         tier uses at most ``n_bytes``; returns how many blocks left. The disk
         budget stays. A RAM-only or read-only store has nothing to trim."""
         self._check_open()
+        _count(n_bytes, "n_bytes")
         if self._persist is None or self.readonly:
             return 0
         return self._persist.evict_to(int(n_bytes))
@@ -454,6 +474,12 @@ class PrefixStore:
             raise StoreClosedError("this PrefixStore is closed; open a new one")
         if write and self.readonly:
             raise ReadOnlyError("this PrefixStore was opened read-only; open it without readonly=True to write")
+
+
+def _count(value, name: str) -> None:
+    """``InputError`` unless ``value`` is an int >= 0 (a str such as "5" is not)."""
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 0:
+        raise InputError(f"{name} must be an int >= 0, got {value!r}")
 
 
 def _budget_bytes(gb: float, name: str) -> int:
