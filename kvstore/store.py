@@ -129,6 +129,7 @@ class PrefixStore:
         if ssd_path is not None and (not isinstance(ssd_path, (str, os.PathLike)) or not str(ssd_path).strip()):
             # "" would be the working directory: a store is made only where it is named
             raise ConfigError(f"ssd_path must name a directory (or be None for a RAM-only store), got {ssd_path!r}")
+        budget = None if disk_budget_gb is None else _budget_bytes(disk_budget_gb, "disk_budget_gb")
         self.block_size = block_size
         self.codec = Codec.from_bits(kv_bits, kv_group_size, rotate_keys, rotate_values)
         self.namespace = namespace
@@ -144,7 +145,6 @@ class PrefixStore:
         self._remote = None if remote is None else Remote(remote, namespace, self._counters, remote_timeout)
         if ssd_path is not None:
             try:
-                budget = None if disk_budget_gb is None else _budget_bytes(disk_budget_gb, "disk_budget_gb")
                 disk = LmdbTier.open(ssd_path, budget, readonly=readonly)
             except BaseException:
                 if self._remote is not None:
