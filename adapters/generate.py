@@ -72,13 +72,16 @@ def model_key(model: nn.Module, model_path: Union[str, Path, None] = None, extra
 
 
 def models_key(model: nn.Module, model_path: Union[str, Path, None] = None, *, draft_model: Optional[nn.Module] = None,
-               draft_path: Union[str, Path, None] = None, extra: str = "") -> str:
+               extra: str = "") -> str:
     """The store key of a model, or of a model and its draft model
     (speculative decoding): both caches are stored together, one chain whose
     blocks hold the main model's layers then the draft's, so the key
-    fingerprints both. Without a draft it is ``model_key(model, model_path)``."""
+    fingerprints both. The draft is fingerprinted by its loaded weights
+    wherever it came from, so ``kvstore serve`` (which knows its folder) and
+    ``generate`` (which gets the model only) share its entries. Without a
+    draft it is ``model_key(model, model_path)``."""
     if draft_model is not None:
-        extra += (";" if extra else "") + f"draft={model_key(draft_model, draft_path)}"
+        extra += (";" if extra else "") + f"draft={model_key(draft_model)}"
     return model_key(model, model_path, extra)
 
 

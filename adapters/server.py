@@ -284,7 +284,7 @@ class StorePromptCache:
         models = [provider.model] if draft is None else [provider.model, provider.draft_model]
         local, draft_local = _folder(path), _folder(draft)
         key = models_key(provider.model, local, draft_model=models[1] if draft is not None else None,
-                         draft_path=draft_local, extra=f"adapter={adapter}" if adapter else "")
+                         extra=f"adapter={adapter}" if adapter else "")
         if local:
             info = {"path": str(local.resolve()), "name": local.name}
             if draft is not None:

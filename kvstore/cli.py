@@ -61,7 +61,8 @@ class SortKey(str, Enum):
 def _open(path: Path, readonly: bool = True) -> LmdbTier:
     """An existing store: a command never creates one (a typo in a path is an error, not a new store)."""
     path = path.expanduser()
-    if not (path / "data.mdb").is_file():
+    if not readonly and (not path.exists() or path.is_dir() and not (path / "data.mdb").is_file()):
+        # (a read-only open refuses these itself; a writable one would make a store)
         err.print(f"[red]error:[/red] {path}: no kvstore store here (no data.mdb). Check the path; nothing was "
                   f"created or changed.")
         raise typer.Exit(2)
