@@ -32,7 +32,7 @@ from mlx_lm.models import cache as C
 
 from kvstore import Hit, PrefixStore
 
-from .generate import calibrate, models_key
+from .generate import calibrate, models_key, needs_snapshots, prefill
 from .mlx_lm import cache_offset, caches_to_layers, layers_to_caches, snapshot
 
 log = logging.getLogger("kvstore")
@@ -166,16 +166,36 @@ class StorePromptCache:
         group = getattr(args, "kv_group_size", 64)
         self._wait_open(m.key, tokens)
         self._inserts.wait(m.key)
+        qkw = dict(kv_bits=kv_bits, kv_group_size=group, quantized_kv_start=getattr(args, "quantized_kv_start", 0))
         try:
             hit = self._fetch(m.key, tokens, (kv_bits, group) if kv_bits else None)
-            if not hit:
-                return None, tokens
-            cache = layers_to_caches(hit.layers, m.models, length=hit.length, kv_bits=kv_bits, kv_group_size=group,
-                                     quantized_kv_start=getattr(args, "quantized_kv_start", 0))
+            cache = layers_to_caches(hit.layers, m.models, length=hit.length, **qkw) if hit else None
+            cache, length = self._snapshot_blocks(m, tokens, cache, hit.length, qkw)
         except Exception:
             log.exception("kvstore: restoring a cache failed; computing the prompt instead")
             return None, tokens
-        return cache, tokens[hit.length:]
+        return (None, tokens) if cache is None else (cache, tokens[length:])
+
+    def _snapshot_blocks(self, m: "_Models", tokens: list[int], cache: Optional[list], start: int,
+                         qkw: dict) -> tuple[Optional[list], int]:
+        """For a model with recurrent layers (their state cannot be trimmed
+        back to a shorter prefix): compute the prompt's whole blocks past
+        ``start`` here, on the generation thread before mlx-lm's own prefill,
+        offering the cache to the store at each block boundary (as
+        ``generate`` does), so a later prompt sharing only a system prompt
+        finds a snapshot; mlx-lm goes on from there. ``(cache, start)`` as
+        given where there is nothing to do: attention-only models, a draft
+        model (its caches stay trimmable anyway), image prompts (their patch
+        tokens need pixels)."""
+        model, bs = m.models[0], self.store.block_size
+        stop = (len(tokens) - 1) // bs * bs  # the engine computes at least the last token
+        if len(m.models) > 1 or stop <= start or min(tokens) < 0 or getattr(model, "vision_tower", None) is not None:
+            return cache, start
+        work = cache if cache is not None else C.make_prompt_cache(model)
+        if not needs_snapshots(work):
+            return cache, start
+        prefill(model, work, tokens, start, stop, store=self.store, key=m.key, step=bs, **qkw)
+        return work, stop
 
     def insert_cache(self, model: Any, tokens: list[int], prompt_cache: list, *, cache_type: str = "assistant"):
         """Hand the cache to the store. ``cache_type`` (mlx-lm's eviction

@@ -182,6 +182,22 @@ def test_a_client_fetching_the_moment_a_response_ends_finds_its_cache_every_time
     assert all(found), f"found {sum(found)} of 20"
 
 
+def test_a_hybrid_models_second_prompt_finds_the_system_prompt_it_shares(tmp_path):
+    """A model with recurrent layers (qwen3_next: their state is valid only
+    where it was taken) through the server: the prompt's whole blocks are
+    computed at fetch with a snapshot at each block boundary, as ``generate``
+    does, so a second prompt sharing only the system prompt starts from the
+    last boundary inside it (the store got only the final cache: no hit)."""
+    model = str(make_tiny_model("qwen3_next", tmp_path / "hybrid"))
+    with serving("--model", model, "--fetch-policy", "always") as server:
+        first = chat(server, system(user("hello there")), max_tokens=4)
+        second = chat(server, system(user("how are you today")), max_tokens=4)
+        again = chat(server, system(user("hello there")), max_tokens=4)
+    shared = system_tokens(model) // 64 * 64  # STORE's block size
+    assert second["cached"] >= shared > 0
+    assert again["cached"] == again["prompt"] - 1 and again["text"] == first["text"]
+
+
 # ------------------------------------------------------ speculative decoding
 
 
