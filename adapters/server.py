@@ -144,7 +144,7 @@ class StorePromptCache:
     weights behind it).
     """
 
-    OPEN_WAIT = 1.0  # seconds a fetch waits at most for another thread's open request to insert its cache
+    OPEN_WAIT = 5.0  # seconds a fetch waits at most for another thread's open request to insert its cache
 
     def __init__(self, store: PrefixStore, model_provider: Any):
         self.store = store

@@ -122,8 +122,8 @@ class PrefixStore:
                  rotate_values: Optional[bool] = None):
         if isinstance(block_size, bool) or not isinstance(block_size, int) or not 1 <= block_size <= MAX_BLOCK:
             raise ConfigError(f"block_size must be an int in [1, {MAX_BLOCK}] (tokens per block), got {block_size!r}")
-        if namespace is not None and (not isinstance(namespace, str) or not namespace):
-            raise ConfigError(f"namespace must be a non-empty str or None, got {namespace!r}")
+        if namespace is not None and not isinstance(namespace, str):  # ("" is a namespace of its own)
+            raise ConfigError(f"namespace must be a str or None, got {namespace!r}")
         if not isinstance(readonly, bool):
             raise ConfigError(f"readonly must be True or False, got {readonly!r}")
         if ssd_path is not None and (not isinstance(ssd_path, (str, os.PathLike)) or not str(ssd_path).strip()):
@@ -262,21 +262,21 @@ class PrefixStore:
     def knows_prefill(self, model_key: Union[str, bytes]) -> bool:
         """Whether prefills of this model have been observed (here or by an
         earlier run on this machine)."""
-        return self._cost.prefill_model(root_key(model_key, self.namespace).hex()) is not None
+        return self._cost.prefill_model(_root_key(model_key, self.namespace).hex()) is not None
 
     def observe_request(self, model_key: Union[str, bytes], tokens: int, hit: Optional[Hit], seconds: float) -> None:
         """An engine's request of ``tokens`` took ``seconds`` from its fetch to
         its first token, after ``hit`` (``None`` or empty: a cold prefill).
         Adapters report this after each request; it is what
         ``fetch_policy="auto"`` learns prefill and the real cost of a hit from."""
-        self._costs.observe_request(root_key(model_key, self.namespace).hex(), tokens, hit.length if hit else 0,
+        self._costs.observe_request(_root_key(model_key, self.namespace).hex(), tokens, hit.length if hit else 0,
                                     hit.source_bytes if hit else {}, seconds)
 
     def observe_prefill(self, model_key: Union[str, bytes], start: int, stop: int, seconds: float) -> None:
         """The engine computed tokens ``[start, stop)`` after a cached prefix of
         ``start`` in ``seconds`` (the adapters report this after each request):
         what ``fetch_policy="auto"`` weighs loading against."""
-        self._cost.observe_prefill(root_key(model_key, self.namespace).hex(), start, stop, seconds)
+        self._cost.observe_prefill(_root_key(model_key, self.namespace).hex(), start, stop, seconds)
 
     def contains(self, model_key: Union[str, bytes], tokens) -> int:
         """Length ``fetch`` would serve from the local tiers, without loading
@@ -415,7 +415,7 @@ class PrefixStore:
     # --------------------------------------------------------------- lookup
 
     def _root(self, model_key, register: bool = True, info: Optional[dict] = None) -> Node:
-        key = root_key(model_key, self.namespace)
+        key = _root_key(model_key, self.namespace)
         if register and not self.readonly and key not in self._registered \
                 and (self._persist is not None or self._remote is not None):
             self._registered.add(key)
@@ -474,6 +474,14 @@ class PrefixStore:
             raise StoreClosedError("this PrefixStore is closed; open a new one")
         if write and self.readonly:
             raise ReadOnlyError("this PrefixStore was opened read-only; open it without readonly=True to write")
+
+
+def _root_key(model_key: Union[str, bytes], namespace: Optional[str]) -> bytes:
+    """``root_key``, refusing an empty model key too (every model has a name)."""
+    if isinstance(model_key, (str, bytes)) and not model_key:
+        raise InputError("model_key must be a non-empty str or bytes (see kvstore.adapters.generate.model_key), "
+                         "got an empty one")
+    return root_key(model_key, namespace)
 
 
 def _count(value, name: str) -> None:

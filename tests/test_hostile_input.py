@@ -18,7 +18,7 @@ KV of int32, float64 (mlx or numpy), lists     ``LayoutError``      ``ValueError
 ``block_size`` 0, 2.5, 2**40                   ``ConfigError``      ``ValueError``
 budgets "4", NaN, inf, -1                      ``ConfigError``      ``ValueError``
 ``ssd_path`` "" (the working directory), 5     ``ConfigError``      ``ValueError``
-``namespace`` "" or 5, ``fetch_policy`` "x"    ``ConfigError``      ``ValueError``
+``namespace`` 5 or bytes, ``fetch_policy`` "x" ``ConfigError``      ``ValueError``
 ``remote`` not a redis:// / rediss:// / unix:  ``RemoteConfigError``  ``ConfigError``
 ``ssd_path`` a file, a folder of other files,  ``StoreOpenError``
 another program's LMDB, a newer format
@@ -109,7 +109,7 @@ def test_a_bad_argument_gets_its_error_and_loses_nothing(store, what, call, erro
     (dict(block_size=2**40), "block_size"), (dict(block_size="256"), "block_size"),
     (dict(budget_gb="4"), "budget_gb"), (dict(budget_gb=math.inf), "budget_gb"),
     (dict(disk_budget_gb=-1), "disk_budget_gb"), (dict(ssd_path=""), "ssd_path"), (dict(ssd_path=5), "ssd_path"),
-    (dict(namespace=""), "namespace"), (dict(namespace=5), "namespace"), (dict(fetch_policy="x"), "fetch_policy"),
+    (dict(namespace=b"tenant"), "namespace"), (dict(namespace=5), "namespace"), (dict(fetch_policy="x"), "fetch_policy"),
     (dict(rotate_keys="yes", kv_bits=4), "rotate_keys"), (dict(readonly="no"), "readonly"),
 ])
 def test_a_setting_out_of_range_is_a_config_error_and_creates_nothing(tmp_path, monkeypatch, kwargs, says):

@@ -282,6 +282,13 @@ def test_cache_options_the_store_cannot_honour_are_refused(argv, says, capsys):
     assert all(s in err for s in says), err
 
 
+def test_a_server_without_ssd_path_says_it_is_ram_only(models, caplog):
+    with caplog.at_level("WARNING", logger="kvstore"):
+        with serving("--model", models["main"]) as server:
+            assert server.store.stats().get("ssd_path") is None
+    assert any("RAM-only" in r.getMessage() for r in caplog.records)
+
+
 def test_kvstore_serve_refuses_prompt_cache_size_before_loading_anything():
     res = subprocess.run([sys.executable, "-m", "kvstore.adapters.cli", "serve", "--model", "no/such/model",
                           "--prompt-cache-size", "5"], capture_output=True, text=True, timeout=120)
