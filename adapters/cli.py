@@ -71,6 +71,34 @@ def serve(ctx: typer.Context):
     run_server(ctx.args)
 
 
+vllm_mlx_app = typer.Typer(help="vllm-mlx on the store (a separate install: pip install 'vllm-mlx==0.6.0').",
+                           no_args_is_help=True)
+app.add_typer(vllm_mlx_app, name="vllm-mlx")
+
+
+@vllm_mlx_app.command("serve", context_settings={"allow_extra_args": True, "ignore_unknown_options": True,
+                                                 "help_option_names": []})
+def vllm_mlx_serve(ctx: typer.Context):
+    """Run vllm-mlx's OpenAI / Anthropic server (continuous batching) on the store.
+
+    kvstore vllm-mlx serve MODEL \\[store options] \\[every vllm-mlx serve option]. Store options:
+    --ssd-path DIR (without it the store is RAM-only), --budget-gb G (RAM, default 4), --disk-budget-gb G,
+    --kv-bits 8 | 4 | 8,4 (stored entries; default: the engine's dtype), --store-group-size N, --block-size N,
+    --namespace NAME, --fetch-policy auto | always | never, --remote URL, --remote-timeout S.
+    vllm-mlx's own cache options (--ssd-cache-dir, --cache-memory-mb, --kv-cache-quantization, --use-paged-cache,
+    --no-memory-aware-cache, --disable-prefix-cache) are refused, each naming the store's option to use.
+    With --prefix-trie-cache, vllm-mlx's SimpleEngine (one request at a time) serves instead, its prompt trie on the store.
+
+    Example: [bold]kvstore vllm-mlx serve ./my-model --ssd-path ~/.cache/kvstore/store --kv-bits 8 --port 8000[/bold]
+    """
+    if "--help" in ctx.args or "-h" in ctx.args:
+        out.print(vllm_mlx_serve.__doc__)
+        raise typer.Exit(0)
+    from .vllm_mlx import serve as run_server
+
+    run_server(ctx.args)
+
+
 def main() -> None:
     app()
 

@@ -24,7 +24,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Optional, Sequence
+from typing import Any, Optional, Sequence, Union
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -389,6 +389,20 @@ def usage() -> str:
             + _SIZE_REFUSED + "):\n" + "\n".join(theirs))
 
 
+def parse_kv_bits(text: Optional[str]) -> Union[None, int, tuple[int, int]]:
+    """A command line's stored-entry bits: ``8``, or ``K,V`` like ``8,4``
+    (``PrefixStore``'s ``kv_bits``); ``None`` for none given."""
+    if not text:
+        return None
+    try:
+        parts = [int(x) for x in text.split(",")]
+    except ValueError:
+        parts = []
+    if len(parts) not in (1, 2):
+        raise ValueError(f"{text!r} is not bits (8, 4, or K,V like 8,4)")
+    return parts[0] if len(parts) == 1 else (parts[0], parts[1])
+
+
 def parse_args(argv: Sequence[str]) -> tuple[dict, list[str]]:
     """``kvstore serve``'s own options as ``PrefixStore`` arguments, and the
     rest for mlx-lm's server. mlx-lm's ``--prompt-cache-bytes`` is the RAM
@@ -409,10 +423,10 @@ def parse_args(argv: Sequence[str]) -> tuple[dict, list[str]]:
         except Exception:
             parser.error(f"--prompt-cache-bytes: {opts.prompt_cache_bytes!r} is not a size (e.g. 512M, 4GB)")
         rest += ["--prompt-cache-bytes", opts.prompt_cache_bytes]
-    bits = None
-    if opts.store_kv_bits:
-        parts = [int(x) for x in opts.store_kv_bits.split(",")]
-        bits = parts[0] if len(parts) == 1 else tuple(parts)
+    try:
+        bits = parse_kv_bits(opts.store_kv_bits)
+    except ValueError as e:
+        parser.error(f"--store-kv-bits: {e}")
     store_args = dict(budget_gb=budget_gb, ssd_path=opts.ssd_path, block_size=opts.block_size, kv_bits=bits,
                       kv_group_size=opts.store_group_size, namespace=opts.namespace,
                       disk_budget_gb=opts.disk_budget_gb, fetch_policy=opts.fetch_policy, remote=opts.remote,

@@ -5,14 +5,27 @@ cannot pass for the right one."""
 
 from __future__ import annotations
 
+from importlib import metadata
 from typing import Optional, Sequence
 
 import mlx.core as mx
 import numpy as np
+from mlx.utils import tree_map
 
 from kvstore.layers import KVLayer, Quantized, StateLayer
 
 _P = (1 << 31) - 1
+
+# the installed mlx-lm as (major, minor): CI runs the suite on 0.32 and, in its vllm-mlx lane, on 0.31
+MLX_LM = tuple(int(x) for x in metadata.version("mlx-lm").split(".")[:2])
+
+
+def keys_and_values(cache) -> tuple:
+    """An mlx-lm KV cache's keys and values cut to its offset (0.32's
+    ``keys_and_values()``; 0.31 has no such method)."""
+    if hasattr(cache, "keys_and_values"):
+        return cache.keys_and_values()
+    return tree_map(lambda x: x[..., : cache.offset, :], (cache.keys, cache.values))
 
 
 def prefix_seeds(tokens: Sequence[int], salt: int) -> np.ndarray:

@@ -51,6 +51,8 @@ from kvstore.adapters.mlx_lm import (  # noqa: E402
 )
 from kvstore.layers import KVLayer, Quantized, StateLayer, take_rows  # noqa: E402
 
+from ._helpers import MLX_LM, keys_and_values  # noqa: E402
+
 VOCAB = 512
 CLOSE = dict(atol=2e-2, rtol=0)
 
@@ -225,10 +227,10 @@ def test_kvcache_roundtrip_exact_and_engine_like():
         assert type(b) is C.KVCache
         assert b.offset == a.offset and b.size() == a.size() == n
         assert [x.shape for x in b.state[:2]] == [x.shape for x in a.state[:2]]
-        assert b.state[2] == a.state[2] and b.nbytes == a.nbytes
+        assert b.nbytes == a.nbytes
         assert b.is_trimmable() and not b.empty()
-        ka, va = a.keys_and_values()
-        kb, vb = b.keys_and_values()
+        ka, va = keys_and_values(a)
+        kb, vb = keys_and_values(b)
         assert mx.array_equal(ka, kb).item() and mx.array_equal(va, vb).item()
         for N in (1, 4):
             kw = dict(return_array=False, window_size=None)
@@ -386,7 +388,7 @@ def test_quantized_roundtrip_exact(bits):
         assert type(b) is C.QuantizedKVCache
         assert (b.bits, b.group_size, b.offset) == (bits, 64, n)
         assert b.nbytes == a.nbytes
-        for x, y in zip(a.keys_and_values(), b.keys_and_values()):
+        for x, y in zip(keys_and_values(a), keys_and_values(b)):
             assert all(mx.array_equal(p, q).item() for p, q in zip(x, y))
     assert_same_logits(feed(m, orig, NEXT), feed(m, new, NEXT))
 
@@ -401,7 +403,7 @@ def test_quantized_from_dense_and_between_settings():
     eng = _engine_quantize(dense, 4)
     new = layers_to_cache(serve(layers, n), m, length=n, kv_bits=4)
     for a, b in zip(eng, new):
-        for x, y in zip(a.keys_and_values(), b.keys_and_values()):
+        for x, y in zip(keys_and_values(a), keys_and_values(b)):
             assert all(mx.array_equal(p, q).item() for p, q in zip(x, y))
     assert_same_logits(feed(m, eng, NEXT), feed(m, new, NEXT))
 
@@ -409,14 +411,14 @@ def test_quantized_from_dense_and_between_settings():
     q8 = cache_to_layers(_engine_quantize(prefill(m, toks(n)), 8))
     new = layers_to_cache(serve(q8, n), m, length=n, kv_bits=4, kv_group_size=32)
     want = mx.quantize(q8[0].keys.dequantize(), group_size=32, bits=4)
-    got = new[0].keys_and_values()[0]
+    got = keys_and_values(new[0])[0]
     assert (new[0].bits, new[0].group_size) == (4, 32)
     assert all(mx.array_equal(p, q).item() for p, q in zip(want, got))
 
     # quantized entries, dense engine: dequantized into a KVCache
     new = layers_to_cache(serve(q8, n), m, length=n)
     assert type(new[0]) is C.KVCache
-    assert mx.array_equal(new[0].keys_and_values()[0], q8[0].keys.dequantize()).item()
+    assert mx.array_equal(keys_and_values(new[0])[0], q8[0].keys.dequantize()).item()
 
     # quantized_kv_start: below it the engine still holds a dense cache
     new = layers_to_cache(serve(layers, n), m, length=n, kv_bits=8, quantized_kv_start=5000)
@@ -601,10 +603,25 @@ def test_cache_list_exact():
     assert_same_logits(feed(m, orig, chunks), feed(m, new, chunks))
 
 
+def recomputed(m, tokens: list[int], chunks: list[list[int]]) -> list[mx.array]:
+    """Logits of each chunk from a fresh one-shot prefill of everything before
+    and including it: the reference no cache state can have drifted from."""
+    out, seen = [], list(tokens)
+    for chunk in chunks:
+        seen += chunk
+        logits = m(mx.array([seen]), cache=C.make_prompt_cache(m))[:, -len(chunk):]
+        mx.eval(logits)
+        out.append(logits)
+    return out
+
+
+@pytest.mark.skipif(MLX_LM < (0, 32), reason="mlx-lm 0.31's own ChunkedKVCache breaks once its buffer has grown "
+                    "(maybe_trim_front trims by buffer size, not by rows held): fixed in 0.32")
 def test_chunked_kv_cache():
     m = model("llama4")
     n = 40  # chunk 16
-    orig = prefill(m, toks(n))
+    prompt = toks(n)
+    orig = prefill(m, prompt)
     assert cache_layout(orig) == ["Chunked(chunk_size=16)"] * 3 + ["KV"]
     layers = cache_to_layers(orig)
     assert (layers[0].start, layers[0].stop, layers[0].window) == (0, n, 16)
@@ -613,7 +630,8 @@ def test_chunked_kv_cache():
     chunks = NEXT + [[t] for t in toks(20, seed=16)]
     # The rebuilt cache holds only the last 16 rows, the engine's all 40 until
     # its next maybe_trim_front: same math, other buffer length.
-    assert_close_logits(feed(m, orig, chunks), feed(m, new, chunks))
+    assert_close_logits(recomputed(m, prompt, chunks), feed(m, new, chunks))
+    assert_close_logits(feed(m, orig, chunks), recomputed(m, prompt, chunks))
     # after decoding, the engine's own trimmed state converts as well
     layers = cache_to_layers(orig)
     off = orig[0].offset

@@ -31,6 +31,8 @@ from kvstore.adapters.tiny_vlm import make_tiny_vlm
 from kvstore.catalog import Catalog
 from kvstore.tiers.lmdb import LmdbTier
 
+from ._helpers import MLX_LM
+
 SYSTEM = "You are a helpful assistant who answers briefly. " * 25
 STORE = ["--port", "0", "--block-size", "64", "--log-level", "WARNING"]
 
@@ -87,7 +89,10 @@ def system_tokens(model: str) -> int:
 
 # ------------------------------------------------------------------- images
 
+needs_vision_server = pytest.mark.skipif(MLX_LM < (0, 32), reason="mlx-lm's server takes images from 0.32 on")
 
+
+@needs_vision_server
 def test_image_prompt_its_follow_up_and_a_text_prompt_sharing_its_start_hit(models):
     """mlx-lm keys an image's patch tokens by a ~60-bit negative id: the image
     prompt is stored, its follow-up hits the whole first turn, a text-only
@@ -109,6 +114,7 @@ def test_image_prompt_its_follow_up_and_a_text_prompt_sharing_its_start_hit(mode
     assert system_tokens(models["vlm"]) < other["cached"] <= other["prompt"] - 16
 
 
+@needs_vision_server
 def test_a_prefix_ending_inside_an_image_is_served_up_to_the_image(models):
     """The server feeds an image's pixels only when its first patch token is
     past the cached prefix, so a stored prefix that ends among an image's

@@ -1,0 +1,562 @@
+"""vllm-mlx's engine on the store (kvstore.adapters.vllm_mlx): the same
+temperature-0 outputs as with vllm-mlx's own cache and with none, and what the
+store adds — exact repeats computing one token, hits after a restart and from
+another store through the remote tier, quantized entries.
+
+vllm-mlx pins mlx-lm < 0.32, so these run in CI's second lane (.ci/run builds a
+virtualenv with mlx-lm 0.31.3 and vllm-mlx 0.6.0); without vllm-mlx they skip.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from dataclasses import replace
+import re
+import signal
+import subprocess
+import sys
+import time
+import urllib.request
+
+import pytest
+
+pytest.importorskip("vllm_mlx", reason="vllm-mlx is not installed here: .ci/run's second lane installs it "
+                                       "(vllm-mlx 0.6.0 with mlx-lm 0.31.3)")
+
+from mlx_lm import load  # noqa: E402
+from vllm_mlx.engine_core import EngineConfig, EngineCore  # noqa: E402
+from vllm_mlx.request import SamplingParams  # noqa: E402
+from vllm_mlx.scheduler import SchedulerConfig  # noqa: E402
+import vllm_mlx.scheduler as vllm_scheduler  # noqa: E402
+
+from kvstore import PrefixStore  # noqa: E402
+from kvstore.adapters import vllm_mlx as V  # noqa: E402
+from kvstore.adapters.tiny_models import make_tiny_model  # noqa: E402
+from kvstore.errors import ConfigError  # noqa: E402
+
+BLOCK = 64
+SYSTEM = "You are a helpful assistant who answers briefly and exactly. " * 12
+QUESTIONS = ["What is two plus two?", "Name a color.", "What is two plus two?", "Say hello in French."]
+
+
+class Prefills(logging.Handler):
+    """The tokens vllm-mlx's scheduler prefills per request, read from its own log line."""
+
+    PATTERN = re.compile(r"\[schedule\].* tokens_to_prefill=(\d+)")
+
+    def __init__(self):
+        super().__init__(logging.INFO)
+        self.counts: list[int] = []
+
+    def emit(self, record):
+        m = self.PATTERN.search(record.getMessage())
+        if m:
+            self.counts.append(int(m.group(1)))
+
+
+@pytest.fixture
+def prefills():
+    logger = logging.getLogger("vllm_mlx.scheduler")
+    handler, level = Prefills(), logger.level
+    logger.addHandler(handler)
+    logger.setLevel(logging.INFO)
+    yield handler
+    logger.removeHandler(handler)
+    logger.setLevel(level)
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    root = tmp_path_factory.mktemp("models")
+    out = {}
+    for kind in ("llama", "gemma3_text", "qwen3_next"):
+        path = make_tiny_model(kind, root / kind)
+        model, tokenizer = load(str(path))
+        out[kind] = (path, model, tokenizer)
+    return out
+
+
+def chat(tokenizer, question: str, history: tuple = ()) -> list[int]:
+    messages = [{"role": "system", "content": SYSTEM}, *history, {"role": "user", "content": question}]
+    return tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+
+
+def conversation(tokenizer, answer_of) -> list[list[int]]:
+    """Four users on one system prompt (one repeats another's question exactly),
+    then a second turn of the first user carrying its first answer."""
+    prompts = [chat(tokenizer, q) for q in QUESTIONS]
+    first = answer_of(prompts[0])
+    history = ({"role": "user", "content": QUESTIONS[0]}, {"role": "assistant", "content": first})
+    return prompts + [chat(tokenizer, "And three plus three?", history)]
+
+
+def engine(model, tokenizer, cache: str) -> EngineCore:
+    config = SchedulerConfig(enable_prefix_cache=cache != "none")
+    return EngineCore(model, tokenizer, EngineConfig(scheduler_config=config))
+
+
+def generate(eng: EngineCore, prompt: list[int], max_tokens: int = 10) -> list[int]:
+    return eng.generate_batch_sync([prompt], SamplingParams(max_tokens=max_tokens, temperature=0.0))[0].output_token_ids
+
+
+def run(model, tokenizer, cache, prompts_of, store=None, path=None):
+    """Outputs of each prompt, in order, through one engine."""
+    installed = V.install(store, model_path=path) if store is not None else None
+    try:
+        eng = engine(model, tokenizer, "store" if store is not None else cache)
+        if store is not None:
+            assert isinstance(eng.scheduler.memory_aware_cache, V.StorePrefixCache)
+        outs: list[list[int]] = []
+
+        def answer(prompt):
+            toks = generate(eng, prompt)
+            outs.append(toks)
+            return tokenizer.decode(toks)
+
+        prompts = prompts_of(answer)
+        for p in prompts[1:]:
+            answer(p)
+            if installed is not None:
+                installed.flush()
+        eng.close()
+        return outs
+    finally:
+        if installed is not None:
+            installed.uninstall()
+            installed.close()
+
+
+@pytest.mark.parametrize("kind", ["llama", "gemma3_text", "qwen3_next"])
+def test_outputs_equal_vllm_mlx_own_cache_and_no_cache(models, kind, tmp_path, prefills):
+    """Full attention (llama): every request after the first starts from the
+    store, the exact repeat computes one token. Sliding windows that wrapped
+    (gemma3) and recurrent state (qwen3_next) cannot be cut back: vllm-mlx
+    offers those caches once, after the prompt and its first answer token, so
+    they are served where the built-in cache serves them (a follow-up turn),
+    never less."""
+    path, model, tokenizer = models[kind]
+    prompts_of = lambda answer: conversation(tokenizer, answer)  # noqa: E731
+    none = run(model, tokenizer, "none", prompts_of)
+    prefills.counts.clear()
+    builtin = run(model, tokenizer, "builtin", prompts_of)
+    builtin_prefills = list(prefills.counts)
+    prefills.counts.clear()
+    with PrefixStore(budget_gb=1, ssd_path=tmp_path / "store", block_size=BLOCK) as store:
+        ours = run(model, tokenizer, "store", prompts_of, store=store, path=path)
+    assert ours == builtin == none
+    n = [len(p) for p in conversation(tokenizer, lambda p: tokenizer.decode(ours[0]))]
+    assert prefills.counts[0] == n[0]  # cold
+    assert all(c <= b for c, b in zip(prefills.counts, builtin_prefills))
+    assert prefills.counts[-1] < n[-1] - n[0]  # the follow-up starts after its first turn
+    if kind == "llama":
+        prompts = conversation(tokenizer, lambda p: tokenizer.decode(ours[0]))
+        shared = next(i for i, (a, b) in enumerate(zip(prompts[0], prompts[1])) if a != b)  # the system prompt
+        for count, length in zip(prefills.counts[1:], n[1:]):
+            assert count <= length - shared // BLOCK * BLOCK  # at least the system prompt's whole blocks hit
+        assert prefills.counts[2] == 1  # the exact repeat computes its last token only
+
+
+def test_a_repeated_1500_token_prompt_computes_at_most_one_block(models, tmp_path, prefills):
+    path, model, tokenizer = models["llama"]
+    prompt = (chat(tokenizer, "x") * 20)[:1500]
+    with PrefixStore(budget_gb=1, ssd_path=tmp_path / "store", block_size=256) as store, \
+            V.install(store, model_path=path) as installed:
+        eng = engine(model, tokenizer, "store")
+        cold = generate(eng, prompt)
+        installed.flush()
+        hot = generate(eng, prompt)
+        eng.close()
+        installed.close()
+    assert hot == cold
+    assert prefills.counts == [1500, 1]
+
+
+def test_the_store_outlives_the_engine_and_the_process_memory(models, tmp_path, prefills):
+    """A new engine on a reopened store (a restart) starts from the SSD tier."""
+    path, model, tokenizer = models["llama"]
+    prompt = chat(tokenizer, "What is a prefix cache?")
+    with PrefixStore(budget_gb=1, ssd_path=tmp_path / "store", block_size=BLOCK) as store, \
+            V.install(store, model_path=path) as installed:
+        eng = engine(model, tokenizer, "store")
+        cold = generate(eng, prompt)
+        eng.close()
+        installed.close()
+    with PrefixStore(budget_gb=1, ssd_path=tmp_path / "store", block_size=BLOCK) as store, \
+            V.install(store, model_path=path) as installed:
+        eng = engine(model, tokenizer, "store")
+        again = generate(eng, prompt)
+        stats = installed.caches[0].get_stats()
+        eng.close()
+        installed.close()
+    assert again == cold
+    assert prefills.counts == [len(prompt), 1]
+    assert stats["kvstore"]["tokens_ssd"] == len(prompt) - 1 and stats["tokens_saved"] == len(prompt) - 1
+
+
+def test_quantized_entries_are_served(models, tmp_path, prefills):
+    path, model, tokenizer = models["llama"]
+    prompt = chat(tokenizer, "Quantize me.")
+    with PrefixStore(budget_gb=1, ssd_path=tmp_path / "store", block_size=BLOCK, kv_bits=8) as store, \
+            V.install(store, model_path=path) as installed:
+        eng = engine(model, tokenizer, "store")
+        generate(eng, prompt)
+        installed.flush()
+        generate(eng, prompt)
+        eng.close()
+        installed.close()
+        blocks = store.stats()["blocks_indexed"]
+    assert prefills.counts == [len(prompt), 1]
+    assert blocks >= len(prompt) // BLOCK
+
+
+def test_a_second_host_hits_through_the_remote_tier(models, tmp_path, prefills):
+    from tests._redis import RedisServer, need_redis
+
+    need_redis()
+    path, model, tokenizer = models["llama"]
+    prompt = chat(tokenizer, "Share this prefix.")
+    redis = RedisServer(tmp_path / "redis").start()
+    try:
+        outs = []
+        for host in ("a", "b"):  # two stores that share no file, only the Redis server
+            with PrefixStore(budget_gb=1, ssd_path=tmp_path / host, block_size=BLOCK, remote=redis.url) as store, \
+                    V.install(store, model_path=path) as installed:
+                eng = engine(model, tokenizer, "store")
+                outs.append(generate(eng, prompt))
+                stats = installed.caches[0].get_stats()["kvstore"]
+                eng.close()
+                installed.close()
+    finally:
+        redis.kill()
+    assert outs[0] == outs[1]
+    assert prefills.counts == [len(prompt), 1]
+    assert stats["tokens_remote"] == len(prompt) - 1
+
+
+def test_an_engine_clearing_or_closing_leaves_the_shared_store_alone(models, tmp_path):
+    """vllm-mlx clears its cache on an engine reset, on close and after an
+    engine error: none of that says anything about stored KV, which other
+    engines may be using."""
+    path, model, tokenizer = models["llama"]
+    prompt = chat(tokenizer, "Keep me.")
+    with PrefixStore(budget_gb=1, block_size=BLOCK) as store, V.install(store, model_path=path) as installed:
+        one, two = engine(model, tokenizer, "store"), engine(model, tokenizer, "store")
+        generate(one, prompt)
+        installed.flush()
+        held = store.nbytes
+        one.scheduler.clear_runtime_caches()  # what vllm-mlx's DELETE /v1/cache and its error recovery call
+        one.close()  # resets its scheduler
+        assert store.nbytes == held > 0
+        cache, rest = two.scheduler.memory_aware_cache.fetch(prompt)
+        assert one.scheduler.memory_aware_cache.get_stats()["hits"] == 0  # its counters were reset
+        two.close()
+        installed.close()
+    assert cache is not None and len(rest) == 1
+
+
+def test_an_unsupported_vllm_mlx_is_refused_by_name_and_nothing_is_replaced(monkeypatch, tmp_path):
+    builtin = vllm_scheduler.MemoryAwarePrefixCache
+    monkeypatch.delattr(vllm_scheduler.Scheduler, "SNAPSHOT_REFRESH_TOKENS")
+    with PrefixStore(budget_gb=1) as store:
+        with pytest.raises(V.VllmMlxUnsupported, match=r"vllm-mlx 0\.6\.0 .*SNAPSHOT_REFRESH_TOKENS"):
+            V.install(store)
+    assert vllm_scheduler.MemoryAwarePrefixCache is builtin
+
+
+def test_a_method_the_scheduler_calls_that_the_adapter_lacks_is_refused(monkeypatch):
+    source = "def f(self):\n    self.memory_aware_cache.brand_new_method()\n"
+    assert V._called_on_cache(source) == {"brand_new_method"}
+    real = V.inspect.getsource
+    monkeypatch.setattr(V.inspect, "getsource",
+                        lambda obj: real(obj) + source if obj is vllm_scheduler.Scheduler else real(obj))
+    with pytest.raises(V.VllmMlxUnsupported, match="brand_new_method"):
+        V.check_vllm_mlx()
+
+
+def test_attach_refuses_an_engine_without_the_memory_aware_cache(models):
+    path, model, tokenizer = models["llama"]
+    eng = engine(model, tokenizer, "none")
+    with PrefixStore(budget_gb=1) as store, pytest.raises(ConfigError, match="memory-aware"):
+        V.attach(eng, store)
+    eng.close()
+
+
+@pytest.mark.parametrize("option", ["--ssd-cache-dir=/tmp/x", "--use-paged-cache", "--kv-cache-quantization",
+                                    "--cache-memory-mb", "--disable-prefix-cache"])
+def test_serve_refuses_vllm_mlx_own_cache_options(option, capsys):
+    with pytest.raises(SystemExit) as exit_:
+        V.parse_serve_args(["model", option])
+    assert exit_.value.code == 2
+    assert option.split("=")[0] in capsys.readouterr().err
+
+
+def test_serve_maps_the_store_options_and_adds_continuous_batching():
+    store_args, rest = V.parse_serve_args(["./m", "--ssd-path", "/s", "--kv-bits", "8,4", "--budget-gb", "2",
+                                           "--port", "8001"])
+    assert store_args["ssd_path"] == "/s" and store_args["kv_bits"] == (8, 4) and store_args["budget_gb"] == 2
+    assert rest == ["./m", "--port", "8001", "--continuous-batching"]
+
+
+# ---------------------------------------------------------------------------
+# kvstore vllm-mlx serve: real server processes on loopback
+# ---------------------------------------------------------------------------
+
+
+class Served:
+    """One ``kvstore vllm-mlx serve`` process."""
+
+    def __init__(self, model, store, log_path, *extra: str):
+        from tests.test_server import free_port
+
+        self.model = str(model)
+        self.port = free_port()
+        cmd = [sys.executable, "-m", "kvstore.adapters.cli", "vllm-mlx", "serve", self.model, "--ssd-path", str(store),
+               "--block-size", str(BLOCK), "--host", "127.0.0.1", "--port", str(self.port), *extra]
+        self.log = open(log_path, "ab")
+        self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT)
+        deadline = time.time() + 180
+        while time.time() < deadline:
+            assert self.proc.poll() is None, f"server exited during start-up: see {log_path}"
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{self.port}/v1/models", timeout=2):
+                    return
+            except OSError:
+                time.sleep(0.5)
+        self.proc.kill()
+        pytest.fail(f"server did not start: see {log_path}")
+
+    def chat(self, question: str) -> str:
+        body = {"model": self.model, "max_tokens": 8, "temperature": 0,
+                "messages": [{"role": "system", "content": SYSTEM * 4}, {"role": "user", "content": question}]}
+        req = urllib.request.Request(f"http://127.0.0.1:{self.port}/v1/chat/completions", json.dumps(body).encode(),
+                                     {"Content-Type": "application/json"})
+        with urllib.request.urlopen(req, timeout=300) as r:
+            return json.load(r)["choices"][0]["message"]["content"]
+
+    def stats(self) -> dict:
+        with urllib.request.urlopen(f"http://127.0.0.1:{self.port}/v1/cache/stats", timeout=30) as r:
+            return json.load(r)["engine_cache"]
+
+    def kill(self) -> None:
+        self.proc.kill()
+        self.proc.wait(timeout=30)
+        self.log.close()
+
+    def stop(self) -> int:
+        self.proc.send_signal(signal.SIGTERM)
+        try:
+            return self.proc.wait(timeout=60)
+        finally:
+            self.log.close()
+
+
+def test_serve_repeats_from_the_store_shares_it_between_servers_and_survives_sigkill(models, tmp_path):
+    path = models["llama"][0]
+    store, log = tmp_path / "store", tmp_path / "serve.log"
+    a = Served(path, store, log)
+    b = None
+    try:
+        cold = a.chat("What is two plus two?")
+        n = a.stats()["kvstore"]["tokens_requested"]
+        assert a.chat("What is two plus two?") == cold
+        stats = a.stats()
+        assert stats["tokens_saved"] == n - 1 and stats["kvstore"]["tokens_ram"] == n - 1  # one token computed
+        b = Served(path, store, log)  # a second server on the same ssd_path finds a's blocks on disk
+        assert b.chat("What is two plus two?") == cold
+        assert b.stats()["kvstore"]["tokens_ssd"] == n - 1
+    finally:
+        a.kill()  # SIGKILL: no shutdown hook runs
+        if b is not None:
+            b.kill()
+    c = Served(path, store, log)
+    try:
+        assert c.chat("What is two plus two?") == cold
+        stats = c.stats()
+        assert stats["tokens_saved"] == n - 1 and stats["kvstore"]["tokens_ssd"] == n - 1
+    finally:
+        assert c.stop() == 0  # SIGTERM: a clean shutdown, store flushed and closed
+    assert "store closed" in log.read_text()
+
+
+# ---------------------------------------------------------------------------
+# vllm-mlx's own parity harness (tests/test_prefix_cache_scheduler_parity.py in
+# its sdist), re-targeted at the store: a deterministic module whose logits
+# depend on the sum of everything its cache holds, so KV served for the wrong
+# prefix, or a token fed twice, changes the output.
+# ---------------------------------------------------------------------------
+
+
+class _Tokenizer:
+    eos_token_id = 99
+    clean_up_tokenization_spaces = False
+
+    @staticmethod
+    def encode(text, **_kwargs):
+        return [int(t) for t in text.split()]
+
+    @staticmethod
+    def decode(tokens, **_kwargs):
+        return "".join(chr(65 + int(t) % 26) for t in tokens)
+
+
+class _CumulativeModel:
+    """vllm-mlx's ``_CacheWritingModel`` (kv kind): next token = running sum of all tokens mod 8."""
+
+    def __init__(self):
+        import mlx.nn as nn
+
+        class M(nn.Module):
+            def __init__(self):
+                super().__init__()
+                self.layers = [object()]
+
+            def make_cache(self):
+                from mlx_lm.models.cache import KVCache
+                return [KVCache()]
+
+            def __call__(self, tokens, cache=None):
+                import mlx.core as mx
+                values = tokens.astype(mx.float32)
+                layer = cache[0]
+                prior = mx.zeros((values.shape[0], 1)) if layer.keys is None else \
+                    mx.sum(layer.keys, axis=(1, 2, 3))[:, None]
+                cumulative = prior + mx.cumsum(values, axis=1)
+                kv = values[:, None, :, None]
+                layer.update_and_fetch(kv, kv)
+                selected = cumulative.astype(mx.int32) % 8
+                return mx.where(mx.arange(8)[None, None, :] == selected[:, :, None], 10.0, -10.0)
+
+        self.module = M()
+
+
+def _step_until_done(scheduler, rid, prompt, max_tokens=3):
+    from vllm_mlx.request import Request
+
+    request = Request(request_id=rid, prompt=list(prompt),
+                      sampling_params=SamplingParams(max_tokens=max_tokens, temperature=0.0))
+    scheduler.add_request(request)
+    out = []
+    for _ in range(64):
+        result = scheduler.step()
+        for o in result.outputs:
+            out.extend(o.new_token_ids)
+        if rid in result.finished_request_ids:
+            return out, request
+    raise AssertionError(f"request {rid} did not finish")
+
+
+def test_warm_equals_cold_on_random_prompt_families(tmp_path):
+    """Prompts that repeat, extend (with the answer) or branch off earlier
+    ones, through one scheduler on the store: each answer equals a cold
+    scheduler's, and the store serves most prompt tokens."""
+    import numpy as np
+
+    model = _CumulativeModel().module
+    rng = np.random.default_rng(7)
+    config = SchedulerConfig(max_num_seqs=1, prefill_batch_size=1, completion_batch_size=1)
+    history: list[list[int]] = []
+    served = requested = 0
+    with PrefixStore(budget_gb=1, ssd_path=tmp_path / "store", block_size=4, fetch_policy="always") as store, \
+            V.install(store) as installed:
+        warm = vllm_scheduler.Scheduler(model, _Tokenizer(), config)
+        for i in range(24):
+            pick = rng.integers(4) if history else 3
+            base = history[rng.integers(len(history))] if history else []
+            if pick == 0:
+                prompt = list(base)  # an exact repeat
+            elif pick == 1:
+                prompt = base[: rng.integers(1, len(base) + 1)] + [int(t) for t in rng.integers(1, 9, 3)]  # a branch
+            else:
+                prompt = base + [int(t) for t in rng.integers(1, 9, rng.integers(2, 12))]  # an extension
+            got, request = _step_until_done(warm, f"w{i}", prompt)
+            installed.flush()
+            cold = vllm_scheduler.Scheduler(model, _Tokenizer(), replace(config, enable_prefix_cache=False))
+            want, _ = _step_until_done(cold, f"c{i}", prompt)
+            assert got == want, f"request {i}: {prompt}"
+            served += request.cached_tokens
+            requested += len(prompt)
+            history.append(prompt + got)
+        installed.close()
+    assert served > requested // 2
+
+
+
+def test_simple_engine_prompt_trie_on_the_store(models, tmp_path):
+    """vllm-mlx's SimpleEngine with --prefix-trie-cache (mlx-lm's LRUPromptCache
+    there): the same answers as without it, and a repeat served from the store."""
+    import asyncio
+
+    from vllm_mlx.engine.simple import SimpleEngine
+
+    path = models["llama"][0]
+    messages = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "What is two plus two?"}]
+
+    async def answers(engine, n):
+        await engine.start()
+        out = []
+        for _ in range(n):
+            text = ""
+            async for o in engine.stream_chat(messages=messages, max_tokens=8, temperature=0.0):
+                text = o.text
+            out.append(text)
+        await engine.stop()
+        return out
+
+    plain = asyncio.run(answers(SimpleEngine(str(path)), 1))
+    with PrefixStore(budget_gb=1, ssd_path=tmp_path / "store", block_size=BLOCK) as store, \
+            V.install(store, model_path=path) as installed:
+        engine = SimpleEngine(str(path), prefix_trie_cache=True)
+        ours = asyncio.run(answers(engine, 3))
+        (trie,) = installed.caches
+        assert isinstance(trie, V.StoreTrieCache)
+        (cache,) = trie._caches.values()
+        stats = cache.get_stats()
+        installed.close()
+    assert ours == plain * 3
+    assert stats["hits"] == 2 and stats["misses"] == 1, stats
+    assert stats["tokens_saved"] >= 2 * (stats["kvstore"]["tokens_requested"] // 3 - BLOCK)
+
+
+def test_short_prompts_are_cached_too(models, tmp_path, prefills):
+    """vllm-mlx's own cache skips prompts under 128 tokens; the store keeps a
+    partial block as a leaf, so a short prompt repeated computes one token."""
+    path, model, tokenizer = models["llama"]
+    prompt = tokenizer.apply_chat_template([{"role": "user", "content": "Hi!"}], add_generation_prompt=True,
+                                           tokenize=True)
+    assert len(prompt) < min(BLOCK, 128)
+    with PrefixStore(budget_gb=1, block_size=BLOCK) as store, V.install(store, model_path=path) as installed:
+        eng = engine(model, tokenizer, "store")
+        cold = generate(eng, prompt)
+        installed.flush()
+        assert generate(eng, prompt) == cold
+        eng.close()
+        installed.close()
+    assert prefills.counts == [len(prompt), 1]
+
+
+def test_installs_nest_and_each_uninstall_puts_back_what_it_replaced(tmp_path):
+    builtin, init = vllm_scheduler.MemoryAwarePrefixCache, vllm_scheduler.Scheduler.__init__
+    with PrefixStore(budget_gb=1) as one, PrefixStore(budget_gb=1) as two:
+        with V.install(one):
+            first = vllm_scheduler.MemoryAwarePrefixCache
+            with V.install(two):
+                assert vllm_scheduler.MemoryAwarePrefixCache is not first
+            assert vllm_scheduler.MemoryAwarePrefixCache is first
+        assert vllm_scheduler.MemoryAwarePrefixCache is builtin and vllm_scheduler.Scheduler.__init__ is init
+
+
+def test_a_scheduler_built_while_installed_keeps_the_store_and_its_refresh_after_uninstall(models):
+    """Non-trimmable caches are offered after every request (the store keeps
+    only blocks it lacks): the scheduler's own setting, which outlives uninstall."""
+    path, model, tokenizer = models["gemma3_text"]
+    refresh = vllm_scheduler.Scheduler.SNAPSHOT_REFRESH_TOKENS
+    with PrefixStore(budget_gb=1) as store:
+        with V.install(store, model_path=path):
+            eng = engine(model, tokenizer, "store")
+        other = engine(model, tokenizer, "builtin")
+        assert isinstance(eng.scheduler.memory_aware_cache, V.StorePrefixCache)
+        assert eng.scheduler.SNAPSHOT_REFRESH_TOKENS == 0
+        assert other.scheduler.SNAPSHOT_REFRESH_TOKENS == refresh > 0
+        eng.close()
+        other.close()
