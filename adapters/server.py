@@ -153,6 +153,7 @@ class StorePromptCache:
         self._inserts = _Inserts(store)
         # per thread, the request it fetched for and has not inserted yet: (model key, its tokens)
         self._open: dict[int, tuple[str, list]] = {}
+        self._inserters: set[int] = set()  # threads that insert caches (mlx-lm's generation thread)
         self._open_cond = threading.Condition()
 
     # -- the server's interface ---------------------------------------------
@@ -206,6 +207,7 @@ class StorePromptCache:
         finally:  # this thread's request is done (its insert is in flight): fetches waiting for it go on
             with self._open_cond:
                 self._open.pop(threading.get_ident(), None)
+                self._inserters.add(threading.get_ident())
                 self._open_cond.notify_all()
 
     def _insert(self, model: Any, tokens: list[int], prompt_cache: list) -> None:
@@ -263,16 +265,19 @@ class StorePromptCache:
         thread's own request open. mlx-lm's generation thread sends a
         response's end before it inserts the cache, so a client that fetches
         the moment the response ends (mlx-lm's own tests do) would otherwise
-        miss the cache about to be inserted. The generation thread never waits
-        for itself; a request that never inserts (it failed) is waited for
-        once, then forgotten."""
+        miss the cache about to be inserted. Only threads that insert (or,
+        before any has, every thread) are waited for: a client's own fetches
+        never hold up the generation thread. The generation thread never
+        waits for itself; a request that never inserts (it failed) is waited
+        for once, then forgotten."""
         me = threading.get_ident()
         deadline = time.monotonic() + self.OPEN_WAIT
         with self._open_cond:
             while True:
                 alive = {t.ident for t in threading.enumerate()}
                 waiting = [t for t, (k, prompt) in self._open.items()
-                           if t != me and t in alive and k == key and _starts_alike(prompt, tokens, self.store.block_size)]
+                           if t != me and t in alive and (t in self._inserters or not self._inserters)
+                           and k == key and _starts_alike(prompt, tokens, self.store.block_size)]
                 left = deadline - time.monotonic()
                 if not waiting or left <= 0:
                     for t in waiting:  # (never inserted: not waited for again)
