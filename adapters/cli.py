@@ -9,7 +9,7 @@ from typing import Optional
 
 import typer
 
-from kvstore.cli import app, out
+from kvstore.cli import app, err, out
 
 
 @app.command()
@@ -28,19 +28,27 @@ def demo(
 
     Example: [bold]kvstore demo --model smollm2[/bold]   or   [bold]kvstore demo --model gemma3[/bold]   or   [bold]kvstore demo --model ./my-model --turns 3[/bold]
     """
-    from .demo import run_demo
+    from .demo import DemoError, run_demo
 
-    run_demo(model, str(ssd_path) if ssd_path else None, users=users, turns=turns,
-             max_tokens=max_tokens, kv_bits=kv_bits or None, console=out)
+    try:
+        run_demo(model, str(ssd_path) if ssd_path else None, users=users, turns=turns,
+                 max_tokens=max_tokens, kv_bits=kv_bits or None, console=out)
+    except DemoError as e:
+        err.print(f"[red]error:[/red] {e}")
+        raise typer.Exit(2)
 
 
-@app.command(context_settings={"allow_extra_args": True, "ignore_unknown_options": True})
+@app.command(context_settings={"allow_extra_args": True, "ignore_unknown_options": True,
+                                "help_option_names": []})
 def bench(ctx: typer.Context):
     """Benchmarks (same options as [bold]python -m kvstore.tools.bench[/bold]: --quick, --only PART, --out DIR).
 
     Example: [bold]kvstore bench --quick --only lookup[/bold]
     """
     from kvstore.tools.bench import main as bench_main
+
+    if "--help" in ctx.args or "-h" in ctx.args:  # the benchmark's own options, listed by its parser
+        out.print(bench.__doc__)
 
     raise typer.Exit(bench_main(ctx.args) or 0)
 
@@ -50,20 +58,17 @@ def bench(ctx: typer.Context):
 def serve(ctx: typer.Context):
     """Run mlx-lm's OpenAI-compatible server on the store (restarts keep the cache).
 
-    Takes every [bold]mlx_lm.server[/bold] option (--model, --host, --port, --kv-bits, --draft-model, ...) plus:
-    --ssd-path DIR, --budget-gb N (RAM, default 4), --disk-budget-gb N, --store-kv-bits 8 | 4 | 8,4,
-    --store-group-size N, --block-size N, --namespace NAME, --fetch-policy auto | always | never,
-    --remote URL (a Redis / Valkey server or cluster shared by hosts: redis://[:password@]host:port/db,
-    rediss://... for TLS, unix:///path.sock; password also from $KVSTORE_REMOTE_PASSWORD), --remote-timeout S.
-    mlx-lm's --prompt-cache-bytes N is the RAM budget (instead of --budget-gb); its --prompt-cache-size
-    (a count of sequences) is refused: the store is bounded by bytes.
+    Takes every [bold]mlx_lm.server[/bold] option (--model, --host, --port, --kv-bits, --draft-model, ...) but
+    --prompt-cache-size, plus the store's own (--ssd-path, --budget-gb, --store-kv-bits, ...: listed below).
 
     Example: [bold]kvstore serve --model ./my-model --ssd-path ~/.cache/kvstore/store --store-kv-bits 8 --port 8080[/bold]
     """
+    from .server import serve as run_server, usage
+
     if "--help" in ctx.args or "-h" in ctx.args:
         out.print(serve.__doc__)
-    from .server import serve as run_server
-
+        print(usage())
+        raise typer.Exit()
     run_server(ctx.args)
 
 

@@ -41,6 +41,10 @@ def _requests(users: int, turns: int):
             yield u, turn, QUESTIONS[u % len(QUESTIONS)][turn % 2] + (f" (user {u})" if u >= len(QUESTIONS) else "")
 
 
+class DemoError(Exception):
+    """The demo cannot run as asked (a model that does not load); nothing was changed."""
+
+
 def run_demo(model_path: Optional[str] = None, ssd_path: Optional[str] = None, users: int = 3, turns: int = 2,
              max_tokens: int = 12, budget_gb: float = 1.0, kv_bits=8, block_size: int = 64,
              console: Optional[Console] = None) -> list[dict]:
@@ -57,12 +61,15 @@ def run_demo(model_path: Optional[str] = None, ssd_path: Optional[str] = None, u
         from kvstore.adapters.tiny_models import ensure_tiny_model
         with console.status("building the demo model (once; cached under the user's cache directory)"):
             model_path = str(ensure_tiny_model("llama", max_position_embeddings=8192))
+    try:
+        model, tokenizer, path = load_model(model_path)  # before the demo's store is emptied: a typo deletes nothing
+    except (OSError, ValueError) as e:
+        raise DemoError(f"cannot load the model {model_path!r}: {e}") from None
+    model_path = str(path)
     if ssd_path is None:
         from platformdirs import user_cache_dir
         ssd_path = str(Path(user_cache_dir("kvstore")) / "demo-store")
         shutil.rmtree(ssd_path, ignore_errors=True)  # the demo's own store: start empty each run
-    model, tokenizer, path = load_model(model_path)
-    model_path = str(path)
     console.print(f"model: {model_path}\nstore: {ssd_path}  (RAM budget {budget_gb} GiB, entries kv_bits={kv_bits}, "
                   f"block {block_size} tokens)")
     rows = []

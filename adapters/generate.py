@@ -72,13 +72,16 @@ def model_key(model: nn.Module, model_path: Union[str, Path, None] = None, extra
 
 
 def models_key(model: nn.Module, model_path: Union[str, Path, None] = None, *, draft_model: Optional[nn.Module] = None,
-               draft_path: Union[str, Path, None] = None, extra: str = "") -> str:
+               extra: str = "") -> str:
     """The store key of a model, or of a model and its draft model
     (speculative decoding): both caches are stored together, one chain whose
     blocks hold the main model's layers then the draft's, so the key
-    fingerprints both. Without a draft it is ``model_key(model, model_path)``."""
+    fingerprints both. The draft is fingerprinted by its loaded weights
+    wherever it came from, so ``kvstore serve`` (which knows its folder) and
+    ``generate`` (which gets the model only) share its entries. Without a
+    draft it is ``model_key(model, model_path)``."""
     if draft_model is not None:
-        extra += (";" if extra else "") + f"draft={model_key(draft_model, draft_path)}"
+        extra += (";" if extra else "") + f"draft={model_key(draft_model)}"
     return model_key(model, model_path, extra)
 
 
@@ -90,7 +93,7 @@ def _split(cache: Sequence[Any], model: nn.Module, draft_model: Optional[nn.Modu
     return [cache[:n], cache[n:]]
 
 
-def _needs_snapshots(cache: Sequence[Any]) -> bool:
+def needs_snapshots(cache: Sequence[Any]) -> bool:
     """Whether the cache holds state a later, shorter prefix cannot trim back to."""
     def leaf(c):
         if isinstance(c, C.CacheList):
@@ -144,7 +147,7 @@ def prefill(model: nn.Module, cache: list, tokens: Sequence[int], start: int, st
     With a store and a cache that cannot be trimmed, chunks end on the store's
     block boundaries and each boundary's cache is offered to the store.
     """
-    snapshots = store is not None and _needs_snapshots(cache)
+    snapshots = store is not None and needs_snapshots(cache)
     bs = store.block_size if store is not None else step
     pos = start
     with mx.stream(generation_stream):
@@ -210,7 +213,7 @@ def stream_generate(model: nn.Module, tokenizer, prompt: Union[str, Sequence[int
     res.ram_tokens, res.ssd_tokens, res.remote_tokens = got.ram_tokens, got.ssd_tokens, got.remote_tokens
     res.computed_tokens = len(tokens) - got.cached_tokens
     pos = got.cached_tokens
-    if draft is None and _needs_snapshots(cache):  # speculative decoding needs trimmable caches anyway
+    if draft is None and needs_snapshots(cache):  # speculative decoding needs trimmable caches anyway
         prefill(model, cache, tokens, pos, len(tokens) - 1, store=store, key=key, step=prefill_step_size, **qkw)
         pos = len(tokens) - 1
     generated: list[int] = []

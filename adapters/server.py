@@ -21,6 +21,7 @@ import signal
 import socket
 import sys
 import threading
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional, Sequence, Union
@@ -31,7 +32,7 @@ from mlx_lm.models import cache as C
 
 from kvstore import Hit, PrefixStore
 
-from .generate import calibrate, models_key
+from .generate import calibrate, models_key, needs_snapshots, prefill
 from .gguf import TRAINED, is_gguf, load_model, resolve_model
 from .mlx_lm import cache_offset, caches_to_layers, layers_to_caches, snapshot
 
@@ -115,6 +116,12 @@ class _Inserts:
                     self._cond.notify_all()
 
 
+def _starts_alike(a: Sequence[int], b: Sequence[int], block: int) -> bool:
+    """Whether two prompts share their start (up to a block, or the whole shorter one but its last token)."""
+    k = min(len(a), len(b) - 1, block)
+    return k > 0 and list(a[:k]) == list(b[:k])
+
+
 def _whole_images(tokens: Sequence[int], n: int) -> int:
     """``n``, or the start of the image whose patch tokens it ends inside.
 
@@ -138,11 +145,17 @@ class StorePromptCache:
     weights behind it).
     """
 
+    OPEN_WAIT = 5.0  # seconds a fetch waits at most for another thread's open request to insert its cache
+
     def __init__(self, store: PrefixStore, model_provider: Any):
         self.store = store
         self.provider = model_provider
         self._models: dict[Any, Optional[_Models]] = {}
         self._inserts = _Inserts(store)
+        # per thread, the request it fetched for and has not inserted yet: (model key, its tokens)
+        self._open: dict[int, tuple[str, list]] = {}
+        self._inserters: set[int] = set()  # threads that insert caches (mlx-lm's generation thread)
+        self._open_cond = threading.Condition()
 
     # -- the server's interface ---------------------------------------------
 
@@ -153,22 +166,52 @@ class StorePromptCache:
         args = self.provider.cli_args
         kv_bits = getattr(args, "kv_bits", None)
         group = getattr(args, "kv_group_size", 64)
+        self._wait_open(m.key, tokens)
         self._inserts.wait(m.key)
+        qkw = dict(kv_bits=kv_bits, kv_group_size=group, quantized_kv_start=getattr(args, "quantized_kv_start", 0))
         try:
             hit = self._fetch(m.key, tokens, (kv_bits, group) if kv_bits else None)
-            if not hit:
-                return None, tokens
-            cache = layers_to_caches(hit.layers, m.models, length=hit.length, kv_bits=kv_bits, kv_group_size=group,
-                                     quantized_kv_start=getattr(args, "quantized_kv_start", 0))
+            cache = layers_to_caches(hit.layers, m.models, length=hit.length, **qkw) if hit else None
+            cache, length = self._snapshot_blocks(m, tokens, cache, hit.length, qkw)
         except Exception:
             log.exception("kvstore: restoring a cache failed; computing the prompt instead")
             return None, tokens
-        return cache, tokens[hit.length:]
+        return (None, tokens) if cache is None else (cache, tokens[length:])
+
+    def _snapshot_blocks(self, m: "_Models", tokens: list[int], cache: Optional[list], start: int,
+                         qkw: dict) -> tuple[Optional[list], int]:
+        """For a model with recurrent layers (their state cannot be trimmed
+        back to a shorter prefix): compute the prompt's whole blocks past
+        ``start`` here, on the generation thread before mlx-lm's own prefill,
+        offering the cache to the store at each block boundary (as
+        ``generate`` does), so a later prompt sharing only a system prompt
+        finds a snapshot; mlx-lm goes on from there. ``(cache, start)`` as
+        given where there is nothing to do: attention-only models, a draft
+        model (its caches stay trimmable anyway), image prompts (their patch
+        tokens need pixels)."""
+        model, bs = m.models[0], self.store.block_size
+        stop = (len(tokens) - 1) // bs * bs  # the engine computes at least the last token
+        if len(m.models) > 1 or stop <= start or min(tokens) < 0 or getattr(model, "vision_tower", None) is not None:
+            return cache, start
+        work = cache if cache is not None else C.make_prompt_cache(model)
+        if not needs_snapshots(work):
+            return cache, start
+        prefill(model, work, tokens, start, stop, store=self.store, key=m.key, step=bs, **qkw)
+        return work, stop
 
     def insert_cache(self, model: Any, tokens: list[int], prompt_cache: list, *, cache_type: str = "assistant"):
         """Hand the cache to the store. ``cache_type`` (mlx-lm's eviction
         order) has no use here: blocks shared by a system prompt, a user turn
         and an answer are one pool, evicted leaves first."""
+        try:
+            self._insert(model, tokens, prompt_cache)
+        finally:  # this thread's request is done (its insert is in flight): fetches waiting for it go on
+            with self._open_cond:
+                self._open.pop(threading.get_ident(), None)
+                self._inserters.add(threading.get_ident())
+                self._open_cond.notify_all()
+
+    def _insert(self, model: Any, tokens: list[int], prompt_cache: list) -> None:
         m = self._resolve(model)
         if m is None:
             return
@@ -188,6 +231,7 @@ class StorePromptCache:
         caches: evict RAM blocks down to it (SSD copies stay). The store is
         bounded by bytes only, so ``n_sequences`` is not used."""
         if n_bytes is not None:
+            self._inserts.wait()  # what is being inserted counts too
             self.store.trim_ram(max(0, n_bytes))
 
     @property
@@ -216,6 +260,33 @@ class StorePromptCache:
         """Finish the inserts in flight (the store stays open)."""
         self._inserts.close()
 
+    def _wait_open(self, key: str, tokens: list[int]) -> None:
+        """Wait (at most ``OPEN_WAIT``) while another thread has a request of
+        this model open whose prompt starts as ``tokens`` do, then mark this
+        thread's own request open. mlx-lm's generation thread sends a
+        response's end before it inserts the cache, so a client that fetches
+        the moment the response ends (mlx-lm's own tests do) would otherwise
+        miss the cache about to be inserted. Only threads that insert (or,
+        before any has, every thread) are waited for: a client's own fetches
+        never hold up the generation thread. The generation thread never
+        waits for itself; a request that never inserts (it failed) is waited
+        for once, then forgotten."""
+        me = threading.get_ident()
+        deadline = time.monotonic() + self.OPEN_WAIT
+        with self._open_cond:
+            while True:
+                alive = {t.ident for t in threading.enumerate()}
+                waiting = [t for t, (k, prompt) in self._open.items()
+                           if t != me and t in alive and (t in self._inserters or not self._inserters)
+                           and k == key and _starts_alike(prompt, tokens, self.store.block_size)]
+                left = deadline - time.monotonic()
+                if not waiting or left <= 0:
+                    for t in waiting:  # (never inserted: not waited for again)
+                        del self._open[t]
+                    break
+                self._open_cond.wait(left)
+            self._open[me] = (key, list(tokens))
+
     def _fetch(self, key: str, tokens: list[int], quantized: Optional[tuple[int, int]]) -> Hit:
         limit = len(tokens) - 1  # the engine computes at least the last token, for its logits
         while True:
@@ -239,7 +310,7 @@ class StorePromptCache:
         models = [provider.model] if draft is None else [provider.model, provider.draft_model]
         local, draft_local = _folder(path), _folder(draft)
         key = models_key(provider.model, local, draft_model=models[1] if draft is not None else None,
-                         draft_path=draft_local, extra=f"adapter={adapter}" if adapter else "")
+                         extra=f"adapter={adapter}" if adapter else "")
         if local:
             info = {"path": str(local.resolve()), "name": local.name}
             if draft is not None:
@@ -288,25 +359,60 @@ _SIZE_REFUSED = ("--prompt-cache-size counts cached sequences; the store is boun
 
 
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="kvstore serve", add_help=False, allow_abbrev=False)
-    p.add_argument("--ssd-path", default=None)
-    p.add_argument("--budget-gb", type=float, default=None, help="RAM budget of the store (default 4)")
-    p.add_argument("--disk-budget-gb", type=float, default=None)
-    p.add_argument("--store-kv-bits", default=None,
+    p = argparse.ArgumentParser(prog="kvstore serve", add_help=False, allow_abbrev=False,
+                                usage="kvstore serve --model PATH [store options] [mlx_lm.server options]")
+    g = p.add_argument_group("the store's options")
+    g.add_argument("--ssd-path", default=None, metavar="DIR",
+                   help="the store's directory on SSD (kept across restarts); without it the store is RAM-only")
+    g.add_argument("--budget-gb", type=float, default=None, help="RAM budget of the store in GiB (default 4)")
+    g.add_argument("--disk-budget-gb", type=float, default=None,
+                   help="SSD budget in GiB (default: half the free space, at most 64)")
+    g.add_argument("--store-kv-bits", default=None,
                    help="bits of stored entries: 8, 4, or K,V like 8,4 (default: as the engine holds them)")
-    p.add_argument("--store-group-size", type=int, default=64)
-    p.add_argument("--block-size", type=int, default=256)
-    p.add_argument("--namespace", default=None)
-    p.add_argument("--fetch-policy", default="auto", choices=["auto", "always", "never"],
+    g.add_argument("--store-group-size", type=int, default=64, help="quantization group size (default 64)")
+    g.add_argument("--block-size", type=int, default=256, help="tokens per stored block (default 256)")
+    g.add_argument("--namespace", default=None, help="a tenant: stores of other namespaces share nothing")
+    g.add_argument("--fetch-policy", default="auto", choices=["auto", "always", "never"],
                    help="auto: load a hit only where that beats recomputing it (rates measured here)")
-    p.add_argument("--remote", default=None,
+    g.add_argument("--remote", default=None,
                    help="a Redis / Valkey server or cluster shared by hosts: redis://[:password@]host:port/db, "
                         "rediss://..., unix:///path.sock (password also from $KVSTORE_REMOTE_PASSWORD)")
-    p.add_argument("--remote-timeout", type=float, default=0.5)
+    g.add_argument("--remote-timeout", type=float, default=0.5, help="seconds per remote call (default 0.5)")
     # mlx-lm's own cache options, mapped onto the store or refused
-    p.add_argument("--prompt-cache-size", default=None)
-    p.add_argument("--prompt-cache-bytes", default=None)
+    g.add_argument("--prompt-cache-bytes", default=None,
+                   help="mlx-lm's option: here the store's RAM budget (instead of --budget-gb), e.g. 4GB")
+    g.add_argument("--prompt-cache-size", default=None, help=argparse.SUPPRESS)
     return p
+
+
+def usage() -> str:
+    """``kvstore serve --help``: the store's options, then mlx-lm's server
+    options less the one refused here (``--prompt-cache-size``)."""
+    import contextlib
+    import io
+
+    import mlx_lm.server as S
+
+    buf, argv0 = io.StringIO(), sys.argv
+    sys.argv = ["mlx_lm.server", "--help"]
+    try:
+        with contextlib.redirect_stdout(buf):
+            S.main()
+    except SystemExit:
+        pass
+    finally:
+        sys.argv = argv0
+    text = buf.getvalue()
+    theirs, skipping = [], False
+    for line in text[text.find("\n\n") + 2:].splitlines():  # (after mlx-lm's usage lines)
+        if line.startswith("  -"):
+            skipping = line.lstrip().startswith("--prompt-cache-size")
+        elif not line.startswith("   "):
+            skipping = False
+        if not skipping:
+            theirs.append(line)
+    return (_parser().format_help() + "\nmlx_lm.server's options (all work here, but --prompt-cache-size: "
+            + _SIZE_REFUSED + "):\n" + "\n".join(theirs))
 
 
 def parse_kv_bits(text: Optional[str]) -> Union[None, int, tuple[int, int]]:
@@ -406,6 +512,9 @@ def start(argv: Sequence[str]) -> Server:
         S.main()  # parses mlx-lm's options as mlx-lm does, sets up logging, builds the ModelProvider
     finally:
         S.run, sys.argv = run, argv0
+    if store_args["ssd_path"] is None:
+        log.warning("kvstore serve: no --ssd-path: the store is RAM-only (its cache ends with the server); "
+                    "give --ssd-path DIR to keep it across restarts")
     store = PrefixStore(**store_args)
     try:
         prompt_cache = StorePromptCache(store, got["provider"])

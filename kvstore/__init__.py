@@ -1,12 +1,12 @@
 """kvstore: a tiered, persistent prefix KV cache for mlx-lm engines."""
 
 from .codec import Codec
-from .errors import (BlockDecodeError, ConfigError, KVStoreError, LayoutError, ReadOnlyError, RemoteConfigError,
+from .errors import (BlockDecodeError, ConfigError, InputError, KVStoreError, LayoutError, ReadOnlyError, RemoteConfigError,
                      StorageError, StoreClosedError, StoreOpenError)
 from .layers import KVLayer, Layer, Quantized, StateLayer
 from .store import Hit, PrefixStore
 
 __all__ = ["PrefixStore", "Hit", "KVLayer", "StateLayer", "Quantized", "Layer", "Codec",
-           "KVStoreError", "StoreOpenError", "BlockDecodeError", "LayoutError", "ConfigError", "StoreClosedError",
+           "KVStoreError", "InputError", "StoreOpenError", "BlockDecodeError", "LayoutError", "ConfigError", "StoreClosedError",
            "ReadOnlyError", "StorageError", "RemoteConfigError"]
 __version__ = "0.1.0"

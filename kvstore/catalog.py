@@ -8,6 +8,7 @@ once in totals and in each entry's own length.
 
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import asdict, dataclass, field
 from typing import Iterator, Optional
@@ -132,15 +133,18 @@ def check_block(disk: LmdbTier, txn, rec: BlockRecord) -> Optional[str]:
 
 
 def parse_age(text: str) -> float:
-    """'90s', '30m', '12h', '7d', '2w' -> seconds."""
+    """'90s', '30m', '12h', '7d', '2w' -> seconds (> 0: an age of 0 or less
+    would select everything, which is what ``--all`` says)."""
     units = {"s": 1, "m": 60, "h": 3600, "d": 86400, "w": 604800}
     text = text.strip().lower()
     try:
-        if text[-1] in units:
-            return float(text[:-1]) * units[text[-1]]
-        return float(text)
+        seconds = float(text[:-1]) * units[text[-1]] if text[-1] in units else float(text)
     except (ValueError, IndexError):
         raise ValueError(f"cannot read {text!r} as an age: use e.g. 90s, 30m, 12h, 7d, 2w") from None
+    if not math.isfinite(seconds) or seconds <= 0:
+        raise ValueError(f"an age must be more than 0 (got {text!r}): use e.g. 90s, 30m, 12h, 7d, 2w, "
+                         f"or --all for everything")
+    return seconds
 
 
 def select(cat: Catalog, model: Optional[str] = None, older_than: Optional[float] = None,

@@ -15,8 +15,10 @@ from typing import Optional
 
 import typer
 from rich.console import Console
+from rich.progress import Progress
 from rich.table import Table
 
+from . import __version__
 from .catalog import Catalog, check_block, parse_age, select
 from .cost import CostModel
 from .errors import RemoteConfigError, StoreOpenError
@@ -28,6 +30,18 @@ app = typer.Typer(add_completion=False, no_args_is_help=True, rich_markup_mode="
                   help="kvstore: a tiered, persistent prefix KV cache for mlx-lm engines.")
 out = Console(width=None if sys.stdout.isatty() else 160)
 err = Console(stderr=True, soft_wrap=True)
+
+
+def _print_version(value: bool) -> None:
+    if value:
+        print(f"kvstore {__version__}")
+        raise typer.Exit()
+
+
+@app.callback()
+def _options(version: bool = typer.Option(False, "--version", callback=_print_version, is_eager=True,
+                                          help="Print kvstore's version and exit.")):
+    """kvstore: a tiered, persistent prefix KV cache for mlx-lm engines."""
 
 PathArg = typer.Argument(..., help="The store directory (the ssd_path the engine used).", show_default=False)
 OptionalPathArg = typer.Argument(None, help="The store directory (the ssd_path the engine used).", show_default=False)
@@ -45,8 +59,15 @@ class SortKey(str, Enum):
 
 
 def _open(path: Path, readonly: bool = True) -> LmdbTier:
+    """An existing store: a command never creates one (a typo in a path is an error, not a new store)."""
+    path = path.expanduser()
+    if not readonly and (not path.exists() or path.is_dir() and not (path / "data.mdb").is_file()):
+        # (a read-only open refuses these itself; a writable one would make a store)
+        err.print(f"[red]error:[/red] {path}: no kvstore store here (no data.mdb). Check the path; nothing was "
+                  f"created or changed.")
+        raise typer.Exit(2)
     try:
-        return LmdbTier(path, readonly=readonly)
+        return LmdbTier.open(path, readonly=readonly)
     except StoreOpenError as e:
         err.print(f"[red]error:[/red] {e}")
         raise typer.Exit(2)
@@ -75,9 +96,9 @@ def _decoder(catalog: Catalog):
             info = catalog.models.get(bytes.fromhex(root_hex), {})
             path = info.get("path")
             if path and Path(path, "tokenizer.json").exists():
-                try:
-                    from transformers import PreTrainedTokenizerFast
-                    cache[root_hex] = PreTrainedTokenizerFast(tokenizer_file=str(Path(path, "tokenizer.json")))
+                try:  # the tokenizers library alone: transformers would say on stderr that PyTorch is missing
+                    from tokenizers import Tokenizer
+                    cache[root_hex] = Tokenizer.from_file(str(Path(path, "tokenizer.json")))
                 except Exception:
                     pass
         tok = cache[root_hex]
@@ -93,9 +114,9 @@ def _decode_runs(tok, ids: list[int]) -> str:
         if t >= 0:
             run.append(t)
         elif i == 0 or ids[i - 1] != t:
-            out += [tok.decode(run), "<image>"]
+            out += [tok.decode(run, skip_special_tokens=False), "<image>"]
             run = []
-    return "".join(out + [tok.decode(run)])
+    return "".join(out + [tok.decode(run, skip_special_tokens=False)])
 
 
 @app.command()
@@ -181,14 +202,15 @@ def stats(path: Optional[Path] = OptionalPathArg, as_json: bool = typer.Option(F
         return
     t = Table(title=f"{path}")
     t.add_column("model")
-    for c in ("blocks", "tokens", "bytes", "hits"):
+    for c in ("blocks", "tokens", "bytes", "block hits"):
         t.add_column(c, justify="right")
     for name, d in result["models"].items():
         t.add_row(name[:24], str(d["blocks"]), str(d["tokens"]), _size(d["bytes"]), str(d["hits"]))
     out.print(t)
+    out.print("block hits: times one of the model's blocks was served (a hit of 10 blocks counts 10)")
     used = f"{_size(usage)} of {_size(budget)} ({100 * usage / budget:.1f}%)" if budget else _size(usage)
     out.print(f"disk: {used}    blocks: {len(cat.records)}    entries: {result['entries']}")
-    out.print(f"lifetime: {counters.get('hits', 0)} hits, {counters.get('misses', 0)} misses, "
+    out.print(f"lifetime: {counters.get('hits', 0)} fetches hit, {counters.get('misses', 0)} missed, "
               f"token hit rate {100 * result['token_hit_rate']:.1f}%, tokens served from cache {served} "
               f"(RAM {counters.get('tokens_ram', 0)}, SSD {counters.get('tokens_ssd', 0)}, "
               f"remote {counters.get('tokens_remote', 0)})")
@@ -362,6 +384,9 @@ def _clear_remote(url: str, namespace: Optional[str], model: Optional[str], yes:
     out.print(f"{cat.url}: deleted {n} blocks ({_size(nbytes)})")
 
 
+_DELETE_BATCH = 1024  # blocks per write transaction of `clear`
+
+
 def _clear_local(path: Path, model: Optional[str], age: Optional[float], yes: bool) -> None:
     disk = _open(path, readonly=False)
     try:
@@ -374,7 +399,13 @@ def _clear_local(path: Path, model: Optional[str], age: Optional[float], yes: bo
         if not yes and not typer.confirm(f"Delete {len(keys)} blocks ({_size(nbytes)}) from {path}?", default=False):
             out.print("nothing deleted")
             raise typer.Exit(1)
-        n = len(disk.remove(keys))
+        keys.sort(key=lambda k: -cat.records[k].start if k in cat.records else 0)  # later blocks first
+        n = 0
+        with Progress(*Progress.get_default_columns(), console=err, transient=True) as bar:
+            task = bar.add_task("deleting", total=len(keys))
+            for i in range(0, len(keys), _DELETE_BATCH):  # (one stopped part-way leaves servable prefixes)
+                n += len(disk.remove(keys[i : i + _DELETE_BATCH]))
+                bar.advance(task, min(_DELETE_BATCH, len(keys) - i))
         out.print(f"deleted {n} blocks ({_size(nbytes)})")
     finally:
         disk.close()

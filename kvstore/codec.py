@@ -165,7 +165,19 @@ class Codec:
         """``kv_bits``: an int for both, or ``(key_bits, value_bits)``.
         ``rotate_keys=None`` rotates keys of ``ROTATE_KEYS_BELOW_OR_AT`` bits or fewer,
         ``rotate_values=None`` values of ``ROTATE_VALUES_BELOW_OR_AT`` bits or fewer."""
-        k, v = (kv_bits, kv_bits) if kv_bits is None or isinstance(kv_bits, int) else kv_bits
+        if kv_bits is None or isinstance(kv_bits, int) and not isinstance(kv_bits, bool):
+            k, v = kv_bits, kv_bits
+        elif isinstance(kv_bits, tuple) and len(kv_bits) == 2 and all(
+                b is None or isinstance(b, int) and not isinstance(b, bool) for b in kv_bits):
+            k, v = kv_bits
+        else:
+            raise ConfigError(f"kv_bits must be None, an int of {BITS} or a pair (key_bits, value_bits), "
+                              f"got {kv_bits!r}")
+        if isinstance(group_size, bool) or not isinstance(group_size, int):
+            raise ConfigError(f"kv_group_size must be one of {GROUP_SIZES}, got {group_size!r}")
+        for name, r in (("rotate_keys", rotate_keys), ("rotate_values", rotate_values)):
+            if r is not None and not isinstance(r, bool):
+                raise ConfigError(f"{name} must be True, False or None, got {r!r}")
         if rotate_keys is None:
             rotate_keys = _default_rotation(k, ROTATE_KEYS_BELOW_OR_AT)
         if rotate_values is None:

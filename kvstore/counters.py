@@ -11,6 +11,7 @@ from .tiers.base import Use
 
 NAMES = ("hits", "misses", "tokens_requested", "tokens_ram", "tokens_ssd", "puts", "blocks_written",
          "evictions_ram", "evictions_ssd", "corrupt_blocks", "write_errors", "blocks_stored",
+         "blocks_gone",  # blocks the index had on disk that another process removed (kvstore clear): forgotten
          "puts_inline",  # puts done in the caller because the background writer was far behind
          "evicted_unwritten",  # blocks evicted from RAM before their write to disk finished (the writer holds them)
          "tokens_skipped_cost",  # stored tokens not served: recomputing them was predicted faster

@@ -20,6 +20,14 @@ class LayoutError(KVStoreError, ValueError):
     """Arrays handed to ``put`` do not fit together (shapes, dtypes, lengths)."""
 
 
+class InputError(KVStoreError, ValueError, TypeError):
+    """An argument of a call is malformed: tokens that are not a flat sequence
+    of integers within signed 64 bits, a model key that is not a non-empty
+    ``str`` or ``bytes``, a ``limit`` that is not an int. Nothing was stored
+    or changed. (Both a ``ValueError`` and a ``TypeError``, for code that
+    catches either.)"""
+
+
 class ConfigError(KVStoreError, ValueError):
     """A setting is out of range (a budget that is negative, NaN or infinite,
     unsupported bits or group size, a bad block size). Raised at construction."""

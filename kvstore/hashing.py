@@ -22,6 +22,8 @@ from typing import Optional, Sequence, Union
 import numpy as np
 import xxhash
 
+from .errors import InputError
+
 KEY_BYTES = 16
 _ROOT_TAG = b"kvstore-root-v1\x00"
 _WIDE_TAG = b"\x01"  # precedes the int64 bytes of a block with an id outside int32
@@ -31,7 +33,11 @@ TOKEN_DTYPES = (np.dtype("<i4"), np.dtype("<i8"))  # the widths a token array ma
 
 
 def root_key(model_key: Union[str, bytes], namespace: Optional[str] = None) -> bytes:
-    """The key every block chain of ``model_key`` (within ``namespace``) starts at."""
+    """The key every block chain of ``model_key`` (within ``namespace``) starts at.
+    Raises ``InputError`` for a model key that is not a str or bytes."""
+    if not isinstance(model_key, (str, bytes)):
+        raise InputError(f"model_key must be a non-empty str or bytes (see kvstore.adapters.generate.model_key), "
+                         f"got {model_key!r}")
     if isinstance(model_key, str):
         model_key = model_key.encode()
     ns = b"" if namespace is None else b"\x01" + namespace.encode()
@@ -44,26 +50,33 @@ def _fits_int32(arr: np.ndarray) -> bool:
 
 def as_tokens(tokens: Union[Sequence[int], np.ndarray]) -> np.ndarray:
     """Tokens as a contiguous little-endian array: int32 when every id fits
-    (the fast path, and every text prompt), else int64. Raises ``ValueError``
+    (the fast path, and every text prompt), else int64. Raises ``InputError``
     for anything but a flat sequence of integers within signed 64 bits."""
     if isinstance(tokens, np.ndarray) and tokens.dtype == np.int32 and tokens.ndim == 1:
         return np.ascontiguousarray(tokens, dtype="<i4")
-    try:
-        arr = np.asarray(tokens)
-    except OverflowError:
-        raise ValueError("token ids must fit in signed 64 bits") from None
+    if isinstance(tokens, (str, bytes)) or not (isinstance(tokens, Sequence) or hasattr(tokens, "__array__")):
+        raise InputError(f"tokens must be a flat sequence of ints, got {type(tokens).__name__}")
+    if not isinstance(tokens, np.ndarray):
+        given = tokens if isinstance(tokens, Sequence) else ()
+        try:
+            tokens = np.asarray(tokens)
+        except (ValueError, TypeError, OverflowError):  # a ragged list, ids past 64 bits
+            tokens = np.asarray(tokens, dtype=object)
+        if tokens.dtype.kind not in "iu" and tokens.size:
+            # numpy turns [2**63, 0] into floats and ids past 64 bits into objects: name what is wrong
+            if all(isinstance(t, int) and not isinstance(t, bool) for t in given):
+                raise InputError("token ids must fit in signed 64 bits")
+            raise InputError(f"tokens must be a flat sequence of ints (no floats, bools, strings or nested "
+                             f"lists), got {tokens.dtype} values")
+    arr = tokens
+    if arr.dtype.kind not in "iu" and arr.size:
+        raise InputError(f"tokens must be integers, got an array of {arr.dtype}")
     if arr.ndim != 1:
-        raise ValueError(f"tokens must be a flat sequence of ints, got shape {arr.shape}")
+        raise InputError(f"tokens must be a flat sequence of ints, got shape {arr.shape}")
     if arr.size == 0:
         return np.zeros(0, dtype="<i4")
-    if arr.dtype == object:  # Python ints numpy could not hold in int64 (or not ints at all)
-        if not all(isinstance(t, (int, np.integer)) and not isinstance(t, bool) for t in arr.tolist()):
-            raise ValueError("tokens must be integers")
-        raise ValueError("token ids must fit in signed 64 bits")
-    if not np.issubdtype(arr.dtype, np.integer):
-        raise ValueError(f"tokens must be integers, got dtype {arr.dtype}")
     if arr.dtype == np.uint64 and int(arr.max()) > _I64.max:
-        raise ValueError("token ids must fit in signed 64 bits")
+        raise InputError("token ids must fit in signed 64 bits")
     return np.ascontiguousarray(arr, dtype="<i4" if _fits_int32(arr) else "<i8")
 
 

@@ -23,6 +23,7 @@ from dataclasses import dataclass, replace
 from typing import Optional, Sequence, Union
 
 import mlx.core as mx
+import numpy as np
 
 from .errors import LayoutError
 from .rotation import unrotate
@@ -163,6 +164,67 @@ class StateLayer:
 Layer = Union[KVLayer, StateLayer]
 
 
+KV_DTYPES = (mx.float16, mx.bfloat16, mx.float32)  # what dense keys and values may be (quantizable, stored exactly)
+STATE_DTYPES = KV_DTYPES + (mx.int8, mx.uint8, mx.int32, mx.uint32, mx.int64)  # a recurrent state's slots
+_NUMPY = {np.dtype(np.float16): mx.float16, np.dtype(np.float32): mx.float32, np.dtype(np.int8): mx.int8,
+          np.dtype(np.uint8): mx.uint8, np.dtype(np.int32): mx.int32, np.dtype(np.uint32): mx.uint32,
+          np.dtype(np.int64): mx.int64}
+
+
+def _names(dtypes) -> str:
+    return ", ".join(str(d).split(".")[-1] for d in dtypes)
+
+
+def _captured(a, what: str, dtypes: tuple) -> mx.array:
+    """``a`` as a new mlx array object on the same data (a view: no copy), or
+    a numpy array copied into one; ``LayoutError`` for anything else, or a
+    dtype the store cannot keep exactly."""
+    if isinstance(a, np.ndarray):
+        dtype = _NUMPY.get(a.dtype)
+        if dtype is None or dtype not in dtypes:
+            raise LayoutError(f"{what}: a numpy array of {a.dtype} cannot be stored exactly (use {_names(dtypes)})")
+        return mx.array(a)
+    if not isinstance(a, mx.array):
+        raise LayoutError(f"{what}: expected an mlx array, got {type(a).__name__}")
+    if a.dtype not in dtypes:
+        raise LayoutError(f"{what}: {str(a.dtype).split('.')[-1]} cannot be stored (use {_names(dtypes)})")
+    return a[...]
+
+
+def _captured_tensor(t, what: str) -> Tensor:
+    if isinstance(t, Quantized):
+        data = _captured(t.data, what + " data", (mx.uint32,))
+        return t.with_arrays(data, *(_captured(a, what + " scales/biases", KV_DTYPES) for a in (t.scales, t.biases)))
+    return _captured(t, what, KV_DTYPES)
+
+
+def captured_layers(layers: Sequence[Layer], n: int) -> list[Layer]:
+    """``layers`` as ``put`` keeps them: checked against a prompt of ``n``
+    tokens (``LayoutError`` otherwise), as new layer objects on new array
+    objects over the same data. mlx's slice assignment (``a[...] = x``, how
+    mlx-lm's ``KVCache`` writes into its buffers) rebinds the array object it
+    is applied to, so views taken here keep the values of the moment of the
+    ``put``, at no copy, however the caller changes its arrays or layers
+    before the background write. numpy arrays of a dtype the store keeps
+    exactly are copied into mlx arrays."""
+    if not isinstance(layers, (list, tuple)) or not layers:
+        raise LayoutError("layers must be a non-empty list of KVLayer / StateLayer")
+    out: list[Layer] = []
+    for i, l in enumerate(layers):
+        if isinstance(l, KVLayer):
+            out.append(replace(l, keys=_captured_tensor(l.keys, f"layer {i} keys"),
+                               values=_captured_tensor(l.values, f"layer {i} values")))
+        elif isinstance(l, StateLayer):
+            if not isinstance(l.arrays, (list, tuple)):
+                raise LayoutError(f"layer {i}: StateLayer.arrays must be a list of arrays (or None)")
+            out.append(StateLayer([None if a is None else _captured(a, f"layer {i} state", STATE_DTYPES)
+                                   for a in l.arrays]))
+        else:
+            raise LayoutError(f"layer {i}: expected KVLayer or StateLayer, got {type(l).__name__}")
+    check_layers(out, n)
+    return out
+
+
 def check_layers(layers: Sequence[Layer], n: int) -> None:
     """Raise ``LayoutError`` unless ``layers`` fit a prompt of ``n`` tokens
     (what ``PrefixStore.put`` accepts)."""
@@ -170,6 +232,9 @@ def check_layers(layers: Sequence[Layer], n: int) -> None:
         raise LayoutError("layers must be a non-empty list of KVLayer / StateLayer")
     for i, l in enumerate(layers):
         if isinstance(l, KVLayer):
+            if isinstance(l.start, bool) or not isinstance(l.start, int) \
+                    or not (l.window is None or isinstance(l.window, int) and not isinstance(l.window, bool)):
+                raise LayoutError(f"layer {i}: start must be an int and window an int or None")
             ks, vs = l.keys.shape, l.values.shape
             if len(ks) != 4 or len(vs) != 4:
                 raise LayoutError(f"layer {i}: keys/values must be [batch, heads, tokens, dim], got {ks} and {vs}")

@@ -15,6 +15,7 @@ stays in the index: the background writer still holds it and writes it.
 from __future__ import annotations
 
 import logging
+import os
 import time
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
@@ -45,6 +46,7 @@ class Placement:
         self.writable = writable
         self._promoting: dict = {}  # key -> future of its pending promotion
         self._promote_pool = None
+        self._promote_pid = os.getpid()
         if persist is not None:
             persist.forget = self.forget_locked
 
@@ -152,6 +154,7 @@ class Placement:
             items: list = [self.ram.get(p.key) for p in path]
         from_ram = [b is not None for b in items]
         bad: list[tuple[Node, str]] = []  # dropped after the read transaction: no write inside one
+        gone: list[Node] = []
         if all(from_ram) or self.persist is None:
             served = self._serve(path, items, from_ram, toks, length, quantized, bad)
         else:
@@ -166,7 +169,8 @@ class Placement:
                             if isinstance(got, str):
                                 bad.append((p, got))
                                 break
-                            if got is None:
+                            if got is None:  # removed by another process (`kvstore clear`, its eviction)
+                                gone.append(p)
                                 break
                             if p.offset < 0:  # learnt for the residency check (blocks written before offsets)
                                 p.offset = disk.offset_of(got.buf)
@@ -180,6 +184,8 @@ class Placement:
                 wait(ahead)  # (outside the read transaction: a read-ahead may wait on a resize that waits on it)
         for p, why in bad:
             self._drop_bad(p, why)
+        for p in gone:
+            self._forget_gone(p)
         self.promote_later([p for p, r in zip(path, served.from_ram) if not r])
         return served
 
@@ -254,8 +260,9 @@ class Placement:
             f.result()
 
     def _promoter(self):
-        if self._promote_pool is None:
+        if self._promote_pool is None or self._promote_pid != os.getpid():  # (a forked child: the thread is not here)
             self._promote_pool = ThreadPoolExecutor(1, thread_name_prefix="kvstore-promote")
+            self._promote_pid = os.getpid()
         return self._promote_pool
 
     def _promote(self, nodes: list[Node]) -> None:
@@ -285,6 +292,15 @@ class Placement:
         if self._promote_pool is not None:
             self._promote_pool.shutdown(wait=True)
             self._promote_pool = None
+
+    def _forget_gone(self, node: Node) -> None:
+        """A block the index has on disk that is no longer there leaves the
+        index with the blocks under it: a later put stores them again (they
+        stayed indexed: puts stored nothing, fetches missed until a restart)."""
+        self.counters.count("blocks_gone")
+        with self.lock:
+            if self.index.get(node.key) is node and not node.in_ram and node.job is None:
+                self.forget_locked(node)
 
     def _drop_bad(self, node: Node, why: str) -> None:
         self.counters.count("corrupt_blocks")

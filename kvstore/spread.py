@@ -29,6 +29,17 @@ _pools: dict[str, ThreadPoolExecutor] = {}
 _cap = _MAX_WORKERS
 
 
+def _forget_pools() -> None:
+    """In a child of ``fork()``: the parent's pool threads are not here, and
+    a pool that thinks it has them would never run the child's work."""
+    global _lock, _pools
+    _lock, _pools = threading.Lock(), {}
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_forget_pools)
+
+
 def workers() -> int:
     return max(1, min(os.cpu_count() or 1, _cap))
 

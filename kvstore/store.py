@@ -30,6 +30,7 @@ from __future__ import annotations
 import atexit
 import logging
 import math
+import os
 import threading
 import time
 import weakref
@@ -38,16 +39,17 @@ from functools import partial
 from typing import Optional, Sequence, Union
 
 import mlx.core as mx
+import numpy as np
 
 from . import lookup
 from .codec import Codec, layer_arrays
 from .cost import CostModel
 from .costing import FetchCosts
 from .counters import Counters
-from .errors import ConfigError, ReadOnlyError, StoreClosedError
+from .errors import ConfigError, InputError, ReadOnlyError, StoreClosedError
 from .hashing import KeyChain, as_tokens, root_key
 from .index import Node, RadixIndex
-from .layers import KVLayer, Layer, StateLayer, check_layers
+from .layers import KVLayer, Layer, StateLayer, captured_layers
 from .discovery import Discovery
 from .persist import Persist
 from .placement import Placement
@@ -59,6 +61,7 @@ from .writer import Job, Writer
 log = logging.getLogger("kvstore")
 
 GB = 1 << 30
+MAX_BLOCK = 1 << 16  # tokens per block: one block of an 8B model at fp16 is then 8 GiB, far past any use
 
 
 @dataclass
@@ -117,8 +120,16 @@ class PrefixStore:
                  disk_budget_gb: Optional[float] = None, *, readonly: bool = False, fetch_policy: str = "auto",
                  remote: Optional[str] = None, remote_timeout: float = 0.5, rotate_keys: Optional[bool] = None,
                  rotate_values: Optional[bool] = None):
-        if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < 1:
-            raise ConfigError(f"block_size must be an int >= 1, got {block_size!r}")
+        if isinstance(block_size, bool) or not isinstance(block_size, int) or not 1 <= block_size <= MAX_BLOCK:
+            raise ConfigError(f"block_size must be an int in [1, {MAX_BLOCK}] (tokens per block), got {block_size!r}")
+        if namespace is not None and not isinstance(namespace, str):  # ("" is a namespace of its own)
+            raise ConfigError(f"namespace must be a str or None, got {namespace!r}")
+        if not isinstance(readonly, bool):
+            raise ConfigError(f"readonly must be True or False, got {readonly!r}")
+        if ssd_path is not None and (not isinstance(ssd_path, (str, os.PathLike)) or not str(ssd_path).strip()):
+            # "" would be the working directory: a store is made only where it is named
+            raise ConfigError(f"ssd_path must name a directory (or be None for a RAM-only store), got {ssd_path!r}")
+        budget = None if disk_budget_gb is None else _budget_bytes(disk_budget_gb, "disk_budget_gb")
         self.block_size = block_size
         self.codec = Codec.from_bits(kv_bits, kv_group_size, rotate_keys, rotate_values)
         self.namespace = namespace
@@ -134,8 +145,7 @@ class PrefixStore:
         self._remote = None if remote is None else Remote(remote, namespace, self._counters, remote_timeout)
         if ssd_path is not None:
             try:
-                budget = None if disk_budget_gb is None else _budget_bytes(disk_budget_gb, "disk_budget_gb")
-                disk = LmdbTier(ssd_path, budget, readonly=readonly)
+                disk = LmdbTier.open(ssd_path, budget, readonly=readonly)
             except BaseException:
                 if self._remote is not None:
                     self._remote.close()
@@ -169,7 +179,7 @@ class PrefixStore:
         self._check_open(write=True)
         toks = as_tokens(tokens)
         n = len(toks)
-        check_layers(layers, n)
+        layers = captured_layers(layers, n)  # the values of now, whatever the caller changes later
         if n == 0:
             return 0
         # Evaluate here: mlx streams are per thread, so the background thread
@@ -186,7 +196,7 @@ class PrefixStore:
             self._counters.count("puts")
             if not new:
                 return 0
-            job = Job(new, root.key, toks, list(layers), sum(l.nbytes for l in layers))
+            job = Job(new, root.key, toks, layers, sum(l.nbytes for l in layers))
             for node in new:
                 node.job = job
         self._writer.submit(job)
@@ -203,7 +213,9 @@ class PrefixStore:
         """
         self._check_open()
         toks = as_tokens(tokens)
-        n = len(toks) if limit is None else max(0, min(len(toks), int(limit)))
+        if limit is not None:
+            _count(limit, "limit")
+        n = len(toks) if limit is None else min(len(toks), int(limit))
         root = self._root(model_key, register=False)
         chain = KeyChain(root.key, toks, self.block_size)
         match = self._match(root, chain, n)
@@ -250,21 +262,21 @@ class PrefixStore:
     def knows_prefill(self, model_key: Union[str, bytes]) -> bool:
         """Whether prefills of this model have been observed (here or by an
         earlier run on this machine)."""
-        return self._cost.prefill_model(root_key(model_key, self.namespace).hex()) is not None
+        return self._cost.prefill_model(_root_key(model_key, self.namespace).hex()) is not None
 
     def observe_request(self, model_key: Union[str, bytes], tokens: int, hit: Optional[Hit], seconds: float) -> None:
         """An engine's request of ``tokens`` took ``seconds`` from its fetch to
         its first token, after ``hit`` (``None`` or empty: a cold prefill).
         Adapters report this after each request; it is what
         ``fetch_policy="auto"`` learns prefill and the real cost of a hit from."""
-        self._costs.observe_request(root_key(model_key, self.namespace).hex(), tokens, hit.length if hit else 0,
+        self._costs.observe_request(_root_key(model_key, self.namespace).hex(), tokens, hit.length if hit else 0,
                                     hit.source_bytes if hit else {}, seconds)
 
     def observe_prefill(self, model_key: Union[str, bytes], start: int, stop: int, seconds: float) -> None:
         """The engine computed tokens ``[start, stop)`` after a cached prefix of
         ``start`` in ``seconds`` (the adapters report this after each request):
         what ``fetch_policy="auto"`` weighs loading against."""
-        self._cost.observe_prefill(root_key(model_key, self.namespace).hex(), start, stop, seconds)
+        self._cost.observe_prefill(_root_key(model_key, self.namespace).hex(), start, stop, seconds)
 
     def contains(self, model_key: Union[str, bytes], tokens) -> int:
         """Length ``fetch`` would serve from the local tiers, without loading
@@ -278,10 +290,14 @@ class PrefixStore:
 
     def register_model(self, model_key: Union[str, bytes], info: dict) -> None:
         """Describe a model (path, name, tokenizer) for ``kvstore inspect``."""
+        self._check_open()
+        if not isinstance(info, dict):
+            raise InputError(f"info must be a dict, got {type(info).__name__}")
         self._root(model_key, info=info)
 
     def stats(self) -> dict:
         """Counters of this process plus bytes and blocks per tier."""
+        self._check_open()
         out = self._counters.snapshot()
         with self._lock:
             out.update(
@@ -321,6 +337,7 @@ class PrefixStore:
 
     def set_budget(self, budget_gb: float) -> None:
         """Change the RAM budget; evicts at once when it shrinks."""
+        self._check_open()
         budget = _budget_bytes(budget_gb, "budget_gb")
         with self._lock:
             self._ram.budget = budget
@@ -329,6 +346,8 @@ class PrefixStore:
     def trim_ram(self, n_bytes: int) -> None:
         """Evict RAM blocks until at most ``n_bytes`` are held (the budget
         stays; blocks with an SSD copy remain servable from there)."""
+        self._check_open()
+        _count(n_bytes, "n_bytes")
         with self._lock:
             if n_bytes < self._ram.nbytes:
                 self._placement.make_room_locked(self._ram.budget - n_bytes)
@@ -338,6 +357,7 @@ class PrefixStore:
         tier uses at most ``n_bytes``; returns how many blocks left. The disk
         budget stays. A RAM-only or read-only store has nothing to trim."""
         self._check_open()
+        _count(n_bytes, "n_bytes")
         if self._persist is None or self.readonly:
             return 0
         return self._persist.evict_to(int(n_bytes))
@@ -395,7 +415,7 @@ class PrefixStore:
     # --------------------------------------------------------------- lookup
 
     def _root(self, model_key, register: bool = True, info: Optional[dict] = None) -> Node:
-        key = root_key(model_key, self.namespace)
+        key = _root_key(model_key, self.namespace)
         if register and not self.readonly and key not in self._registered \
                 and (self._persist is not None or self._remote is not None):
             self._registered.add(key)
@@ -454,6 +474,20 @@ class PrefixStore:
             raise StoreClosedError("this PrefixStore is closed; open a new one")
         if write and self.readonly:
             raise ReadOnlyError("this PrefixStore was opened read-only; open it without readonly=True to write")
+
+
+def _root_key(model_key: Union[str, bytes], namespace: Optional[str]) -> bytes:
+    """``root_key``, refusing an empty model key too (every model has a name)."""
+    if isinstance(model_key, (str, bytes)) and not model_key:
+        raise InputError("model_key must be a non-empty str or bytes (see kvstore.adapters.generate.model_key), "
+                         "got an empty one")
+    return root_key(model_key, namespace)
+
+
+def _count(value, name: str) -> None:
+    """``InputError`` unless ``value`` is an int >= 0 (a str such as "5" is not)."""
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 0:
+        raise InputError(f"{name} must be an int >= 0, got {value!r}")
 
 
 def _budget_bytes(gb: float, name: str) -> int:

@@ -151,3 +151,90 @@ def test_stats_shows_the_measured_rates_and_prefill_model(tmp_path):
     assert measured["prefill"]["tiny-llama"]["tokens_per_s_at_8k"] == pytest.approx(50_000, rel=1e-6)
     text = kvstore("stats", path).stdout
     assert "prefill of tiny-llama: 50,000 tokens/s" in text and "measured on" in text
+
+
+# ------------------------------------------------ a CLI that acts on a typo
+
+
+def test_commands_never_create_a_store_where_there_is_none(tmp_path):
+    """`kvstore clear /no/such/path --all --yes` created a store (and its
+    parents) and exited 0; every command now says there is no store."""
+    missing = tmp_path / "no" / "such" / "path"
+    for args in (["clear", missing, "--all", "--yes"], ["verify", missing, "--repair"], ["stats", missing],
+                 ["inspect", missing]):
+        res = kvstore(*args)
+        assert res.returncode == 2 and "no kvstore store here" in res.stderr and "Traceback" not in res.stderr, args
+    assert not (tmp_path / "no").exists()
+
+
+@pytest.mark.parametrize("age", ["-5d", "0s", "-1", "nan"])
+def test_clear_refuses_an_age_of_zero_or_less(store_path, age):
+    """`--older-than -5d --yes` deleted everything."""
+    res = kvstore("clear", store_path, f"--older-than={age}", "--yes")
+    assert res.returncode == 2 and "--older-than" not in res.stdout and "error" in res.stderr, res.stderr
+    assert json.loads(kvstore("stats", store_path, "--json").stdout)["blocks"] == 9
+
+
+def test_clear_shows_its_progress_and_deletes_later_blocks_first(store_path):
+    res = kvstore("clear", store_path, "--all", "--yes")
+    assert res.returncode == 0 and "deleted 9 blocks" in res.stdout
+
+
+def test_version_and_the_options_of_bench_and_serve_are_listed():
+    from kvstore import __version__
+
+    assert kvstore("--version").stdout.strip() == f"kvstore {__version__}"
+    bench = kvstore("bench", "--help")
+    assert bench.returncode == 0 and "--quick" in bench.stdout and "--only" in bench.stdout
+    serve = kvstore("serve", "--help")
+    assert serve.returncode == 0
+    theirs = serve.stdout.split("mlx_lm.server's options")[1]
+    for option in ("--ssd-path", "--budget-gb", "--store-kv-bits", "--disk-budget-gb", "--fetch-policy"):
+        assert option in serve.stdout.split("mlx_lm.server's options")[0], option
+    assert "--port" in theirs and "--draft-model" in theirs
+    assert not [l for l in serve.stdout.splitlines() if l.startswith("  --prompt-cache-size")]  # refused: not offered
+
+
+def test_demo_with_a_missing_model_changes_nothing_and_says_so_in_one_line(tmp_path):
+    store = tmp_path / "demo"
+    store.mkdir()
+    (store / "keep").write_text("x")
+    res = kvstore("demo", "--model", tmp_path / "missing", "--ssd-path", store)
+    assert res.returncode == 2 and "Traceback" not in res.stderr and "missing" in res.stderr, res.stderr
+    assert len(res.stderr.strip().splitlines()) <= 3
+    assert (store / "keep").read_text() == "x"
+
+
+def test_inspect_prints_nothing_on_stderr_and_stats_says_what_its_hits_count(tmp_path):
+    from kvstore.adapters.tiny_models import make_tiny_model
+
+    model = make_tiny_model("llama", tmp_path / "model")
+    path = tmp_path / "store"
+    with PrefixStore(budget_gb=0.1, ssd_path=path, block_size=16) as store:
+        store.register_model(MODEL, {"name": "tiny-llama", "path": str(model)})
+        store.put(MODEL, list(range(40)), layers(40, 0))
+        store.flush()
+        assert store.fetch(MODEL, list(range(40))).length == 40
+    res = kvstore("inspect", path)
+    assert res.returncode == 0 and res.stderr == "", res.stderr  # (transformers said "PyTorch was not found")
+    stats = kvstore("stats", path).stdout
+    assert "block hits" in stats and "fetches hit" in stats
+
+
+def test_an_engine_finds_again_what_clear_removed_behind_its_back(tmp_path):
+    """`kvstore clear --all` while an engine has the store open: the engine's
+    puts stored nothing and its fetches missed until a restart. A block gone
+    from disk now leaves the engine's index at the first fetch that misses
+    it, and the next put stores it again."""
+    path = tmp_path / "store"
+    p = list(range(64))
+    with PrefixStore(budget_gb=0, ssd_path=path, block_size=16) as engine:  # no RAM: every hit reads the disk
+        kv = layers(64, 0)
+        assert engine.put(MODEL, p, kv) == 4
+        engine.flush()
+        assert kvstore("clear", path, "--all", "--yes").returncode == 0
+        assert engine.fetch(MODEL, p).length == 0
+        assert engine.put(MODEL, p, kv) == 4
+        engine.flush()
+        assert engine.fetch(MODEL, p).length == 64
+    assert json.loads(kvstore("stats", path, "--json").stdout)["blocks"] == 4

@@ -158,6 +158,55 @@ def test_a_fetch_right_after_an_insert_finds_it(models):
             assert len(rest) == 1, f"round {i}: {len(tokens) + 1 - len(rest)} of {len(tokens)} tokens found"
 
 
+def complete(server, prompt: str, max_tokens: int = 8) -> dict:
+    body = {"model": "default_model", "prompt": prompt, "max_tokens": max_tokens}
+    req = urllib.request.Request(f"http://127.0.0.1:{server.port}/v1/completions", json.dumps(body).encode(),
+                                 {"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=120) as r:
+        return json.load(r)
+
+
+def test_a_client_fetching_the_moment_a_response_ends_finds_its_cache_every_time(models):
+    """mlx-lm's own test_completion_quantizes_the_cache: after a --kv-bits
+    completion, fetch_nearest_cache from the client's thread finds the cache
+    (quantized as the server keeps it). mlx-lm sends the response's end before
+    it inserts, so the fetch waits for the generation thread's open request:
+    20 prompts out of 20 (it missed about one in two, the insert not yet
+    begun)."""
+    from mlx_lm.models.cache import QuantizedKVCache
+
+    tok = load_tokenizer(models["main"])
+    found = []
+    quantized = MLX_LM >= (0, 32)  # (mlx-lm 0.31's server has no --kv-bits)
+    kv = ["--kv-bits", "4", "--quantized-kv-start", "0"] if quantized else []
+    # (--fetch-policy always: auto may find recomputing 6 tokens faster than loading them)
+    with serving("--model", models["main"], *kv, "--fetch-policy", "always") as server:
+        pc = server.prompt_cache
+        for i in range(20):
+            prompt = f"Once upon a time {i}"
+            assert "choices" in complete(server, prompt, max_tokens=4)
+            cache, rest = pc.fetch_nearest_cache(pc.provider.model_key, tok.encode(prompt))
+            found.append(cache is not None and all(not quantized or isinstance(c, QuantizedKVCache) and c.bits == 4
+                                                   for c in cache))
+    assert all(found), f"found {sum(found)} of 20"
+
+
+def test_a_hybrid_models_second_prompt_finds_the_system_prompt_it_shares(tmp_path):
+    """A model with recurrent layers (qwen3_next: their state is valid only
+    where it was taken) through the server: the prompt's whole blocks are
+    computed at fetch with a snapshot at each block boundary, as ``generate``
+    does, so a second prompt sharing only the system prompt starts from the
+    last boundary inside it (the store got only the final cache: no hit)."""
+    model = str(make_tiny_model("qwen3_next", tmp_path / "hybrid"))
+    with serving("--model", model, "--fetch-policy", "always") as server:
+        first = chat(server, system(user("hello there")), max_tokens=4)
+        second = chat(server, system(user("how are you today")), max_tokens=4)
+        again = chat(server, system(user("hello there")), max_tokens=4)
+    shared = system_tokens(model) // 64 * 64  # STORE's block size
+    assert second["cached"] >= shared > 0
+    assert again["cached"] == again["prompt"] - 1 and again["text"] == first["text"]
+
+
 # ------------------------------------------------------ speculative decoding
 
 
@@ -180,6 +229,26 @@ def test_speculative_decoding_caches_main_and_draft_and_answers_as_cold(models):
     prompt = tok.apply_chat_template(system(user("how are you today")), add_generation_prompt=True)
     cold = generate(model, tok, prompt, max_tokens=16, draft_model=draft, num_draft_tokens=3)
     assert second["text"] == cold
+
+
+def test_a_draft_models_entries_stored_by_serve_are_found_by_generate(models, tmp_path):
+    """``kvstore serve`` knows the draft's folder, ``generate`` only the
+    loaded draft: both key it by its weights, so a conversation stored by one
+    is found by the other (the keys differed: serve's entries were a miss)."""
+    from kvstore import PrefixStore
+    from kvstore.adapters.generate import generate
+
+    messages = system(user("hello there"))
+    with serving("--model", models["main"], "--draft-model", models["draft"], "--num-draft-tokens", "3",
+                 "--ssd-path", tmp_path / "s") as server:
+        first = chat(server, messages)
+    model, tok = load(models["main"])
+    draft, _ = load(models["draft"])
+    prompt = tok.apply_chat_template(messages, add_generation_prompt=True)
+    with PrefixStore(ssd_path=tmp_path / "s", block_size=64, fetch_policy="always") as store:  # (STORE's)
+        res = generate(model, tok, prompt, store=store, model_path=models["main"], draft_model=draft,
+                       num_draft_tokens=3, max_tokens=4)
+    assert first["cached"] == 0 and res.cached_tokens == len(prompt) - 1
 
 
 # ------------------------------------------------------ mlx-lm cache options
@@ -220,6 +289,13 @@ def test_cache_options_the_store_cannot_honour_are_refused(argv, says, capsys):
     assert e.value.code == 2
     err = capsys.readouterr().err
     assert all(s in err for s in says), err
+
+
+def test_a_server_without_ssd_path_says_it_is_ram_only(models, caplog):
+    with caplog.at_level("WARNING", logger="kvstore"):
+        with serving("--model", models["main"]) as server:
+            assert server.store.stats().get("ssd_path") is None
+    assert any("RAM-only" in r.getMessage() for r in caplog.records)
 
 
 def test_kvstore_serve_refuses_prompt_cache_size_before_loading_anything():

@@ -35,6 +35,7 @@ import errno
 import logging
 import os
 import shutil
+import threading
 import time
 from concurrent.futures import Future
 from contextlib import contextmanager
@@ -88,28 +89,75 @@ _LOCK_BYTES = 192 + 64 * (_MAX_READERS - 1)  # LMDB's lock file for that many re
 _LOW_SPACE = 1 << 20
 
 
+def _file_key(path: Path) -> Optional[tuple[int, int]]:
+    """What identifies a store's data file in this process (``None``: there is none yet)."""
+    try:
+        st = os.stat(path / "data.mdb")
+    except OSError:
+        return None
+    return st.st_dev, st.st_ino
+
+
+_SHARED: dict[tuple[int, int], "LmdbTier"] = {}  # each store open in this process, by its data file
+_SHARED_LOCK = threading.Lock()
+_AFTER_FORK = threading.Lock()  # one thread of a forked child reopens a tier
+
+
+def _reset_after_fork() -> None:
+    global _SHARED_LOCK, _AFTER_FORK
+    _SHARED_LOCK, _AFTER_FORK = threading.Lock(), threading.Lock()  # a parent's thread may have held them
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_reset_after_fork)
+
+
 class LmdbTier:
+    """One LMDB environment. ``open`` is how the store gets one: LMDB allows
+    an environment once per process, so every ``PrefixStore`` of one path in
+    a process shares one tier (closed with the last of them). A tier used in a
+    child of ``fork()`` reopens its environment there first (LMDB's rule:
+    never use an environment across ``fork()``)."""
+
+    @classmethod
+    def open(cls, path, budget_bytes: Optional[int] = None, readonly: bool = False) -> "LmdbTier":
+        """The tier of ``path`` this process has open, or a new one; each
+        ``open`` needs its ``close``. A path open read-only here is not opened
+        again writable (``StoreOpenError`` says so)."""
+        with _SHARED_LOCK:
+            key = _file_key(Path(path).expanduser())
+            tier = _SHARED.get(key) if key is not None else None
+            if tier is not None:
+                if tier.readonly and not readonly:
+                    raise StoreOpenError(
+                        f"{tier.path} is already open read-only in this process (another PrefixStore). Close "
+                        f"that one first (store.close()), or open this one read-only too.")
+                tier.users += 1
+                if budget_bytes is not None and not tier.readonly:
+                    tier.budget = int(budget_bytes)
+                return tier
+            tier = cls(path, budget_bytes, readonly)
+            key = _file_key(tier.path)
+            if key is not None:
+                _SHARED[key] = tier
+            return tier
+
     def __init__(self, path, budget_bytes: Optional[int] = None, readonly: bool = False):
         self.path = Path(path).expanduser()
         self._data_file = str(self.path / "data.mdb")
         self._span: Optional[tuple[int, int]] = None  # where LMDB maps the data file here
         self._page_size: Optional[int] = None
         self.readonly = readonly
-        self._gate = Gate()
+        self.users = 1  # stores of this process using it (see ``open``)
+        self._pid = os.getpid()
+        self._gate_here = Gate()
         self._check_path()
         self.budget = int(budget_bytes) if budget_bytes is not None else self._default_budget()
         self.dbs = {}
         self.writemap = False
+        fmt = self._open_env()
         if readonly:
-            self.env = self._open(True)
-            self._init_dbs(self.env, self.dbs)
             return
-        self._gate.lock_dir = self.path  # other processes wait while this one opens, creates or resizes
-        with self._gate.exclusive():
-            fmt = self._stored_format()
-            self.writemap = _CAN_ALLOCATE and (fmt is None or bool(fmt.get("writemap")))
-            self.env = self._open(False, self.writemap)
-            fmt = self._init_dbs(self.env, self.dbs)
         try:
             if fmt["version"] == 2:
                 # records of both formats are read; once this kvstore writes, an older one must not open it
@@ -118,11 +166,55 @@ class LmdbTier:
             self.set_info("budget", self.budget)
         except (lmdb.Error, OSError) as e:
             if not self.is_full(e):
-                self.env.close()
+                self._env.close()
                 raise StoreOpenError(f"{self.path}: cannot write to the store ({e}). Check the device "
                                      f"and its permissions, or open it read-only.") from None
             log.warning("kvstore: %s is full: the store opens, but new blocks stay in RAM until space is freed",
                         self.path)
+
+    def _open_env(self) -> Optional[dict]:
+        """Open the environment and its sub-databases; the format record (``None`` read-only)."""
+        if self.readonly:
+            self._env = self._open(True)
+            self._init_dbs(self._env, self.dbs)
+            return None
+        self._gate_here.lock_dir = self.path  # other processes wait while this one opens, creates or resizes
+        with self._gate_here.exclusive():
+            fmt = self._stored_format()
+            self.writemap = _CAN_ALLOCATE and (fmt is None or bool(fmt.get("writemap")))
+            self._env = self._open(False, self.writemap)
+            return self._init_dbs(self._env, self.dbs)
+
+    @property
+    def env(self) -> lmdb.Environment:
+        """This process's environment (reopened first in a child of ``fork()``)."""
+        if self._pid != os.getpid():
+            self._reopen()
+        return self._env
+
+    @property
+    def _gate(self) -> Gate:
+        if self._pid != os.getpid():
+            self._reopen()
+        return self._gate_here
+
+    def _reopen(self) -> None:
+        """In a child of ``fork()``, at its first use of the tier: close the
+        parent's environment here (LMDB then releases only what this process
+        holds: the parent's readers and locks stay the parent's) and open the
+        store anew. A parent's thread may have held the gate at the fork: the
+        child starts with a gate of its own."""
+        with _AFTER_FORK:
+            if self._pid == os.getpid():
+                return
+            try:
+                self._env.close()
+            except lmdb.Error:
+                pass
+            self._gate_here, self._span = Gate(), None
+            self.dbs.clear()
+            self._open_env()
+            self._pid = os.getpid()
 
     # ------------------------------------------------------------------ open
 
@@ -132,6 +224,13 @@ class LmdbTier:
         return int(min(64 << 30, free // 2))
 
     def _check_path(self) -> None:
+        try:
+            self._check_dir()
+        except PermissionError as e:
+            raise StoreOpenError(f"{self.path}: permission denied ({e.filename or self.path}). Fix the permissions "
+                                 f"of the directory (or its parents) or choose another ssd_path.") from None
+
+    def _check_dir(self) -> None:
         p = self.path
         if p.exists() and not p.is_dir():
             raise StoreOpenError(
@@ -175,16 +274,21 @@ class LmdbTier:
         else:
             map_size = max(_MIN_MAP, size, min(self.budget + self.budget // 4, 1 << 40))
         self._reserve_lock_file()
+        lock = not self.readonly or self._lock_writable()
         try:
             # readahead stays on: values are multi-MiB runs read whole, and a cold fetch ran 12x
             # faster with it (0.36x vs 0.03x of a plain cold file read, docs/benchmarks.md)
             env = lmdb.open(str(self.path), map_size=map_size, subdir=True, max_dbs=len(_DBS) + 1,
                             readonly=readonly, metasync=False, readahead=True, mode=0o600,
-                            max_readers=_MAX_READERS, lock=True, writemap=writemap)
-        except lmdb.ReadonlyError:
-            raise StoreOpenError(f"{self.path}: the store is not writable by this user. Open it read-only "
-                                 f"or fix its permissions.") from None
+                            max_readers=_MAX_READERS, lock=lock, writemap=writemap)
         except lmdb.Error as e:
+            if isinstance(e, lmdb.ReadonlyError) or "Permission denied" in str(e):
+                raise StoreOpenError(f"{self.path}: the store is not writable by this user. Open it read-only "
+                                     f"(readonly=True; `kvstore inspect`, `stats` and `verify` do) or fix its "
+                                     f"permissions.") from None
+            if "already open in this process" in str(e):  # not through kvstore: LmdbTier.open shares its own
+                raise StoreOpenError(f"{self.path}: this process already has the store open outside kvstore "
+                                     f"(an lmdb.Environment): close that first.") from None
             raise StoreOpenError(f"{self.path}: not a readable LMDB store ({e}). It is corrupt or foreign: "
                                  f"move it away or delete it (`kvstore clear --all` cannot repair it).") from None
         if readonly and size:  # (a writable open of an existing store was checked read-only first)
@@ -212,6 +316,18 @@ class LmdbTier:
             except lmdb.Error:
                 pass
         return env
+
+    def _lock_writable(self) -> bool:
+        """Whether this user can take LMDB's reader lock (write ``lock.mdb``,
+        or create it). A read-only open without it reads without registering
+        as a reader: a writer in another process at the same time may reuse
+        pages being read, which the blocks' checksums turn into misses."""
+        lock = self.path / "lock.mdb"
+        if os.access(lock if lock.exists() else self.path, os.W_OK):
+            return True
+        log.warning("kvstore: %s: lock.mdb is not writable by this user: reading without LMDB's reader lock "
+                    "(a block a writer changes meanwhile is a miss, found by its checksum)", self.path)
+        return False
 
     def _allocate(self, size: int, minimum: Optional[int] = None) -> int:
         """Give data.mdb disk blocks up to ``size`` bytes (where the device has
@@ -315,9 +431,19 @@ class LmdbTier:
         return fmt
 
     def close(self) -> None:
+        """Close this user's hold; the last one closes the environment."""
+        with _SHARED_LOCK:
+            self.users -= 1
+            if self.users > 0:
+                return
+            for key in [k for k, t in _SHARED.items() if t is self]:
+                del _SHARED[key]
+        if self._pid != os.getpid():  # never used in this forked child: its copy of the parent's is closed
+            self._env.close()
+            return
         self._gate.lock_dir = None  # closing changes no map: no other process to wait for (the path may be gone)
         with self._gate.exclusive():
-            self.env.close()
+            self._env.close()
 
     # ------------------------------------------------------------ transactions
 

@@ -1,0 +1,157 @@
+"""Opening a store: one environment per path per process, shared by every
+``PrefixStore`` of that path there; read-only opens that need nothing
+written; errors that say what is wrong and never advise deleting a healthy
+store."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import stat
+import tempfile
+import traceback
+from pathlib import Path
+
+import pytest
+
+from kvstore import PrefixStore, StoreOpenError
+from kvstore.tiers.lmdb import LmdbTier
+
+from ._helpers import assert_hit_is, kv_layers
+
+BS = 8
+M = "test-model"
+NOBODY = 65534
+
+
+def toks(n: int, start: int = 1000) -> list[int]:
+    return list(range(start, start + n))
+
+
+def test_a_second_store_on_a_path_open_in_this_process_shares_it(tmp_path):
+    """A re-run notebook cell opens the same ``ssd_path`` while the first
+    store is still open: both work, see each other's blocks, and closing one
+    leaves the other serving."""
+    path = tmp_path / "store"
+    a = PrefixStore(ssd_path=path, block_size=BS)
+    p = toks(3 * BS)
+    a.put(M, p, kv_layers(p))
+    a.flush()
+    b = PrefixStore(ssd_path=path, block_size=BS)
+    assert_hit_is(b.fetch(M, p), p, len(p))
+    q = toks(BS) + toks(2 * BS, start=7)
+    b.put(M, q, kv_layers(q))
+    b.flush()
+    assert_hit_is(a.fetch(M, q), q, len(q))
+    a.close()
+    assert_hit_is(b.fetch(M, p), p, len(p))
+    b.close()
+    with PrefixStore(ssd_path=path, block_size=BS) as c:  # and the path is free again once both closed
+        assert_hit_is(c.fetch(M, q), q, len(q))
+
+
+def test_a_path_open_read_only_in_this_process_is_not_reopened_writable(tmp_path):
+    path = tmp_path / "store"
+    PrefixStore(ssd_path=path).close()
+    with PrefixStore(ssd_path=path, readonly=True):
+        with pytest.raises(StoreOpenError, match="already open read-only in this process") as e:
+            PrefixStore(ssd_path=path)
+    assert "delete" not in str(e.value) and "corrupt" not in str(e.value)
+    with PrefixStore(ssd_path=path, readonly=True) as r, PrefixStore(ssd_path=path, readonly=True) as s:
+        assert r.stats()["ssd_path"] == s.stats()["ssd_path"]
+
+
+# ------------------------------------------------------------ permissions
+
+
+def as_unprivileged(fn):
+    """``fn()`` in a forked child as a user file modes apply to (``nobody``
+    when the tests run as root): ``("ok", repr(result))`` or
+    ``(exception type, message)``."""
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:
+        try:
+            os.close(r)
+            if os.geteuid() == 0:
+                os.setgroups([])
+                os.setgid(NOBODY)
+                os.setuid(NOBODY)
+            try:
+                out = ["ok", repr(fn())]
+            except BaseException as e:
+                out = [type(e).__name__, str(e)]
+            os.write(w, json.dumps(out).encode())
+        except BaseException:
+            traceback.print_exc()
+        finally:
+            os._exit(0)
+    os.close(w)
+    with os.fdopen(r) as f:
+        got = f.read()
+    os.waitpid(pid, 0)
+    return tuple(json.loads(got))
+
+
+@pytest.fixture
+def open_dir():
+    """A directory every user can reach (pytest's own tmp_path is private to its user)."""
+    d = Path(tempfile.mkdtemp(prefix="kvstore-open-"))
+    os.chmod(d, 0o755)
+    yield d
+    for root, dirs, _ in os.walk(d):
+        for x in dirs:
+            os.chmod(os.path.join(root, x), stat.S_IRWXU)
+    shutil.rmtree(d)
+
+
+def _readable_by_all(path):
+    for root, dirs, files in os.walk(path):
+        os.chmod(root, 0o755)
+        for f in files:
+            os.chmod(os.path.join(root, f), 0o644)
+
+
+def test_a_store_whose_lock_file_this_user_cannot_write_opens_read_only(open_dir):
+    """A store of another user (its files readable, not writable): a
+    read-only open serves it; a writable one says to open it read-only, which
+    then works (it answered that advice with the same error)."""
+    path = open_dir / "store"
+    p = toks(2 * BS)
+    with PrefixStore(ssd_path=path, block_size=BS) as s:
+        s.put(M, p, kv_layers(p))
+    _readable_by_all(open_dir)
+    os.chmod(path / "lock.mdb", 0o444)
+
+    def read():
+        with PrefixStore(ssd_path=path, block_size=BS, readonly=True) as s:
+            return s.contains(M, p)
+
+    def write():
+        PrefixStore(ssd_path=path, block_size=BS)
+
+    assert as_unprivileged(read) == ("ok", repr(len(p)))
+    kind, msg = as_unprivileged(write)
+    assert kind == "StoreOpenError" and "read-only" in msg and "delete" not in msg
+
+
+def test_a_store_directory_this_user_cannot_enter_is_a_store_open_error(open_dir):
+    locked = open_dir / "locked"
+    locked.mkdir(mode=0o000)
+    for path in (locked, locked / "store"):
+        kind, msg = as_unprivileged(lambda: PrefixStore(ssd_path=path))
+        assert kind == "StoreOpenError" and str(locked) in msg and "permission" in msg.lower(), (kind, msg)
+
+
+def test_lmdb_tier_open_shares_and_counts_its_users(tmp_path):
+    path = tmp_path / "store"
+    a = LmdbTier.open(path, 1 << 30)
+    b = LmdbTier.open(path)
+    assert a is b and a.users == 2
+    b.close()
+    assert a.env.stat()["psize"] > 0  # still open
+    a.close()
+    c = LmdbTier.open(path)
+    assert c is not a
+    c.close()

@@ -1,0 +1,150 @@
+"""What ``put`` is given is what is stored: the values of the moment of the
+call, in dtypes the store keeps exactly, whatever the caller does after.
+
+The writer thread encodes a put's blocks after ``put`` has returned. Each
+test holds it (a task queued on it before the put waits on an event) while
+the caller changes what it handed over, then lets it go.
+"""
+
+from __future__ import annotations
+
+import threading
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from mlx_lm.models.cache import KVCache
+
+from kvstore import LayoutError, PrefixStore
+from kvstore.layers import KVLayer, StateLayer
+
+from ._helpers import assert_hit_is, kv_layers, state_at
+
+BS = 8
+M = "test-model"
+
+
+def toks(n: int, start: int = 1000) -> list[int]:
+    return list(range(start, start + n))
+
+
+@pytest.fixture(params=["ram", "ssd"])
+def store(request, tmp_path):
+    kw = dict(ssd_path=tmp_path / "store", budget_gb=0) if request.param == "ssd" else {}
+    s = PrefixStore(block_size=BS, **kw)
+    yield s
+    s.close()
+
+
+def held(store: PrefixStore) -> threading.Event:
+    """Keep the store's writer thread busy until the event is set."""
+    go = threading.Event()
+    store._writer.later(lambda: go.wait(30))
+    return go
+
+
+def test_slice_assignment_after_put_does_not_change_what_is_stored(store):
+    """``layer.keys[...] = 0`` (mlx's slice assignment, the way mlx-lm's
+    KVCache writes into its buffers) right after ``put`` changes neither the
+    stored nor the served KV."""
+    p = toks(3 * BS)
+    layers = kv_layers(p)
+    go = held(store)
+    assert store.put(M, p, layers) == 3
+    for l in layers:
+        l.keys[...] = 0
+        l.values[..., 2:, :] = 7
+    mx.eval([a for l in layers for a in (l.keys, l.values)])
+    go.set()
+    store.flush()
+    assert_hit_is(store.fetch(M, p), p, len(p))
+
+
+def test_rebinding_a_layers_arrays_after_put_does_not_change_what_is_stored(store):
+    p = toks(2 * BS)
+    layers = kv_layers(p)
+    go = held(store)
+    store.put(M, p, layers)
+    for l in layers:
+        l.keys, l.values = mx.zeros_like(l.keys), mx.zeros_like(l.values)
+    go.set()
+    store.flush()
+    assert_hit_is(store.fetch(M, p), p, len(p))
+
+
+def test_an_mlx_lm_cache_writing_its_next_tokens_after_put_does_not_change_what_is_stored(store):
+    """mlx-lm's KVCache holds a buffer larger than its offset and writes the
+    next step's rows into it in place; a put of its whole buffer is kept as it
+    was at the call."""
+    p = toks(2 * BS)
+    want = kv_layers(p, n_layers=1)[0]
+    cache = KVCache()
+    cache.update_and_fetch(want.keys, want.values)  # a 256-row buffer holding the prompt's 16 rows
+    k, v = cache.keys[..., : len(p), :], cache.values[..., : len(p), :]
+    go = held(store)
+    store.put(M, p, [KVLayer(cache.keys[..., : len(p), :], cache.values[..., : len(p), :])])
+    cache.trim(4)  # the engine rewinds and writes other rows over the prompt's last 4
+    cache.update_and_fetch(mx.zeros_like(k[..., :4, :]), mx.zeros_like(v[..., :4, :]))
+    mx.eval(cache.keys, cache.values)
+    go.set()
+    store.flush()
+    hit = store.fetch(M, p)
+    assert hit.length == len(p)
+    assert mx.array_equal(hit.layers[0].keys, want.keys).item()
+    assert mx.array_equal(hit.layers[0].values, want.values).item()
+
+
+def test_a_state_snapshot_changed_after_put_is_stored_as_given(store):
+    p = toks(BS)
+    state = state_at(p)
+    want = np.array(state.arrays[0])
+    go = held(store)
+    store.put(M, p, [*kv_layers(p, n_layers=1), state])
+    state.arrays[0][...] = -1
+    mx.eval(state.arrays[0])
+    go.set()
+    store.flush()
+    hit = store.fetch(M, p)
+    assert hit.length == len(p) and np.array_equal(np.array(hit.layers[1].arrays[0]), want)
+
+
+# ---------------------------------------------------------------- dtypes
+
+
+def test_numpy_arrays_of_a_storable_dtype_are_stored_exactly(store):
+    """A numpy float16 or float32 array is accepted, copied at put, and served
+    back exactly (as an mlx array)."""
+    for i, dtype in enumerate((np.float16, np.float32)):
+        p = toks(2 * BS, start=5000 * (i + 1))
+        want = kv_layers(p, dtype={np.float16: mx.float16, np.float32: mx.float32}[dtype])
+        given = [KVLayer(np.array(l.keys), np.array(l.values)) for l in want]
+        assert store.put(M, p, given) == 2
+        given[0].keys[...] = 0  # numpy writes in place: the store copied at put
+        store.flush()
+        hit = store.fetch(M, p)
+        assert hit.length == len(p)
+        for got, w in zip(hit.layers, want):
+            assert got.keys.dtype == w.keys.dtype
+            assert mx.array_equal(got.keys, w.keys).item() and mx.array_equal(got.values, w.values).item()
+
+
+@pytest.mark.parametrize("make,says", [
+    (lambda l: KVLayer(l.keys.astype(mx.int32), l.values.astype(mx.int32)), "int32 cannot be stored"),
+    (lambda l: KVLayer(np.array(l.keys).astype(np.float64), np.array(l.values)), "numpy array of float64"),
+    (lambda l: KVLayer(np.array(l.keys).astype(np.int16), np.array(l.values)), "numpy array of int16"),
+    (lambda l: KVLayer(l.keys.astype(mx.float64) if hasattr(mx, "float64") else l.keys.astype(mx.int16),
+                       l.values), "cannot be stored"),
+    (lambda l: KVLayer(l.keys.tolist(), l.values), "expected an mlx array, got list"),
+    (lambda l: StateLayer([np.zeros(3, np.float64)]), "numpy array of float64"),
+    (lambda l: StateLayer("state"), "StateLayer.arrays must be a list"),
+    (lambda l: KVLayer(l.keys, l.values, start="0"), "start must be an int"),
+])
+def test_arrays_the_store_cannot_keep_exactly_are_refused_at_put(store, make, says):
+    """KV of a dtype the store cannot keep (ints, float64, non-arrays) is a
+    LayoutError at ``put``, not a write dropped later or a block refused at
+    every fetch; nothing is stored."""
+    p = toks(BS)
+    with pytest.raises(LayoutError, match=says):
+        store.put(M, p, [make(kv_layers(p, n_layers=1)[0])])
+    store.flush()
+    assert len(store) == 0 and not store.fetch(M, p)
