@@ -16,7 +16,6 @@ from __future__ import annotations
 import argparse
 import logging
 import os
-import queue
 import signal
 import socket
 import sys
@@ -34,7 +33,8 @@ from kvstore import Hit, PrefixStore
 
 from .generate import calibrate, models_key, needs_snapshots, prefill
 from .gguf import TRAINED, is_gguf, load_model, resolve_model
-from .mlx_lm import cache_offset, caches_to_layers, layers_to_caches, snapshot
+from .inserts import Inserts
+from .mlx_lm import cache_offset, layers_to_caches, snapshot
 
 log = logging.getLogger("kvstore")
 
@@ -60,60 +60,6 @@ class _Models:
             out.append(prompt_cache[i : i + n])
             i += n
         return out
-
-
-class _Inserts:
-    """Puts run on a thread of their own, so an insert costs the server's
-    generation thread only a snapshot of its cache (no op, no copy, no wait
-    for the step still computing). A fetch first waits for the inserts of its
-    model in flight: a follow-up sent the moment a response ends (mlx-lm
-    sends the end before it inserts) still finds its prefix."""
-
-    def __init__(self, store: PrefixStore):
-        self.store = store
-        self._queue: "queue.Queue[Optional[tuple]]" = queue.Queue()
-        self._pending: dict[str, int] = {}
-        self._cond = threading.Condition()
-        self._thread: Optional[threading.Thread] = None
-
-    def submit(self, key: str, tokens: list[int], parts: list, arrays: list[mx.array]) -> None:
-        with self._cond:
-            self._pending[key] = self._pending.get(key, 0) + 1
-            if self._thread is None:
-                self._thread = threading.Thread(target=self._run, name="kvstore-inserts", daemon=True)
-                self._thread.start()
-        self._queue.put((key, tokens, parts, arrays))
-
-    def wait(self, key: Optional[str] = None) -> None:
-        """Until no insert (of ``key``, or of any model) is in flight."""
-        with self._cond:
-            while self._pending.get(key) if key is not None else self._pending:
-                self._cond.wait()
-
-    def close(self) -> None:
-        with self._cond:
-            thread, self._thread = self._thread, None
-        if thread is not None:
-            self._queue.put(None)
-            thread.join()
-
-    def _run(self) -> None:
-        while (item := self._queue.get()) is not None:
-            key, tokens, parts, arrays = item
-            layers = None
-            try:
-                mx.eval(arrays)  # scheduled on the engine's stream: this waits for them, it computes nothing
-                n, layers = caches_to_layers(parts, copy=False)
-                self.store.put(key, tokens[:n], layers)
-            except Exception:
-                log.exception("kvstore: storing a cache failed; it is skipped")
-            finally:
-                item = parts = arrays = layers = None  # let go of the engine's buffers before waiting for the next one
-                with self._cond:
-                    self._pending[key] -= 1
-                    if not self._pending[key]:
-                        del self._pending[key]
-                    self._cond.notify_all()
 
 
 def _starts_alike(a: Sequence[int], b: Sequence[int], block: int) -> bool:
@@ -151,7 +97,7 @@ class StorePromptCache:
         self.store = store
         self.provider = model_provider
         self._models: dict[Any, Optional[_Models]] = {}
-        self._inserts = _Inserts(store)
+        self._inserts = Inserts(store)
         # per thread, the request it fetched for and has not inserted yet: (model key, its tokens)
         self._open: dict[int, tuple[str, list]] = {}
         self._inserters: set[int] = set()  # threads that insert caches (mlx-lm's generation thread)

@@ -39,6 +39,7 @@ What the scheduler expects of the cache and how the store answers:
 
 from __future__ import annotations
 
+import argparse
 import inspect
 import logging
 import re
@@ -55,8 +56,8 @@ from kvstore import PrefixStore
 from kvstore.errors import ConfigError, KVStoreError
 
 from .generate import calibrate, model_key
+from .inserts import Inserts
 from .mlx_lm import cache_offset, layers_to_cache, snapshot
-from .server import _Inserts
 
 __all__ = ["StorePrefixCache", "StoreTrieCache", "install", "attach", "check_vllm_mlx", "VllmMlxUnsupported", "TESTED"]
 
@@ -182,7 +183,7 @@ class StorePrefixCache:
         self.key = model_key(model, folder if folder is not None and folder.exists() else None)
         if folder is not None and (folder / "config.json").is_file():
             store.register_model(self.key, {"path": str(folder.resolve()), "name": folder.name})
-        self._inserts = _Inserts(store)
+        self._inserts = Inserts(store)
         self._stats = _Stats()
         self._lock = threading.Lock()
         if calibrate_prefill and store.fetch_policy == "auto" and not store.knows_prefill(self.key):
@@ -519,9 +520,7 @@ _REFUSED = {
 }
 
 
-def _serve_parser() -> "argparse.ArgumentParser":
-    import argparse
-
+def _serve_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="kvstore vllm-mlx serve", add_help=False, allow_abbrev=False)
     p.add_argument("--ssd-path", default=None)
     p.add_argument("--budget-gb", type=float, default=4.0)

@@ -66,6 +66,23 @@ def prefills():
     logger.setLevel(level)
 
 
+@pytest.fixture(scope="module", autouse=True)
+def mlx_lm_generation_stream():
+    """vllm-mlx points mlx-lm's module-level generation stream at a stream of
+    its calling thread (``bind_generation_streams``); put mlx-lm's back for the
+    tests that run after these in this process (mlx-lm's server on its own
+    generation thread)."""
+    import importlib
+
+    import mlx.core as mx
+
+    G = importlib.import_module("mlx_lm.generate")  # the module (the package's attribute is the function)
+    stream, default = G.generation_stream, mx.default_stream(mx.default_device())
+    yield
+    G.generation_stream = stream
+    mx.set_default_stream(default)
+
+
 @pytest.fixture(scope="module")
 def models(tmp_path_factory):
     root = tmp_path_factory.mktemp("models")
