@@ -13,10 +13,7 @@ import json
 import logging
 from dataclasses import replace
 import re
-import signal
-import subprocess
 import sys
-import time
 import urllib.request
 
 import pytest
@@ -34,6 +31,7 @@ from kvstore import PrefixStore  # noqa: E402
 from kvstore.adapters import vllm_mlx as V  # noqa: E402
 from kvstore.adapters.tiny_models import make_tiny_model  # noqa: E402
 from kvstore.errors import ConfigError  # noqa: E402
+from kvstore.tools.vllm_mlx_ttft import Server  # noqa: E402
 
 BLOCK = 64
 SYSTEM = "You are a helpful assistant who answers briefly and exactly. " * 12
@@ -320,28 +318,12 @@ def test_serve_maps_the_store_options_and_adds_continuous_batching():
 # ---------------------------------------------------------------------------
 
 
-class Served:
-    """One ``kvstore vllm-mlx serve`` process."""
+class Served(Server):
+    """One ``kvstore vllm-mlx serve`` process on the tiny model."""
 
     def __init__(self, model, store, log_path, *extra: str):
-        from tests.test_server import free_port
-
-        self.model = str(model)
-        self.port = free_port()
-        cmd = [sys.executable, "-m", "kvstore.adapters.cli", "vllm-mlx", "serve", self.model, "--ssd-path", str(store),
-               "--block-size", str(BLOCK), "--host", "127.0.0.1", "--port", str(self.port), *extra]
-        self.log = open(log_path, "ab")
-        self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT)
-        deadline = time.time() + 180
-        while time.time() < deadline:
-            assert self.proc.poll() is None, f"server exited during start-up: see {log_path}"
-            try:
-                with urllib.request.urlopen(f"http://127.0.0.1:{self.port}/v1/models", timeout=2):
-                    return
-            except OSError:
-                time.sleep(0.5)
-        self.proc.kill()
-        pytest.fail(f"server did not start: see {log_path}")
+        super().__init__([sys.executable, "-m", "kvstore.adapters.cli", "vllm-mlx", "serve", str(model),
+                          "--ssd-path", str(store), "--block-size", str(BLOCK), *extra], log_path)
 
     def chat(self, question: str) -> str:
         body = {"model": self.model, "max_tokens": 8, "temperature": 0,
@@ -354,18 +336,6 @@ class Served:
     def stats(self) -> dict:
         with urllib.request.urlopen(f"http://127.0.0.1:{self.port}/v1/cache/stats", timeout=30) as r:
             return json.load(r)["engine_cache"]
-
-    def kill(self) -> None:
-        self.proc.kill()
-        self.proc.wait(timeout=30)
-        self.log.close()
-
-    def stop(self) -> int:
-        self.proc.send_signal(signal.SIGTERM)
-        try:
-            return self.proc.wait(timeout=60)
-        finally:
-            self.log.close()
 
 
 def test_serve_repeats_from_the_store_shares_it_between_servers_and_survives_sigkill(models, tmp_path):

@@ -24,10 +24,8 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import platform
 import re
-import socket
 import statistics
 import subprocess
 import sys
@@ -36,29 +34,9 @@ import time
 from pathlib import Path
 from typing import Optional
 
+from kvstore.tools.servers import free_port, wait_answering
+
 QUESTIONS = ("Summarize the text above in one sentence.", "Which names appear in the text above?")
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _wait_ready(port: int, proc, timeout: float) -> None:
-    """Until the server answers /health (its /v1/models fails without a Hugging Face cache folder)."""
-    import urllib.request
-
-    t = time.monotonic()
-    while time.monotonic() - t < timeout:
-        if proc.poll() is not None:
-            raise RuntimeError(f"kvstore serve exited with {proc.returncode}")
-        try:
-            with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=5):
-                return
-        except OSError:
-            time.sleep(0.5)
-    raise TimeoutError("kvstore serve did not answer")
 
 
 def _ttft(client, model: str, system: str, question: str, max_tokens: int) -> dict:
@@ -108,7 +86,7 @@ def run(model: str, prefix: int = 1536, trials: int = 3, max_tokens: int = 8, po
 
     _, tokenizer, path = load_model(model)  # for the texts' token counts; the server loads its own
     prompts = _system_prompts(tokenizer, default_texts() if texts is None else texts, trials + 1, prefix)
-    port = port or _free_port()
+    port = port or free_port()
     with tempfile.TemporaryDirectory(prefix="kvstore-ttft-") as d:
         cmd = [sys.executable, "-m", "kvstore.adapters.cli", "serve", "--model", str(path), "--port", str(port),
                "--ssd-path", str(Path(d, "store")), "--fetch-policy", "always", *(extra or [])]
@@ -116,7 +94,7 @@ def run(model: str, prefix: int = 1536, trials: int = 3, max_tokens: int = 8, po
         proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=open(Path(d, "serve.log"), "w"))
         try:
             client = OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none", timeout=600)
-            _wait_ready(port, proc, 600)
+            wait_answering(f"http://127.0.0.1:{port}/health", proc, 600, "kvstore serve")  # /v1/models needs a hub cache folder
             _ttft(client, str(path), prompts[0][1], QUESTIONS[0], max_tokens)  # warm-up: loads the model
             rows = []
             for name, system in prompts[1:]:

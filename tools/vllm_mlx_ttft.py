@@ -18,7 +18,6 @@ import argparse
 import json
 import shutil
 import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -28,34 +27,22 @@ import urllib.request
 from pathlib import Path
 
 from kvstore.adapters.tiny_models import make_tiny_model
+from kvstore.tools.servers import free_port, wait_answering
 
 SYSTEM = "You are a helpful assistant who answers briefly and exactly. Keep every answer short. "
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 class Server:
+    """One ``vllm-mlx serve`` or ``kvstore vllm-mlx serve`` process (``cmd``
+    up to its options; host and port are added), logging to ``log``."""
+
     def __init__(self, cmd: list[str], log: Path):
-        self.port = _free_port()
+        self.port = free_port()
         self.model = cmd[cmd.index("serve") + 1]
         self.log = open(log, "ab")
         self.proc = subprocess.Popen([*cmd, "--host", "127.0.0.1", "--port", str(self.port)],
                                      stdout=self.log, stderr=subprocess.STDOUT)
-        deadline = time.time() + 300
-        while time.time() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"server exited during start-up: see {log}")
-            try:
-                with urllib.request.urlopen(f"http://127.0.0.1:{self.port}/v1/models", timeout=2):
-                    return
-            except OSError:
-                time.sleep(0.5)
-        self.proc.kill()
-        raise RuntimeError(f"server did not start: see {log}")
+        wait_answering(f"http://127.0.0.1:{self.port}/v1/models", self.proc, 300, f"the server (log: {log})")
 
     def ttft(self, trial: int, repeat_system: int) -> float:
         """Seconds to the first streamed content chunk of trial ``trial``'s request."""
@@ -83,10 +70,13 @@ class Server:
         self.proc.wait()
         self.log.close()
 
-    def stop(self) -> None:
+    def stop(self) -> int:
+        """SIGTERM: a clean shutdown; the exit code."""
         self.proc.send_signal(signal.SIGTERM)
-        self.proc.wait(timeout=120)
-        self.log.close()
+        try:
+            return self.proc.wait(timeout=120)
+        finally:
+            self.log.close()
 
 
 def measure(name: str, cmd: list[str], work: Path, trials: int, repeat_system: int) -> dict:
