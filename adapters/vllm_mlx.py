@@ -155,8 +155,6 @@ class _Stats:
     hits: int = 0
     misses: int = 0
     tokens_saved: int = 0
-    tokens_requested: int = 0
-    stores: int = 0
     store_rejections: int = 0
 
 
@@ -195,8 +193,6 @@ class StorePrefixCache:
         """The longest stored prefix of ``tokens`` short of the last token."""
         self._last_matched_key = None
         tokens = list(tokens)
-        with self._lock:
-            self._stats.tokens_requested += len(tokens)
         cache = None
         if len(tokens) >= 2:
             self.settle()  # a follow-up sent as its predecessor ends still finds it
@@ -237,8 +233,6 @@ class StorePrefixCache:
                 self._stats.store_rejections += 1
             log.warning("kvstore: a cache was not stored: %s", e)
             return False
-        with self._lock:
-            self._stats.stores += 1
         self._inserts.submit(self.key, list(tokens[:n]), [frozen], arrays)
         return True
 
