@@ -45,6 +45,7 @@ import numpy as np
 import xxhash
 
 from . import buffers, cuda
+from .config import StoreConfig
 from .errors import BlockDecodeError, ConfigError
 from .hashing import TOKEN_DTYPES, narrowest
 from .layers import KVLayer, Layer, Quantized, StateLayer, Tensor, tensor_rows
@@ -121,13 +122,6 @@ def _fit_group(dim: int, group_size: int) -> Optional[int]:
     return None
 
 
-# Rotating keys / values before quantizing them is the default at or below this many bits (None: never
-# by default). Both measured better at 4 bits on SmolLM2-135M (docs/benchmarks.md, fidelity section):
-# keys q4 +2.61% -> +1.18% perplexity; values too, q4 rotK +1.18% -> +0.64%, K8/V4 +0.93% -> +0.34%.
-ROTATE_KEYS_BELOW_OR_AT: Optional[int] = 4
-ROTATE_VALUES_BELOW_OR_AT: Optional[int] = 4
-
-
 def _default_rotation(bits: Optional[int], limit: Optional[int]) -> bool:
     return bits is not None and limit is not None and bits <= limit
 
@@ -161,10 +155,13 @@ class Codec:
 
     @classmethod
     def from_bits(cls, kv_bits: Union[None, int, tuple], group_size: int = 64,
-                  rotate_keys: Optional[bool] = None, rotate_values: Optional[bool] = None) -> "Codec":
+                  rotate_keys: Optional[bool] = None, rotate_values: Optional[bool] = None,
+                  rotate_keys_at_or_below: Optional[int] = StoreConfig.rotate_keys_at_or_below,
+                  rotate_values_at_or_below: Optional[int] = StoreConfig.rotate_values_at_or_below) -> "Codec":
         """``kv_bits``: an int for both, or ``(key_bits, value_bits)``.
-        ``rotate_keys=None`` rotates keys of ``ROTATE_KEYS_BELOW_OR_AT`` bits or fewer,
-        ``rotate_values=None`` values of ``ROTATE_VALUES_BELOW_OR_AT`` bits or fewer."""
+        ``rotate_keys=None`` rotates keys of ``rotate_keys_at_or_below`` bits or fewer,
+        ``rotate_values=None`` values of ``rotate_values_at_or_below`` bits or fewer
+        (``StoreConfig`` says why)."""
         if kv_bits is None or isinstance(kv_bits, int) and not isinstance(kv_bits, bool):
             k, v = kv_bits, kv_bits
         elif isinstance(kv_bits, tuple) and len(kv_bits) == 2 and all(
@@ -179,9 +176,9 @@ class Codec:
             if r is not None and not isinstance(r, bool):
                 raise ConfigError(f"{name} must be True, False or None, got {r!r}")
         if rotate_keys is None:
-            rotate_keys = _default_rotation(k, ROTATE_KEYS_BELOW_OR_AT)
+            rotate_keys = _default_rotation(k, rotate_keys_at_or_below)
         if rotate_values is None:
-            rotate_values = _default_rotation(v, ROTATE_VALUES_BELOW_OR_AT)
+            rotate_values = _default_rotation(v, rotate_values_at_or_below)
         return cls(k, v, group_size, bool(rotate_keys), bool(rotate_values))
 
     def compress_keys(self, t: Tensor) -> Tensor:

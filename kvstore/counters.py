@@ -7,7 +7,7 @@ import threading
 from typing import Iterable
 
 from .index import Node
-from .tiers.base import Use
+from .record import Use
 
 NAMES = ("hits", "misses", "tokens_requested", "tokens_ram", "tokens_ssd", "puts", "blocks_written",
          "evictions_ram", "evictions_ssd", "corrupt_blocks", "write_errors", "blocks_stored",

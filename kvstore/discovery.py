@@ -14,9 +14,11 @@ a local one is (header, checksum, key binding) and its tokens compared
 again: a corrupt, foreign or colliding value is refused and dropped from the
 server, never served.
 
-What was read joins the index below where the walk stopped, goes into RAM,
-and is written to the LMDB tier by the background writer (as a job of
-already encoded blocks, so it is never copied back to the remote).
+What was read joins the index below where the walk stopped, goes into RAM
+as far as it fits, and is handed to the read path as it is (the hit never
+waits for a disk write); its LMDB copy is queued on the background writer
+(as a job of already encoded blocks, so it is never copied back to the
+remote).
 """
 
 from __future__ import annotations
@@ -29,49 +31,46 @@ from typing import Optional
 import numpy as np
 
 from .codec import Stored
+from .config import StoreConfig
 from .counters import Counters
 from .errors import BlockDecodeError
 from .hashing import KeyChain, chain_key
-from .index import Node, RadixIndex
+from .index import Node
 from .lookup import Match, shared_prefix
-from .placement import Placement
-from .record import BlockRecord
+from .record import BlockRecord, Entry
 from .remote_sync import Remote
-from .tiers.base import Entry
+from .table import BlockTable
 from .writer import Job, Writer
 
 log = logging.getLogger("kvstore")
 
-MAX_PROBE = 1024  # blocks asked for in one fetch (256K tokens at the default block size)
-
-
 class Discovery:
-    def __init__(self, remote: Remote, placement: Placement, writer: Writer, lock, counters: Counters,
+    def __init__(self, remote: Remote, table: BlockTable, writer: Writer, counters: Counters, config: StoreConfig,
                  keep_on_disk: bool):
         self.remote = remote
-        self.placement = placement
-        self.index = placement.index
+        self.table = table
         self.writer = writer
-        self.lock = lock
         self.counters = counters
+        self.max_probe = config.remote_probe_blocks
         self.keep_on_disk = keep_on_disk
 
-    def find(self, root: Node, chain: KeyChain, n: int, match: Match) -> set[bytes]:
+    def find(self, root: Node, chain: KeyChain, n: int, match: Match) -> dict[bytes, Stored]:
         """Index the blocks of ``chain.tokens[:n]`` the remote holds beyond
-        ``match``; returns their keys. Never raises; a down remote costs at
-        most one timeout (then the breaker skips it)."""
+        ``match``; returns them by key, checked, for the read path to serve.
+        Never raises; a down remote costs at most one timeout (then the
+        breaker skips it)."""
         tier = self.remote.tier
         bs = chain.block_size
         first, full = len(match.full.nodes), n // bs
-        last = min(full, first + MAX_PROBE)
+        last = min(full, first + self.max_probe)
         keys = [chain.key(i) for i in range(first, last)]
         near = (chain.parent(full), chain.tokens[full * bs : n]) if last == full and n > full * bs else None
         if not self.remote.breaker.allow():
             self.counters.count("remote_bypassed")
-            return set()
+            return {}
         got = self.remote.call(tier.probe, root.key, keys, near)
         if got is None:
-            return set()
+            return {}
         self.counters.count("remote_lookups")
         raw, children = got
         run = self._run(root, chain, first, raw)
@@ -79,13 +78,12 @@ class Discovery:
         if stop < last:  # the prompt diverges inside block `stop`: its nearest stored sibling may share a prefix
             near = (chain.parent(stop), chain.tokens[stop * bs : min(n, (stop + 1) * bs)])
             children = self.remote.call(tier.neighbours, root.key, *near)
-        if children:
-            with self.lock:  # a child this process holds already is the local walk's business
-                children = [c for c in children if c[0] not in self.index]
+        if children:  # a child this process holds already is the local walk's business
+            children = [c for c in children if c[0] not in self.table]
         part = self._best_child(children, near[1]) if near is not None and children else None
         wanted = [r.key for r in run] + ([part[0]] if part else [])
         if not wanted:
-            return set()
+            return {}
         sizes = [r.nbytes for r in run] + ([0] if part else [])
         entries = self.remote.call(tier.entries, wanted, sizes) or []
         got_blocks: list[tuple[BlockRecord, Stored, bytes]] = []
@@ -99,7 +97,7 @@ class Discovery:
             if leaf is not None:
                 got_blocks.append(leaf)
         if not got_blocks:
-            return set()
+            return {}
         self.counters.count("remote_blocks_read", len(got_blocks))
         self.counters.count("remote_bytes_read", sum(len(b) for _, _, b in got_blocks))
         return self._keep(match.full.last, got_blocks, chain)
@@ -178,48 +176,28 @@ class Discovery:
                     self.remote.url)
         self.remote.call(self.remote.tier.remove, [key])
 
-    def _keep(self, parent: Node, got: list[tuple[BlockRecord, Stored, bytes]], chain: KeyChain) -> set[bytes]:
-        """Index ``got`` below ``parent``, into RAM; queue the disk write."""
-        fresh: list[tuple[Node, Entry]] = []
-        pinned: list[Node] = []
+    def _keep(self, parent: Node, got: list[tuple[BlockRecord, Stored, bytes]], chain: KeyChain
+              ) -> dict[bytes, Stored]:
+        """Index ``got`` below ``parent``, into RAM as far as it fits; queue
+        the disk copy of the new blocks (never waited on)."""
         now = time.time()
-        job: Optional[Job] = None
-        with self.lock:
-            if not (parent.is_root or self.index.get(parent.key) is parent):
-                return set()  # dropped while we read
-            for rec, block, buf in got:
-                node = self.index.get(rec.key)
-                if node is None:
-                    try:
-                        node = self.index.add(parent, rec.key, rec.start, rec.length, rec.first, rec.snap, rec.gap,
-                                              rec.first_row if rec.gap else None)
-                    except (KeyError, ValueError):
-                        break
-                    node.used = now
-                    entry = Entry(replace(rec, nbytes=len(buf), created=now, used=now, hits=0), None)
-                    entry.payload = buf  # the remote's bytes are LMDB's bytes: no second serialization
-                    fresh.append((node, entry))
-                elif node.parent is not parent:
-                    break
-                RadixIndex.pin([node])  # promoting the next one must not evict this one
-                pinned.append(node)
-                if not node.in_ram:
-                    self.placement.promote_locked(node, block)
-                parent = node
-            if fresh and self.keep_on_disk:
-                job = Job([nd for nd, _ in fresh], chain.root, chain.tokens, [],
-                          sum(len(e.payload) for _, e in fresh), found={e.key: e for _, e in fresh})
-                for nd, _ in fresh:
-                    nd.job = job  # evicted from RAM before its disk write, it stays indexed
-            RadixIndex.unpin(pinned)
-            if job is None:
-                for nd, _ in fresh:
-                    if not nd.in_ram:
-                        self.placement.forget_locked(nd)  # held nowhere (and the blocks below it with it)
-                        break
-        if job is not None:
+        jobs: list[Job] = []
+
+        def make_job(fresh: list[Node]) -> Job:
+            new = {nd.key for nd in fresh}
+            # the remote's bytes are LMDB's bytes: no second serialization
+            entries = {r.key: Entry(replace(r, nbytes=len(buf), created=now, used=now, hits=0), memoryview(buf))
+                       for r, _, buf in got if r.key in new}
+            jobs.append(Job(fresh, chain.root, chain.tokens, [], sum(len(e.payload) for e in entries.values()),
+                            found=entries))
+            return jobs[-1]
+
+        fresh = self.table.keep_found(parent, [(r, block) for r, block, _ in got], now,
+                                      make_job if self.keep_on_disk else None)
+        for job in jobs:
             self.writer.submit(job)
-        return {nd.key for nd, _ in fresh}
+        new = {nd.key for nd in fresh}
+        return {r.key: block for r, block, _ in got if r.key in new}
 
 
 def _mismatch(rec: BlockRecord, root: bytes, parent: bytes, start: int, length: Optional[int],

@@ -101,6 +101,27 @@ class BlockRecord:
                    kv=m.get("kv", "?"), dtype=m.get("dtype", "?"), offset=m.get("offset", -1))
 
 
+@dataclass(frozen=True)
+class Entry:
+    """A block to keep: its record and its bytes, as every tier stores them
+    (made once, by the writer; a remote read brings them as they are)."""
+
+    record: BlockRecord
+    payload: memoryview
+
+    @property
+    def key(self) -> bytes:
+        return self.record.key
+
+
+@dataclass(frozen=True)
+class Use:
+    """Blocks served: the last time, and how many times since the last save."""
+
+    when: float
+    hits: int = 1
+
+
 _NUM = (int, float)
 _TYPES = {"parent": (bytes,), "root": (bytes,), "start": (int,), "length": (int,), "tokens": (bytes,),
           "token_bytes": (int,), "nbytes": (int,), "first": (int,), "snap": (bool, type(None)), "gap": (int,),

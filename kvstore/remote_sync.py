@@ -22,25 +22,22 @@ local tiers stay authoritative. So:
 from __future__ import annotations
 
 import logging
-import math
 import threading
 import time
 from collections import deque
-from typing import Callable, Optional, Sequence, TypeVar
+from dataclasses import dataclass
+from typing import Callable, Optional, Sequence, TypeVar, Union
 
+from .config import StoreConfig
 from .counters import Counters
-from .errors import ConfigError, RemoteConfigError
-from .tiers.base import Entry
+from .errors import RemoteConfigError
+from .record import Entry
 from .tiers.remote import RemoteTier
 
 log = logging.getLogger("kvstore")
 
 T = TypeVar("T")
 
-QUEUE_BYTES = 256 << 20  # copies waiting for the remote, at most
-BATCH_BYTES = 32 << 20  # payload bytes per pipelined write
-BATCH_BLOCKS = 64
-CLOSE_WAIT = 10.0  # seconds close() gives the queue before it drops what is left
 
 
 class Breaker:
@@ -83,20 +80,27 @@ class _Skipped(Exception):
     """The breaker is open: the call was not made."""
 
 
+@dataclass(frozen=True)
+class ModelInfo:
+    """A model's description, queued among the blocks (written in order)."""
+
+    root: bytes
+    info: dict
+
+
 class Remote:
     """A remote tier behind a breaker, with a bounded write-behind queue."""
 
-    def __init__(self, url: str, namespace: Optional[str], counters: Counters, timeout: float = 0.5,
-                 queue_bytes: int = QUEUE_BYTES):
-        if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not 0 < timeout < math.inf:
-            raise ConfigError(f"remote_timeout must be a number of seconds > 0, got {timeout!r}")
-        self.tier = RemoteTier(url, namespace, float(timeout))  # a malformed URL raises here
+    def __init__(self, url: str, namespace: Optional[str], counters: Counters, config: StoreConfig = StoreConfig()):
+        self.tier = RemoteTier(url, namespace, float(config.remote_timeout),  # a malformed URL raises here
+                               read_bytes=config.remote_read_bytes)
         self.counters = counters
         self.breaker = Breaker()
-        self.queue_bytes = queue_bytes
+        self.config = config
+        self.queue_bytes = config.remote_queue_bytes
         self._warned = False
         self._cond = threading.Condition()
-        self._queue: deque = deque()  # (record, payload) of blocks, or (None, (root, model info))
+        self._queue: "deque[Union[Entry, ModelInfo]]" = deque()
         self._queued = 0  # payload bytes queued or being sent (what the bound counts)
         self._busy = False  # a batch is being written
         self._stop = False
@@ -161,9 +165,8 @@ class Remote:
         with self._cond:
             take = not self._stop and self.breaker.allow() and self._queued < self.queue_bytes
             if take:
-                for e in entries:
-                    self._queue.append((e.record, e.payload))
-                    self._queued += len(e.payload)
+                self._queue.extend(entries)
+                self._queued += sum(len(e.payload) for e in entries)
                 self._cond.notify()
         if not take:
             self.counters.count("remote_skipped", len(entries))
@@ -171,7 +174,7 @@ class Remote:
 
     def register_model(self, root: bytes, info: dict) -> None:
         with self._cond:
-            self._queue.append((None, (root, info)))
+            self._queue.append(ModelInfo(root, info))
             self._cond.notify()
         self._ensure_thread()
 
@@ -187,18 +190,18 @@ class Remote:
         return True
 
     def close(self) -> None:
-        if not self.flush(CLOSE_WAIT):
+        if not self.flush(self.config.remote_close_wait):
             log.warning("kvstore: remote %s: %d MiB of copies not sent at close", self.url, self._queued >> 20)
         with self._cond:
             self._stop = True
-            dropped = sum(1 for rec, _ in self._queue if rec is not None)
-            self._queued -= sum(len(p) for rec, p in self._queue if rec is not None)
+            dropped = [e for e in self._queue if isinstance(e, Entry)]
+            self._queued -= sum(len(e.payload) for e in dropped)
             self._queue.clear()
             self._cond.notify_all()
         if dropped:
-            self.counters.count("remote_skipped", dropped)
+            self.counters.count("remote_skipped", len(dropped))
         if self._thread is not None:
-            self._thread.join(timeout=CLOSE_WAIT)
+            self._thread.join(timeout=self.config.remote_close_wait)
         self.tier.close()
 
     def stats(self) -> dict:
@@ -219,11 +222,13 @@ class Remote:
                 if self._stop:
                     return
                 batch, size = [], 0
-                while self._queue and len(batch) < BATCH_BLOCKS and (not batch or size < BATCH_BYTES):
-                    rec, payload = self._queue.popleft()
-                    batch.append((rec, payload))
-                    if rec is not None:
-                        size += len(payload)
+                cfg = self.config
+                while self._queue and len(batch) < cfg.remote_batch_blocks and (
+                        not batch or size < cfg.remote_batch_bytes):
+                    item = self._queue.popleft()
+                    batch.append(item)
+                    if isinstance(item, Entry):
+                        size += len(item.payload)
                 self._busy = True
             try:
                 self._send(batch, size)
@@ -234,10 +239,10 @@ class Remote:
                     self._cond.notify_all()
 
     def _send(self, batch: list, size: int) -> None:
-        blocks = [(rec, payload) for rec, payload in batch if rec is not None]
-        for rec, model in batch:
-            if rec is None:
-                self.call(self.tier.register_model, *model)
+        blocks = [(e.record, e.payload) for e in batch if isinstance(e, Entry)]
+        for m in batch:
+            if isinstance(m, ModelInfo):
+                self.call(self.tier.register_model, m.root, m.info)
         if not blocks:
             return
         try:

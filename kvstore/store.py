@@ -1,40 +1,33 @@
 """PrefixStore: the longest stored prefix of a prompt, as ready arrays.
 
-Data flows one way each direction::
+The data flow, threads included::
 
-    put:   layers --slice per block--> codec --> RAM tier --(write-through)--> LMDB
-    fetch: tokens --hash--> index walk --> blocks from RAM or LMDB --concat--> layers
+    put (engine thread)     tokens --hash--> BlockTable.index_put --> Job --> writer queue
+    writer thread           Job --encode (codec)--> Stored bytes --> BlockTable.admit (RAM)
+                                --> Feed --> commit thread: Disk.write (LMDB) --> BlockTable.written
+                                --> remote write-behind queue --> remote thread: Redis / Valkey
+    fetch (engine thread)   tokens --hash--> BlockTable.walk (+ Disk.discover where it ends)
+                                --> Discovery.find (remote, what the local tiers lack)
+                                --> Planner.plan (what is worth loading) --> Reader.load:
+                                RAM / LMDB pages / remote bytes --check, gather--> layers
+    promote thread          blocks served from disk --copy--> BlockTable.promote (RAM)
 
-This module is the facade: it checks input and sequences the rooms that do
-the work --
-
-- ``lookup``: which stored blocks serve a prompt, at which lengths;
-- ``placement``: RAM admission, promotion, eviction; loading a path;
-- ``persist``: the disk side (writes, budget, full device, index at open);
-- ``writer``: the background thread that encodes and writes what ``put`` queued;
-- ``gather`` (``assemble`` for the rare layouts): blocks to one tensor per layer;
-- ``counters``: what the store counts;
-- ``remote_sync`` and ``discovery``: the shared remote tier (Redis / Valkey),
-  after LMDB: copies written behind, the rest of a chain found on fetch.
-
-Locking: one store lock guards the index, the RAM tier and ``Node`` fields.
-It is held for in-memory steps only; disk reads and writes run outside it
-(``*_locked`` methods elsewhere expect it held). Counters have a lock of their
-own. Every block served is checked against the prompt's own tokens, so a hash
-collision or a bad block shortens the hit; it never serves KV of another
-prompt and never raises a storage fault into the engine.
+The ``BlockTable`` owns every block's state (index, RAM, disk LRU, pins) and
+its lock; ``Reader``, ``Writer``, ``Disk``, ``Discovery`` and ``Planner``
+ask it, never each other, and do their I/O outside its lock. This module is
+the facade: it checks input and sequences them. Every block served is
+checked against the prompt's own tokens, so a hash collision or a bad block
+shortens the hit; it never serves KV of another prompt and never raises a
+storage fault into the engine.
 """
 
 from __future__ import annotations
 
 import atexit
 import logging
-import math
-import os
-import threading
 import time
 import weakref
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from functools import partial
 from typing import Optional, Sequence, Union
 
@@ -43,25 +36,23 @@ import numpy as np
 
 from . import lookup
 from .codec import Codec, layer_arrays
+from .config import StoreConfig, gib
 from .cost import CostModel
-from .costing import FetchCosts
 from .counters import Counters
+from .discovery import Discovery
+from .disk import Disk
 from .errors import ConfigError, InputError, ReadOnlyError, StoreClosedError
 from .hashing import KeyChain, as_tokens, root_key
-from .index import Node, RadixIndex
+from .index import Node
 from .layers import KVLayer, Layer, StateLayer, captured_layers
-from .discovery import Discovery
-from .persist import Persist
-from .placement import Placement
+from .planner import Planner
+from .reader import Reader
 from .remote_sync import Remote
+from .table import BlockTable
 from .tiers.lmdb import LmdbTier
-from .tiers.ram import RamTier
 from .writer import Job, Writer
 
 log = logging.getLogger("kvstore")
-
-GB = 1 << 30
-MAX_BLOCK = 1 << 16  # tokens per block: one block of an 8B model at fp16 is then 8 GiB, far past any use
 
 
 @dataclass
@@ -114,56 +105,47 @@ class PrefixStore:
     ``ssd_path`` it cannot use.
     """
 
-    def __init__(self, budget_gb: float = 4.0, ssd_path=None, block_size: int = 256,
-                 kv_bits: Union[None, int, tuple[Optional[int], Optional[int]]] = None,
-                 kv_group_size: int = 64, namespace: Optional[str] = None,
-                 disk_budget_gb: Optional[float] = None, *, readonly: bool = False, fetch_policy: str = "auto",
-                 remote: Optional[str] = None, remote_timeout: float = 0.5, rotate_keys: Optional[bool] = None,
-                 rotate_values: Optional[bool] = None):
-        if isinstance(block_size, bool) or not isinstance(block_size, int) or not 1 <= block_size <= MAX_BLOCK:
-            raise ConfigError(f"block_size must be an int in [1, {MAX_BLOCK}] (tokens per block), got {block_size!r}")
-        if namespace is not None and not isinstance(namespace, str):  # ("" is a namespace of its own)
-            raise ConfigError(f"namespace must be a str or None, got {namespace!r}")
-        if not isinstance(readonly, bool):
-            raise ConfigError(f"readonly must be True or False, got {readonly!r}")
-        if ssd_path is not None and (not isinstance(ssd_path, (str, os.PathLike)) or not str(ssd_path).strip()):
-            # "" would be the working directory: a store is made only where it is named
-            raise ConfigError(f"ssd_path must name a directory (or be None for a RAM-only store), got {ssd_path!r}")
-        budget = None if disk_budget_gb is None else _budget_bytes(disk_budget_gb, "disk_budget_gb")
-        self.block_size = block_size
-        self.codec = Codec.from_bits(kv_bits, kv_group_size, rotate_keys, rotate_values)
-        self.namespace = namespace
-        self.readonly = readonly
-        self._lock = threading.RLock()
+    def __init__(self, config: Optional[StoreConfig] = None, **settings):
+        if config is None:
+            try:
+                config = StoreConfig(**settings)
+            except TypeError as e:  # an unknown keyword
+                raise ConfigError(f"PrefixStore: {e} (settings: kvstore.config.StoreConfig's fields)") from None
+        elif settings:
+            config = replace(config, **settings)
+        self.config = cfg = config
+        self.block_size = cfg.block_size
+        self.codec = Codec.from_bits(cfg.kv_bits, cfg.kv_group_size, cfg.rotate_keys, cfg.rotate_values,
+                                     cfg.rotate_keys_at_or_below, cfg.rotate_values_at_or_below)
+        self.namespace = cfg.namespace
+        self.readonly = cfg.readonly
         self._counters = Counters()
-        self._cost = CostModel(fetch_policy)
+        self._cost = CostModel(cfg.fetch_policy)
         self._warned: set[str] = set()
         self._registered: set[bytes] = set()
-        self._index = RadixIndex()
-        self._ram = RamTier(_budget_bytes(budget_gb, "budget_gb"))
-        self._persist: Optional[Persist] = None
-        self._remote = None if remote is None else Remote(remote, namespace, self._counters, remote_timeout)
-        if ssd_path is not None:
+        self._table = BlockTable(cfg.ram_bytes, self._counters, has_disk=cfg.ssd_path is not None,
+                                 writable=not cfg.readonly)
+        self._disk: Optional[Disk] = None
+        self._remote = None if cfg.remote is None else Remote(cfg.remote, cfg.namespace, self._counters, cfg)
+        if cfg.ssd_path is not None:
             try:
-                disk = LmdbTier.open(ssd_path, budget, readonly=readonly)
+                tier = LmdbTier.open(cfg.ssd_path, cfg.disk_bytes, readonly=cfg.readonly)
             except BaseException:
                 if self._remote is not None:
                     self._remote.close()
                 raise
-            self._persist = Persist(disk, self._index, self._lock, self._counters, self._warn)
-        self._placement = Placement(self._index, self._ram, self._persist, self._lock, self._counters,
-                                    writable=not readonly)
-        self._costs = FetchCosts(self._cost, self._ram, self._persist, self._lock, self._counters)
-        self._writer = Writer(self._placement, self._persist, self.codec, self._lock, self._counters,
-                              max_pending=max(256 << 20, self._ram.budget), on_idle=self._save,
-                              remote=None if readonly else self._remote)
+            self._disk = Disk(tier, self._table, self._counters, cfg, self._warn)
+        self._reader = Reader(self._table, self._disk, self._counters, writable=not cfg.readonly)
+        self._planner = Planner(self._cost, self._table, self._disk, self._counters, cfg.cached_share)
+        self._writer = Writer(self._table, self._disk, self.codec, self._counters, cfg, on_idle=self._save,
+                              remote=None if cfg.readonly else self._remote)
         self._discovery = None if self._remote is None else Discovery(
-            self._remote, self._placement, self._writer, self._lock, self._counters,
-            keep_on_disk=self._persist is not None and not readonly)
+            self._remote, self._table, self._writer, self._counters, cfg,
+            keep_on_disk=self._disk is not None and not cfg.readonly)
         self._closed = False
-        if self._persist is not None:
-            self._persist.load_index(self._index.root)
-            self._costs.load()
+        if self._disk is not None:
+            self._disk.load_index()
+            self._planner.load()
         _OPEN.add(self)
 
     # ------------------------------------------------------------ public API
@@ -190,17 +172,13 @@ class PrefixStore:
         late = [l for l in layers if isinstance(l, KVLayer) and l.start > 0]  # layers lacking early rows
         root = self._root(model_key)
         chain = KeyChain(root.key, toks, self.block_size)
-        self._match(root, chain, n, partial=False)  # finds what other processes stored on the way
-        with self._lock:
-            new = lookup.new_blocks(self._index, root, chain, n, has_state, late)
-            self._counters.count("puts")
-            if not new:
-                return 0
-            job = Job(new, root.key, toks, layers, sum(l.nbytes for l in layers))
-            for node in new:
-                node.job = job
+        self._counters.count("puts")
+        job = self._table.index_put(root, chain, n, has_state, late,
+                                    lambda new: Job(new, root.key, toks, layers, sum(l.nbytes for l in layers)))
+        if job is None:
+            return 0
         self._writer.submit(job)
-        return len(new)
+        return len(job.nodes)
 
     def fetch(self, model_key: Union[str, bytes], tokens, *, limit: Optional[int] = None,
               quantized: Optional[tuple[int, int]] = None) -> Hit:
@@ -219,27 +197,24 @@ class PrefixStore:
         root = self._root(model_key, register=False)
         chain = KeyChain(root.key, toks, self.block_size)
         match = self._match(root, chain, n)
-        fetched: set[bytes] = set()
+        found: dict = {}  # blocks just read from the remote, served as they are
         if self._discovery is not None and match.matched < n:
-            fetched = self._discovery.find(root, chain, n, match)
-            if fetched:
+            found = self._discovery.find(root, chain, n, match)
+            if found:
                 match = self._match(root, chain, n)
-        with self._lock:
-            length = lookup.servable(match.path, match.matched)
-            pinned = [p for p in match.path if p.start < length]
-            RadixIndex.pin(pinned)
+        length = self._table.servable(match.path, match.matched)
+        pinned = [p for p in match.path if p.start < length]
+        self._table.pin(pinned)
         try:
-            for job in {id(p.job): p.job for p in pinned if p.job is not None and not p.in_ram}.values():
+            for job in self._table.unwritten_jobs(pinned, skip=found.keys()):
                 job.done.wait()
-            plan = self._costs.plan(root.key, len(toks), pinned, length)
+            plan = self._planner.plan(root.key, len(toks), pinned, length, found)
             path = [p for p in pinned if p.start < plan.length]
             t0 = time.perf_counter()
-            got = self._placement.load(path, toks, plan.length, quantized, plan.cold)
+            got = self._reader.load(path, toks, plan.length, quantized, plan.cold, found)
             t_load = time.perf_counter() - t0
         finally:
-            with self._lock:
-                RadixIndex.unpin(pinned)
-                self._placement.make_room_locked(0)  # blocks promoted while pinned may have left RAM over budget
+            self._table.unpin(pinned)
         self._counters.count("tokens_requested", len(toks))
         self._counters.count("tokens_skipped_cost", plan.skipped)
         length, layers, from_ram = got.length, got.layers, got.from_ram
@@ -247,12 +222,12 @@ class PrefixStore:
             self._counters.count("misses")
             return Hit(skipped_tokens=plan.skipped, skip_reason=plan.reason)
         served = [(p, r) for p, r in zip(path, from_ram) if p.start < length]
-        remote_tokens = sum(min(p.end, length) - p.start for p, _ in served if p.key in fetched)
-        ram_tokens = sum(min(p.end, length) - p.start for p, r in served if r and p.key not in fetched)
+        remote_tokens = sum(min(p.end, length) - p.start for p, _ in served if p.key in found)
+        ram_tokens = sum(min(p.end, length) - p.start for p, r in served if r and p.key not in found)
         hit = Hit(length, layers, ram_tokens=ram_tokens, ssd_tokens=length - ram_tokens - remote_tokens,
                   skipped_tokens=plan.skipped, skip_reason=plan.reason,
                   predicted_s=plan.load_s if length == plan.length else 0.0, remote_tokens=remote_tokens)
-        hit.source_bytes = self._costs.observe(path, got.nbytes, from_ram, length, plan, t_load)
+        hit.source_bytes = self._planner.observe(path, got.nbytes, from_ram, length, plan, t_load)
         self._counters.count("hits")
         self._counters.count("tokens_ram", hit.ram_tokens)
         self._counters.count("tokens_ssd", hit.ssd_tokens)
@@ -269,7 +244,7 @@ class PrefixStore:
         its first token, after ``hit`` (``None`` or empty: a cold prefill).
         Adapters report this after each request; it is what
         ``fetch_policy="auto"`` learns prefill and the real cost of a hit from."""
-        self._costs.observe_request(_root_key(model_key, self.namespace).hex(), tokens, hit.length if hit else 0,
+        self._planner.observe_request(_root_key(model_key, self.namespace).hex(), tokens, hit.length if hit else 0,
                                     hit.source_bytes if hit else {}, seconds)
 
     def observe_prefill(self, model_key: Union[str, bytes], start: int, stop: int, seconds: float) -> None:
@@ -285,8 +260,7 @@ class PrefixStore:
         toks = as_tokens(tokens)
         root = self._root(model_key, register=False)
         match = self._match(root, KeyChain(root.key, toks, self.block_size), len(toks))
-        with self._lock:
-            return lookup.servable(match.path, match.matched)
+        return self._table.servable(match.path, match.matched)
 
     def register_model(self, model_key: Union[str, bytes], info: dict) -> None:
         """Describe a model (path, name, tokenizer) for ``kvstore inspect``."""
@@ -299,16 +273,12 @@ class PrefixStore:
         """Counters of this process plus bytes and blocks per tier."""
         self._check_open()
         out = self._counters.snapshot()
-        with self._lock:
-            out.update(
-                ram_bytes=self._ram.nbytes, ram_blocks=len(self._ram), ram_budget=self._ram.budget,
-                blocks_indexed=len(self._index), pending_bytes=self._writer.pending_bytes,
-                pending_jobs=self._writer.pending_jobs, orphans=self.orphans,
-            )
-        if self._persist is not None:
-            disk = self._persist.disk
-            out.update(ssd_bytes=disk.usage(), ssd_budget=disk.budget, ssd_blocks=self._persist.blocks,
-                       ssd_path=str(disk.path))
+        out.update(self._table.stats(), pending_bytes=self._writer.pending_bytes,
+                   pending_jobs=self._writer.pending_jobs, orphans=self.orphans)
+        if self._disk is not None:
+            tier = self._disk.tier
+            out.update(ssd_bytes=tier.usage(), ssd_budget=tier.budget, ssd_blocks=self._table.disk_blocks,
+                       ssd_path=str(tier.path))
         if self._remote is not None:
             out.update(self._remote.stats())
         req = out["tokens_requested"]
@@ -328,29 +298,24 @@ class PrefixStore:
     @property
     def orphans(self) -> int:
         """Blocks found on disk at open whose parent is missing (ignored)."""
-        return 0 if self._persist is None else self._persist.orphans
+        return 0 if self._disk is None else self._disk.orphans
 
     @property
     def nbytes(self) -> int:
         """Bytes held in the RAM tier."""
-        return self._ram.nbytes
+        return self._table.ram_bytes
 
     def set_budget(self, budget_gb: float) -> None:
         """Change the RAM budget; evicts at once when it shrinks."""
         self._check_open()
-        budget = _budget_bytes(budget_gb, "budget_gb")
-        with self._lock:
-            self._ram.budget = budget
-            self._placement.make_room_locked(0)
+        self._table.set_ram_budget(gib(budget_gb, "budget_gb"))
 
     def trim_ram(self, n_bytes: int) -> None:
         """Evict RAM blocks until at most ``n_bytes`` are held (the budget
         stays; blocks with an SSD copy remain servable from there)."""
         self._check_open()
         _count(n_bytes, "n_bytes")
-        with self._lock:
-            if n_bytes < self._ram.nbytes:
-                self._placement.make_room_locked(self._ram.budget - n_bytes)
+        self._table.trim_ram(int(n_bytes))
 
     def trim_disk(self, n_bytes: int) -> int:
         """Evict least recently used disk blocks (leaves first) until the disk
@@ -358,16 +323,16 @@ class PrefixStore:
         budget stays. A RAM-only or read-only store has nothing to trim."""
         self._check_open()
         _count(n_bytes, "n_bytes")
-        if self._persist is None or self.readonly:
+        if self._disk is None or self.readonly:
             return 0
-        return self._persist.evict_to(int(n_bytes))
+        return self._disk.evict_to(int(n_bytes))
 
     def flush(self, timeout: Optional[float] = None) -> None:
         """Wait until every queued block is encoded and written (and its
         remote copy sent or skipped), and blocks served from disk are in RAM."""
         deadline = None if timeout is None else time.monotonic() + timeout
         self._writer.flush(timeout)
-        self._placement.settle()
+        self._reader.settle()
         self._save()
         if self._remote is not None:
             self._remote.flush(None if deadline is None else max(0.0, deadline - time.monotonic()))
@@ -379,11 +344,11 @@ class PrefixStore:
         self.flush()
         self._closed = True
         self._writer.stop()
-        self._placement.close()
+        self._reader.close()
         if self._remote is not None:
             self._remote.close()
-        if self._persist is not None:
-            self._persist.disk.close()
+        if self._disk is not None:
+            self._disk.tier.close()
         _OPEN.discard(self)
 
     def __enter__(self) -> "PrefixStore":
@@ -393,64 +358,59 @@ class PrefixStore:
         self.close()
 
     def __len__(self) -> int:
-        return len(self._index)
+        return len(self._table)
 
     @property
     def sequences(self) -> int:
         """Stored entries: chains of blocks from a model's root to a leaf (what ``kvstore inspect`` lists)."""
-        return self._index.leaves
+        return self._table.leaves
 
     def clear(self) -> None:
         """Drop everything, in RAM and on disk (a shared remote tier is left
         alone: ``kvstore clear --remote URL`` acts there)."""
         self._check_open(write=True)
         self.flush()
-        with self._lock:
-            for r in self._index.roots():
-                for child in list((r.children or {}).values()):
-                    self._placement.forget_locked(child)
-        if self._persist is not None:
-            self._persist.disk.remove_all()
+        self._table.clear()
+        if self._disk is not None:
+            self._disk.tier.remove_all()
 
     # --------------------------------------------------------------- lookup
 
     def _root(self, model_key, register: bool = True, info: Optional[dict] = None) -> Node:
         key = _root_key(model_key, self.namespace)
         if register and not self.readonly and key not in self._registered \
-                and (self._persist is not None or self._remote is not None):
+                and (self._disk is not None or self._remote is not None):
             self._registered.add(key)
             name = model_key if isinstance(model_key, str) else model_key.hex()
             desc = dict(info or {}, model_key=name, namespace=self.namespace, created=time.time())
-            if self._persist is not None:
+            if self._disk is not None:
                 if info is None:  # a put's implicit description: written by the writer, not while the engine waits
-                    self._writer.later(partial(self._persist.register_model, key, desc))
+                    self._writer.later(partial(self._disk.register_model, key, desc))
                 else:
-                    self._persist.register_model(key, desc)
+                    self._disk.register_model(key, desc)
             if self._remote is not None:
                 self._remote.register_model(key, desc)
-        with self._lock:
-            return self._index.root(key)
+        return self._table.root(key)
 
-    def _match(self, root: Node, chain: KeyChain, n: int, partial: bool = True) -> lookup.Match:
+    def _match(self, root: Node, chain: KeyChain, n: int) -> lookup.Match:
         """The stored blocks along ``chain.tokens[:n]``, looking on disk (outside
-        the lock) for blocks other processes wrote where the index ends."""
+        the table's lock) for blocks other processes wrote where the index
+        ends, and for one block the prompt ends or diverges inside of."""
         looked: set[bytes] = set()
         while True:
-            with self._lock:
-                full = lookup.walk(self._index, root, chain, n)
-                stop = full.last
-            if (self._persist is None or stop.key in looked or full.length >= n
+            full = self._table.walk(root, chain, n)
+            stop = full.last
+            if (self._disk is None or stop.key in looked or full.length >= n
                     or not (stop.is_root or stop.on_disk)):
                 break
             # partial blocks other processes wrote below the stop are found only on disk, even where
             # this process has children of its own there
             looked.add(stop.key)
-            self._persist.discover(stop)
+            self._disk.discover(stop)
         match = lookup.Match(full, list(full.nodes), full.length)
-        if partial and full.length < n:
-            with self._lock:
-                candidates = lookup.partial_candidates(stop, chain, full.length, n)
-            best, shared = lookup.best_partial(candidates, chain, full.length, n, self._placement.tokens_of)
+        if full.length < n:
+            candidates = self._table.candidates(stop, chain, full.length, n)
+            best, shared = lookup.best_partial(candidates, chain, full.length, n, self._reader.tokens_of)
             if best is not None:
                 match.path.append(best)
                 match.matched += shared
@@ -459,10 +419,10 @@ class PrefixStore:
     # ------------------------------------------------------------- helpers
 
     def _save(self) -> None:
-        if self._persist is None or self.readonly:
+        if self._disk is None or self.readonly:
             return
-        self._persist.save()
-        self._costs.save()
+        self._disk.save()
+        self._planner.save()
 
     def _warn(self, what: str, msg: str) -> None:
         if what not in self._warned:
@@ -488,15 +448,6 @@ def _count(value, name: str) -> None:
     """``InputError`` unless ``value`` is an int >= 0 (a str such as "5" is not)."""
     if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 0:
         raise InputError(f"{name} must be an int >= 0, got {value!r}")
-
-
-def _budget_bytes(gb: float, name: str) -> int:
-    if isinstance(gb, bool) or not isinstance(gb, (int, float)) or not math.isfinite(gb) or gb < 0:
-        raise ConfigError(f"{name} must be a finite number of GiB >= 0, got {gb!r}")
-    return int(gb * GB)
-
-
-# ------------------------------------------------------------------ layers
 
 
 _OPEN: "weakref.WeakSet[PrefixStore]" = weakref.WeakSet()

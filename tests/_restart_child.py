@@ -41,7 +41,7 @@ def main(mode: str, path: str) -> None:
             return
         # Hold the store's lock while putting and leaving: the writer thread
         # cannot encode anything yet, so every block is still queued at exit.
-        with store._lock:
+        with store._table._lock:
             for p in prompts():
                 store.put(MODEL, p, layers(p))
             pending = store.stats()["pending_bytes"]

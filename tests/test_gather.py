@@ -113,20 +113,20 @@ def test_ram_holds_each_block_as_the_bytes_the_disk_stores(tmp_path):
     path = tmp_path / "s"
 
     def on_disk(s, key: bytes) -> bytes:
-        with s._persist.disk.reader() as txn:
-            return bytes(s._persist.disk.payload(txn, key))
+        with s._disk.tier.reader() as txn:
+            return bytes(s._disk.tier.payload(txn, key))
 
     with PrefixStore(budget_gb=1, ssd_path=path, block_size=BS) as s:
         s.put("m", toks, want)
         s.flush()
-        keys = [k for k, _ in s._ram.oldest()]
+        keys = [k for k, _ in s._table._ram.oldest()]
         assert len(keys) == 4 and s.nbytes == sum(len(on_disk(s, k)) for k in keys)
-        assert all(isinstance(s._ram.get(k), Stored) and bytes(s._ram.get(k).buf) == on_disk(s, k) for k in keys)
+        assert all(isinstance(s._table._ram.get(k), Stored) and bytes(s._table._ram.get(k).buf) == on_disk(s, k) for k in keys)
     with PrefixStore(budget_gb=1, ssd_path=path, block_size=BS) as s:
         assert s.nbytes == 0 and s.fetch("m", toks).ssd_tokens == 64
         s.flush()  # promotions done
-        assert sorted(k for k, _ in s._ram.oldest()) == sorted(keys)
-        assert all(bytes(s._ram.get(k).buf) == on_disk(s, k) for k in keys)
+        assert sorted(k for k, _ in s._table._ram.oldest()) == sorted(keys)
+        assert all(bytes(s._table._ram.get(k).buf) == on_disk(s, k) for k in keys)
         hit = s.fetch("m", toks)
         assert hit.ram_tokens == 64
         for got, exp in zip(hit.layers, want):

@@ -21,7 +21,8 @@ from kvstore.errors import ConfigError, RemoteConfigError
 from kvstore.hashing import KeyChain, as_tokens, root_key
 from kvstore.record import BlockRecord
 from kvstore.remote_sync import Remote
-from kvstore.tiers.base import Entry
+from kvstore.config import StoreConfig
+from kvstore.record import Entry
 from kvstore.tiers.remote import PREFIX, RemoteTier
 
 from ._helpers import assert_hit_is, kv_layers
@@ -295,15 +296,13 @@ def _entries(n: int, size: int = 256 << 10, first: int = 0) -> list[Entry]:
     for i in range(first, first + n):
         rec = BlockRecord(key=i.to_bytes(16, "little"), parent=b"\0" * 16, root=b"\1" * 16, start=0, length=1,
                           tokens=np.array([i], dtype=np.int32), nbytes=size)
-        e = Entry(rec, None)
-        e.payload = os.urandom(size)
-        out.append(e)
+        out.append(Entry(rec, memoryview(os.urandom(size))))
     return out
 
 
 def test_copies_beyond_the_queue_bound_are_skipped_and_counted(server):
     counters = Counters()
-    remote = Remote(server.url, None, counters, queue_bytes=1 << 20)
+    remote = Remote(server.url, None, counters, StoreConfig(remote_queue_bytes=1 << 20))
     server.pause()  # slower than the engine
     try:
         t0 = time.monotonic()
@@ -324,7 +323,7 @@ def test_one_write_transaction_is_queued_whole_or_skipped_whole(server):
     remote (a gap would make every later block unservable there); an offer
     that arrives while the queue is over its bound is skipped whole."""
     counters = Counters()
-    remote = Remote(server.url, None, counters, queue_bytes=1 << 20)
+    remote = Remote(server.url, None, counters, StoreConfig(remote_queue_bytes=1 << 20))
     server.pause()
     try:
         remote.offer(_entries(6))  # 1.5 MiB: past the bound, queued whole
@@ -450,7 +449,7 @@ def test_cli_stats_and_clear_act_on_one_models_remote_blocks(server, host):
     assert bad.returncode == 2 and "credentials" in bad.stderr and "hunter2" not in bad.stderr
 
 
-def test_the_remote_tier_keeps_the_tier_protocol(server):
+def test_the_remote_tier_writes_reads_and_removes_blocks_as_kept(server):
     tokens = prompt(128, seed=40)
     chain = KeyChain(root_key(MODEL), as_tokens(tokens), BS)
     layers = kv_layers(tokens)
@@ -459,17 +458,16 @@ def test_the_remote_tier_keeps_the_tier_protocol(server):
         rows = [KVLayer(l.keys[:, :, i * BS:(i + 1) * BS], l.values[:, :, i * BS:(i + 1) * BS], i * BS) for l in layers]
         rec = BlockRecord(key=chain.key(i), parent=chain.parent(i), root=chain.root, start=i * BS, length=BS,
                           tokens=as_tokens(tokens[i * BS:(i + 1) * BS]), nbytes=0)
-        entries.append(Entry(rec, Block(rec.tokens, rows)))
+        entries.append(Entry(rec, serialize(Block(rec.tokens, rows), rec.key)))
     tier = RemoteTier(server.url)
     tier.connect()
     try:
-        tier.store(entries)
-        wanted = [(e.key, e.record.start) for e in entries]
-        loaded = tier.load(wanted)
-        assert list(loaded.blocks) == [e.key for e in entries] and not loaded.bad
-        assert all(serialize(loaded.blocks[e.key], e.key) == e.payload for e in entries)  # the same bytes back
-        assert tier.usage() > 0 and tier.budget == 256 << 20  # the server's own figures
+        tier.put_many([(e.record, e.payload) for e in entries])
+        got = tier.entries([e.key for e in entries])
+        assert [bytes(p) for _, p in got] == [bytes(e.payload) for e in entries]  # the same bytes back
+        assert [BlockRecord.unpack(e.key, r).tokens.tolist() for e, (r, _) in zip(entries, got)] == \
+            [e.record.tokens.tolist() for e in entries]
         assert tier.remove([entries[1].key, b"\0" * 16]) == [entries[1].key]
-        assert list(tier.load(wanted).blocks) == [entries[0].key]
+        assert [p is None for _, p in tier.entries([e.key for e in entries])] == [False, True]
     finally:
         tier.close()

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import xxhash
 
-from kvstore import codec
+from kvstore.config import StoreConfig
 from kvstore.codec import Block, Codec, convert, deserialize, read_header, serialize
 from kvstore.layers import KVLayer, Quantized
 from kvstore.rotation import DEFAULT_SEED, rotatable, rotate, signs, unrotate
@@ -118,10 +118,10 @@ def test_head_dims_that_are_not_powers_of_two_stay_unrotated():
 
 def test_codec_settings():
     """rotate_keys needs quantized keys; from_bits turns it on by default for
-    keys of ROTATE_KEYS_BELOW_OR_AT bits or fewer only."""
+    keys of StoreConfig.rotate_keys_at_or_below bits or fewer only."""
     with pytest.raises(ValueError, match="rotate_keys"):
         Codec(None, 8, 64, rotate_keys=True)
-    limit = codec.ROTATE_KEYS_BELOW_OR_AT
+    limit = StoreConfig().rotate_keys_at_or_below
     for bits in (8, 6, 4, 3):
         auto = Codec.from_bits(bits).rotate_keys
         assert auto == (limit is not None and bits <= limit)
@@ -181,11 +181,11 @@ def test_rotated_q4_values_restore_closer_than_plain_q4_and_so_does_attention():
 
 def test_codec_rotates_values_when_asked_and_by_its_default_rule():
     """rotate_values needs quantized values; from_bits applies
-    ROTATE_VALUES_BELOW_OR_AT when it is None; the codec quantizes keys and
+    StoreConfig.rotate_values_at_or_below when it is None; the codec quantizes keys and
     values with their own rotation and says so."""
     with pytest.raises(ValueError, match="rotate_values"):
         Codec(8, None, 64, rotate_values=True)
-    limit = codec.ROTATE_VALUES_BELOW_OR_AT
+    limit = StoreConfig().rotate_values_at_or_below
     for bits in (8, 6, 4, 3):
         assert Codec.from_bits(bits).rotate_values == (limit is not None and bits <= limit)
         assert Codec.from_bits((8, bits)).rotate_values == (limit is not None and bits <= limit)

@@ -21,7 +21,8 @@ from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule, run_state_machine_as_test
 
-from kvstore.store import GB, PrefixStore
+from kvstore.config import GB
+from kvstore.store import PrefixStore
 
 from ._helpers import assert_hit_is, kv_layers
 

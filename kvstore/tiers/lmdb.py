@@ -13,8 +13,8 @@ One environment (a directory) with sub-databases:
 A block and its record commit in one transaction, so a reader never sees one
 without the other, and a crash leaves either both or neither. Map size grows on
 ``MapFullError``; another process growing it is adopted on ``MapResizedError``.
-The tier keeps the protocol of ``tiers.base``; which blocks to write or evict
-is the store's decision (``persist``).
+The tier only keeps, finds and counts; which blocks to write or evict is the
+store's decision (``disk``, ``table``).
 
 New stores are written through a writable map (LMDB's ``writemap``): a value
 is copied once, into the file's pages, instead of into LMDB's buffers and then
@@ -41,7 +41,7 @@ from concurrent.futures import Future
 from contextlib import contextmanager
 from dataclasses import replace
 from pathlib import Path
-from typing import Callable, Iterable, Iterator, Mapping, Optional, Sequence, Union
+from typing import Callable, Iterable, Iterator, Mapping, Optional, Sequence
 
 import lmdb
 import msgpack
@@ -50,7 +50,7 @@ from ..codec import Stored
 from ..errors import BlockDecodeError, StorageError, StoreOpenError
 from ..record import BlockRecord
 from ..spread import pool
-from .base import Entry, Loaded, Use, decode_into
+from ..record import Entry, Use
 from .gate import Gate
 from .residency import (address, can_start_writeback, map_base, prefill, resident_at, start_writeback,
                         view_at)
@@ -536,24 +536,13 @@ class LmdbTier:
 
     # ------------------------------------------------------------ protocol
 
-    def load(self, wanted: Sequence[tuple[bytes, int]]) -> Loaded:
-        """Decoded, checked blocks, in one read transaction. Bad ones are
-        reported, not removed: deleting from inside a read transaction could
-        deadlock with a thread waiting to resize the map."""
-        out = Loaded()
-        with self.reader() as txn:
-            for key, start in wanted:
-                buf = self.payload(txn, key)
-                if buf is None or not decode_into(out, key, start, buf):
-                    break
-        return out
-
-    def store(self, entries: Iterable[Entry], nbytes: Optional[int] = None) -> None:
-        """Each payload and its record in one transaction. ``entries`` may be
-        a stream (the writer's blocks as it encodes them, ``nbytes`` about
-        their total): each is copied into the map as it comes, so the disk
-        writes the first while later ones are still being encoded, rather
-        than waiting for a whole batch."""
+    def store(self, entries: Iterable[Entry], nbytes: Optional[int] = None) -> list[BlockRecord]:
+        """Each payload and its record in one transaction; returns the records
+        as written (with where each value sits). ``entries`` may be a stream
+        (the writer's blocks as it encodes them, ``nbytes`` about their
+        total): each is copied into the map as it comes, so the disk writes
+        the first while later ones are still being encoded, rather than
+        waiting for a whole batch."""
         dbs = self.dbs
         fd = os.open(self._data_file, os.O_RDWR) if self.writemap and can_start_writeback() else -1
         source, taken = iter(entries), []
@@ -564,8 +553,11 @@ class LmdbTier:
                 taken.append(e)
                 yield e
 
+        written: list[BlockRecord] = []
+
         def fn(txn):
             ahead = _Prefill(self, txn, fd) if fd >= 0 else None
+            written.clear()
             for e in attempt():
                 n = len(e.payload)
                 if ahead is not None:
@@ -577,9 +569,10 @@ class LmdbTier:
                 if ahead is not None and offset >= 0:
                     ahead.after(offset, n)
                     start_writeback(fd, offset, n)  # the disk writes it while the next is copied
-                e.record = replace(e.record, offset=offset)
-                txn.put(e.key, e.record.pack(), db=dbs[b"nodes"])
-                txn.put(e.record.parent, e.key, db=dbs[b"children"], dupdata=True)
+                rec = replace(e.record, offset=offset)
+                txn.put(e.key, rec.pack(), db=dbs[b"nodes"])
+                txn.put(rec.parent, e.key, db=dbs[b"children"], dupdata=True)
+                written.append(rec)
         if nbytes is None:
             items = list(source)
             source, nbytes = iter(items), sum(len(e.payload) for e in items)
@@ -588,6 +581,7 @@ class LmdbTier:
         finally:
             if fd >= 0:
                 os.close(fd)
+        return written
 
     def _free_and_end(self, txn: lmdb.Transaction) -> tuple[int, int]:
         """Bytes of the file's free pages and where LMDB's last page in use
@@ -645,11 +639,10 @@ class LmdbTier:
         """A block's bytes: a view of the map, valid inside ``txn`` only."""
         return txn.get(key, db=self.dbs[b"blocks"])
 
-    def stored(self, txn: lmdb.Transaction, key: bytes, start: int, unread: bool = False
-               ) -> Union[Stored, str, None]:
+    def stored(self, txn: lmdb.Transaction, key: bytes, start: int, unread: bool = False) -> Optional[Stored]:
         """A block's bytes with its header checked and bound to ``key`` (its
-        payload is not checked yet: ``Stored.intact``), the reason it is bad,
-        or ``None`` when absent. Valid inside ``txn`` only.
+        payload is not checked yet: ``Stored.intact``), or ``None`` when
+        absent; ``BlockDecodeError`` says why it is bad. Valid inside ``txn`` only.
 
         ``unread``: without reading the payload yet. py-lmdb's ``get`` reads
         every page of a value before it returns, so a cold hit read all its
@@ -670,10 +663,7 @@ class LmdbTier:
         buf = self.payload(txn, key)
         if buf is None:
             return None
-        try:
-            return Stored.of(buf, key, start)
-        except BlockDecodeError as e:
-            return str(e)
+        return Stored.of(buf, key, start)
 
     def _stored_unread(self, txn: lmdb.Transaction, key: bytes, start: int) -> Optional[Stored]:
         span = self._map_span()

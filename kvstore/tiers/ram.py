@@ -6,24 +6,20 @@ engine buffer or device memory behind it. On CUDA this makes ``budget_gb``
 host RAM, as on every other backend; a hit from RAM takes the same one-copy
 route to the engine's device as one from disk (``gather``), and a block read
 from disk is promoted with one copy of its bytes, not a decode. The tier only
-keeps order and counts; which block may go (pinned, not yet on disk) is the
-store's decision (``placement``). Every verb is O(1) per block: the order is
-an ``OrderedDict``, and ``oldest`` walks it without copying.
+keeps order and counts; which block may go is the ``BlockTable``'s decision
+(its only owner). Every verb is O(1) per block.
 """
 
 from __future__ import annotations
 
 from collections import OrderedDict
-from typing import Iterator, Mapping, Optional, Sequence
+from typing import Iterable, Iterator, Optional
 
 from .. import buffers
 from ..codec import Stored
-from .base import Entry, Loaded, Use
 
 
 class RamTier:
-    name = "ram"
-
     def __init__(self, budget_bytes: int):
         self.budget = int(budget_bytes)
         self.nbytes = 0
@@ -32,44 +28,8 @@ class RamTier:
     def __len__(self) -> int:
         return len(self._blocks)
 
-    def __contains__(self, key: bytes) -> bool:
-        return key in self._blocks
-
     def get(self, key: bytes) -> Optional[Stored]:
         return self._blocks.get(key)
-
-    # ------------------------------------------------------------ protocol
-
-    def load(self, wanted: Sequence[tuple[bytes, int]]) -> Loaded:
-        out = Loaded()
-        for key, _ in wanted:
-            held = self._blocks.get(key)
-            if held is None:
-                break
-            out.blocks[key] = held.decode()
-        return out
-
-    def store(self, entries: Sequence[Entry]) -> None:
-        for e in entries:
-            self.add(e.key, Stored.of(e.payload, e.key, e.record.start, checked=True))
-
-    def remove(self, keys: Sequence[bytes]) -> list[bytes]:
-        return [k for k in keys if self.pop(k) is not None]
-
-    def touch(self, uses: Mapping[bytes, Use]) -> None:
-        """Most recently used last: ``uses`` in the order given."""
-        for key in uses:
-            if key in self._blocks:
-                self._blocks.move_to_end(key)
-
-    def usage(self) -> int:
-        return self.nbytes
-
-    def close(self) -> None:
-        while self._blocks:
-            self.pop(next(iter(self._blocks)))
-
-    # ------------------------------------------------------- single blocks
 
     def add(self, key: bytes, held: Stored) -> None:
         self.pop(key)
@@ -82,6 +42,12 @@ class RamTier:
             self.nbytes -= held.nbytes
             buffers.give_back(held.buf)  # reused once whoever still reads it lets go
         return held
+
+    def touch(self, keys: Iterable[bytes]) -> None:
+        """Most recently used last: ``keys`` in the order given."""
+        for key in keys:
+            if key in self._blocks:
+                self._blocks.move_to_end(key)
 
     def oldest(self) -> Iterator[tuple[bytes, Stored]]:
         """Blocks from least to most recently used. Lazy: stop iterating

@@ -26,7 +26,7 @@ the store's namespace in clear text, so Redis ACL key patterns can fence
 tenants sharing one server; the block keys themselves are salted by the
 namespace already (``hashing.root_key``).
 
-The tier keeps the protocol of ``tiers.base``. It never decides when to
+The tier only keeps, finds and counts. It never decides when to
 call the server; ``remote_sync.Remote`` guards every call with timeouts and a
 breaker, so nothing here has to be careful about a slow or absent server.
 """
@@ -37,7 +37,7 @@ import os
 import re
 import threading
 from dataclasses import dataclass, replace
-from typing import Iterator, Mapping, Optional, Sequence
+from typing import Iterator, Optional, Sequence
 from urllib.parse import parse_qs, quote, unquote, urlsplit
 
 import msgpack
@@ -45,14 +45,12 @@ import numpy as np
 
 from ..errors import RemoteConfigError
 from ..record import BlockRecord
-from .base import Entry, Loaded, Use, decode_into
 
 PREFIX = b"kvstore:v1:"  # v1: block bytes of codec format 2 and records of record.RECORD_VERSION 1
 FIELD_PAYLOAD, FIELD_RECORD, FIELD_ROOT = b"p", b"r", b"m"
 PASSWORD_ENV = ("KVSTORE_REMOTE_PASSWORD", "REDISCLI_AUTH")  # first set wins, when the URL has none
 USER_ENV = "KVSTORE_REMOTE_USER"
 SCHEMES = ("redis", "rediss", "unix")
-READ_CHUNK = 64 << 20  # payload bytes per pipelined read round trip
 _SAFE_NS = re.compile(r"[A-Za-z0-9_.@-]{1,64}")
 
 
@@ -155,12 +153,13 @@ class RemoteTier:
     name = "remote"
 
     def __init__(self, url: str, namespace: Optional[str] = None, timeout: float = 0.5,
-                 write_timeout: float = 10.0):
+                 write_timeout: float = 10.0, read_bytes: int = 64 << 20):
         self.url = RemoteURL.parse(url)
         self.namespace = namespace
         self.ns = namespace_tag(namespace).encode()
         self.timeout = timeout
         self.write_timeout = write_timeout
+        self.read_bytes = read_bytes  # payload bytes per pipelined read round trip
         self._connecting = threading.Lock()
         self.reads = None  # short socket timeouts: the engine waits on these
         self.writes = None  # longer ones: large background batches
@@ -249,41 +248,13 @@ class RemoteTier:
     def kids_name(self, root: bytes, parent: bytes) -> bytes:
         return PREFIX + self.ns + b":kids:" + root.hex().encode() + b":{" + parent.hex().encode() + b"}"
 
-    # -------------------------------------------------------------- protocol
-
-    def load(self, wanted: Sequence[tuple[bytes, int]]) -> Loaded:
-        """Decoded, checked blocks; stops at the first one missing or bad."""
-        out = Loaded()
-        for (key, start), buf in zip(wanted, self.payloads([k for k, _ in wanted])):
-            if not isinstance(buf, bytes):
-                if buf is not None:
-                    out.bad[key] = f"not a kvstore block ({buf})"
-                break
-            if not decode_into(out, key, start, buf):
-                break
-        return out
-
-    def store(self, entries: Sequence[Entry]) -> None:
-        self.put_many([(e.record, e.payload) for e in entries])
+    # ---------------------------------------------------------------- blocks
 
     def remove(self, keys: Sequence[bytes]) -> list[bytes]:
         """Delete blocks (UNLINK: freed by the server in the background)."""
         if not keys:
             return []
         return [k for k, n in zip(keys, self._each(self.reads, "unlink", [self.key_name(k) for k in keys])) if n]
-
-    def touch(self, uses: Mapping[bytes, Use]) -> None:
-        """Nothing to do: Redis's LRU clock already moved when the block was read."""
-
-    def usage(self) -> int:
-        return sum(int(i.get("used_memory", 0)) for i in self.node_infos("memory"))
-
-    @property
-    def budget(self) -> int:
-        """The servers' ``maxmemory`` (0: unbounded)."""
-        return sum(int(i.get("maxmemory", 0)) for i in self.node_infos("memory"))
-
-    # ------------------------------------------------------ beyond protocol
 
     def records(self, keys: Sequence[bytes]) -> list:
         """Each block's packed record: bytes, ``None`` when absent, or the
@@ -320,16 +291,16 @@ class RemoteTier:
 
     def entries(self, keys: Sequence[bytes], sizes: Optional[Sequence[int]] = None) -> list[tuple]:
         """``(record, payload)`` of each block (each as ``records``), in round
-        trips of about ``READ_CHUNK`` bytes when ``sizes`` are known."""
+        trips of about ``read_bytes`` when ``sizes`` are known."""
         out: list = []
-        for chunk in _chunks(keys, sizes):
+        for chunk in _chunks(keys, sizes, self.read_bytes):
             for r in self._each(self.reads, "hmget", [self.key_name(k) for k in chunk], FIELD_RECORD, FIELD_PAYLOAD):
                 out.append(tuple(r) if isinstance(r, list) else (r, r))
         return out
 
     def payloads(self, keys: Sequence[bytes], sizes: Optional[Sequence[int]] = None) -> list:
         """Each block's bytes (as ``records``)."""
-        return [p for chunk in _chunks(keys, sizes)
+        return [p for chunk in _chunks(keys, sizes, self.read_bytes)
                 for p in self._each(self.reads, "hget", [self.key_name(k) for k in chunk], FIELD_PAYLOAD)]
 
     def put_many(self, items: Sequence[tuple[BlockRecord, object]]) -> None:
@@ -434,12 +405,12 @@ def _children(replies: list) -> list[tuple[bytes, np.ndarray, bytes]]:
     return out
 
 
-def _chunks(keys: Sequence[bytes], sizes: Optional[Sequence[int]]) -> Iterator[Sequence[bytes]]:
-    """``keys`` in runs of about ``READ_CHUNK`` payload bytes (one run without sizes)."""
+def _chunks(keys: Sequence[bytes], sizes: Optional[Sequence[int]], limit: int) -> Iterator[Sequence[bytes]]:
+    """``keys`` in runs of about ``limit`` payload bytes (one run without sizes)."""
     i = 0
     while i < len(keys):
         j, total = i, 0
-        while j < len(keys) and (j == i or sizes is None or total + sizes[j] <= READ_CHUNK):
+        while j < len(keys) and (j == i or sizes is None or total + sizes[j] <= limit):
             total += 0 if sizes is None else sizes[j]
             j += 1
         yield keys[i:j]

@@ -2,56 +2,50 @@
 cost where they are now, what a served fetch really cost, and keeping the
 estimates per machine in the store.
 
-``plan`` reads page-cache residency from disk, so it runs without the store
-lock (taking it only to read the path's nodes).
+``plan`` asks the table where the path's blocks are, then the disk which of
+their pages are cached (no I/O: ``mincore``).
 """
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Mapping, Optional
 
-from . import lookup
 from .cost import CostModel, Plan, machine_id
 from .counters import Counters
+from .disk import Disk
 from .index import Node
-from .persist import Persist
-from .tiers.ram import RamTier
-
-_CACHED = 0.9  # a block with this share of its pages in the page cache reads as cached
+from .table import BlockTable
 
 
-class FetchCosts:
-    def __init__(self, cost: CostModel, ram: RamTier, persist: Optional[Persist], lock, counters: Counters):
+class Planner:
+    def __init__(self, cost: CostModel, table: BlockTable, disk: Optional[Disk], counters: Counters,
+                 cached_share: float):
         self.cost = cost
-        self.ram = ram
-        self.persist = persist
-        self.lock = lock
+        self.table = table
+        self.disk = disk
         self.counters = counters
+        self.cached_share = cached_share  # a disk block with this share of its pages cached reads as cached
 
-    def plan(self, root: bytes, n_prompt: int, path: list[Node], servable: int) -> Plan:
+    def plan(self, root: bytes, n_prompt: int, path: list[Node], servable: int, found: Mapping = {}) -> Plan:
         """How much of the servable prefix to load: per block its tier and, on
-        disk, whether its pages are cached."""
+        disk, whether its pages are cached (``found``: blocks in hand, read
+        from the remote, that load as RAM does)."""
         if not path:
             return Plan(servable, servable)
-        with self.lock:
-            blocks = [self.ram.get(p.key) if p.in_ram else None for p in path]
-            sizes = [b.nbytes if b is not None else p.nbytes for p, b in zip(path, blocks)]
-            constrained = any(p.snap is not None or p.gap for p in path)
-            on_disk = {p.key: (p.offset, p.nbytes) for p, b in zip(path, blocks) if b is None}
+        view = self.table.plan_view(path, found)
         resident: dict = {}
-        if on_disk and self.persist is not None:
+        if view.on_disk and self.disk is not None:
             try:
-                resident = self.persist.disk.resident(on_disk)
+                resident = self.disk.tier.resident(view.on_disk)
             except Exception:
                 resident = {}
-        states = ["ram" if b is not None else
-                  "ssd_cached" if (resident.get(p.key) or 0) >= _CACHED else "ssd_cold"
-                  for p, b in zip(path, blocks)]
-        limit_to = (lambda n: lookup.servable([p for p in path if p.start < n], n)) if constrained else None
-        plan = self.cost.plan(root.hex(), n_prompt, [p.start for p in path], [p.end for p in path], sizes,
+        states = ["ram" if r else "ssd_cached" if (resident.get(p.key) or 0) >= self.cached_share else "ssd_cold"
+                  for p, r in zip(path, view.in_ram)]
+        limit_to = (lambda n: self.table.servable([p for p in path if p.start < n], n)) if view.constrained else None
+        plan = self.cost.plan(root.hex(), n_prompt, [p.start for p in path], [p.end for p in path], view.sizes,
                               states, servable, limit_to)
         plan.states = dict(zip((p.key for p in path), states))
-        plan.unknown = frozenset(k for k in on_disk if resident.get(k) is None)  # planned as cold
+        plan.unknown = frozenset(k for k in view.on_disk if resident.get(k) is None)  # planned as cold
         return plan
 
     def observe(self, path: list[Node], sizes: list[int], from_ram: list[bool], length: int, plan: Plan,
@@ -95,18 +89,18 @@ class FetchCosts:
     def load(self) -> None:
         """Start from what earlier runs on this machine measured."""
         try:
-            saved = (self.persist.disk.get_info("rates") or {}).get(machine_id())
+            saved = (self.disk.tier.get_info("rates") or {}).get(machine_id()) if self.disk is not None else None
         except Exception:
             saved = None
         if saved:
             self.cost.merge_saved(saved)
 
     def save(self) -> None:
-        if self.persist is None or not self.cost.dirty:
+        if self.disk is None or not self.cost.dirty:
             return
         try:
-            rates = self.persist.disk.get_info("rates") or {}
+            rates = self.disk.tier.get_info("rates") or {}
             rates[machine_id()] = self.cost.to_dict()
-            self.persist.disk.set_info("rates", rates)
+            self.disk.tier.set_info("rates", rates)
         except Exception as e:
-            self.persist.failed("saving measured rates to", e)
+            self.disk.failed("saving measured rates to", e)

@@ -1,0 +1,125 @@
+"""StoreConfig: every setting of a store and every tuning constant, with
+its reason, validated in one place.
+
+``PrefixStore(budget_gb=4, ssd_path=...)`` builds one from its keywords;
+``PrefixStore(config=StoreConfig(...))`` takes one whole (``replace`` it to
+vary one field). The modules of the store read their constants from here;
+tests and benchmarks vary them the same way.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import dataclass, fields
+from typing import Optional, Union
+
+from .errors import ConfigError
+
+GB = 1 << 30
+MAX_BLOCK = 1 << 16  # tokens per block: one block of an 8B model at fp16 is then 8 GiB, far past any use
+POLICIES = ("auto", "always", "never")
+
+KvBits = Union[None, int, tuple[Optional[int], Optional[int]]]
+
+
+@dataclass(frozen=True, kw_only=True)
+class StoreConfig:
+    # ------------------------------------------------------------- settings
+    budget_gb: float = 4.0  # the RAM tier's bytes
+    ssd_path: Optional[Union[str, os.PathLike]] = None  # an LMDB store there (None: RAM only)
+    disk_budget_gb: Optional[float] = None  # None: half the free space, at most 64 GiB
+    block_size: int = 256  # tokens per block
+    kv_bits: KvBits = None  # an int, (key_bits, value_bits), or None: the engine's dtype
+    kv_group_size: int = 64
+    rotate_keys: Optional[bool] = None  # None: at 4 bits or fewer (``rotate_*_at_or_below``)
+    rotate_values: Optional[bool] = None
+    namespace: Optional[str] = None  # salts every key: tenants never share or see blocks
+    readonly: bool = False
+    fetch_policy: str = "auto"  # "auto", "always" or "never"
+    remote: Optional[str] = None  # redis://, rediss://, unix:// URL of a shared tier
+    remote_timeout: float = 0.5  # seconds a down remote costs now and then
+
+    # --------------------------------------------------------------- tuning
+    # Rotation before quantizing is the default at or below these bits: it measured better at 4 bits and not
+    # at 8 (docs/benchmarks.md, fidelity).
+    rotate_keys_at_or_below: Optional[int] = 4
+    rotate_values_at_or_below: Optional[int] = 4
+    # Bytes per disk write transaction: each commit idles the disk and the writer, so few large ones.
+    write_batch_bytes: int = 512 << 20
+    # Bytes encoded and not yet taken by the transaction being written (what the writer may run ahead by).
+    write_ahead_bytes: int = 64 << 20
+    # Seconds a write transaction stays open while blocks are encoded: it holds LMDB's write lock, which
+    # other processes' writes wait for.
+    write_seconds: float = 1.0
+    # Bytes of queued puts past which a put is done in the caller (None: max(256 MiB, the RAM budget)).
+    max_pending_bytes: Optional[int] = None
+    # Rows of a layer quantized at once on the host, then cut into blocks (quantizing works row by row).
+    compress_rows: int = 2048
+    # Seconds without disk writes after the device filled up and evicting could not help.
+    full_pause_s: float = 30.0
+    # Disk eviction: rounds of (pick victims, delete) per call, and the share of the budget it evicts to.
+    evict_rounds: int = 64
+    evict_to: float = 0.9
+    # A disk block with this share of its pages in the page cache is planned as cached.
+    cached_share: float = 0.9
+    # Remote tier: copies waiting to be sent at most; bytes and blocks per pipelined write; seconds close()
+    # gives the queue; blocks probed in one fetch; payload bytes per pipelined read.
+    remote_queue_bytes: int = 256 << 20
+    remote_batch_bytes: int = 32 << 20
+    remote_batch_blocks: int = 64
+    remote_close_wait: float = 10.0
+    remote_probe_blocks: int = 1024
+    remote_read_bytes: int = 64 << 20
+
+    def __post_init__(self):
+        bs = self.block_size
+        if isinstance(bs, bool) or not isinstance(bs, int) or not 1 <= bs <= MAX_BLOCK:
+            raise ConfigError(f"block_size must be an int in [1, {MAX_BLOCK}] (tokens per block), got {bs!r}")
+        if self.namespace is not None and not isinstance(self.namespace, str):  # ("" is a namespace of its own)
+            raise ConfigError(f"namespace must be a str or None, got {self.namespace!r}")
+        if not isinstance(self.readonly, bool):
+            raise ConfigError(f"readonly must be True or False, got {self.readonly!r}")
+        p = self.ssd_path
+        if p is not None and (not isinstance(p, (str, os.PathLike)) or not str(p).strip()):
+            # "" would be the working directory: a store is made only where it is named
+            raise ConfigError(f"ssd_path must name a directory (or be None for a RAM-only store), got {p!r}")
+        gib(self.budget_gb, "budget_gb")
+        if self.disk_budget_gb is not None:
+            gib(self.disk_budget_gb, "disk_budget_gb")
+        if self.fetch_policy not in POLICIES:
+            raise ConfigError(f"fetch_policy must be one of {POLICIES}, got {self.fetch_policy!r}")
+        t = self.remote_timeout
+        if isinstance(t, bool) or not isinstance(t, (int, float)) or not math.isfinite(t) or t <= 0:
+            raise ConfigError(f"remote_timeout must be a number of seconds > 0, got {t!r}")
+        for f in fields(self):
+            if f.name in _POSITIVE:
+                v = getattr(self, f.name)
+                if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float)) or v <= 0):
+                    raise ConfigError(f"{f.name} must be a number > 0, got {v!r}")
+        for name in ("evict_to", "cached_share"):
+            if not 0 < getattr(self, name) <= 1:
+                raise ConfigError(f"{name} must be in (0, 1], got {getattr(self, name)!r}")
+
+    @property
+    def ram_bytes(self) -> int:
+        return int(self.budget_gb * GB)
+
+    @property
+    def disk_bytes(self) -> Optional[int]:
+        return None if self.disk_budget_gb is None else int(self.disk_budget_gb * GB)
+
+    def pending_bound(self) -> int:
+        return self.max_pending_bytes if self.max_pending_bytes is not None else max(256 << 20, self.ram_bytes)
+
+
+_POSITIVE = ("write_batch_bytes", "write_ahead_bytes", "write_seconds", "max_pending_bytes", "compress_rows",
+             "full_pause_s", "evict_rounds", "remote_queue_bytes", "remote_batch_bytes", "remote_batch_blocks",
+             "remote_close_wait", "remote_probe_blocks", "remote_read_bytes")
+
+
+def gib(gb: float, name: str) -> int:
+    """``gb`` GiB in bytes; ``ConfigError`` unless a finite number >= 0."""
+    if isinstance(gb, bool) or not isinstance(gb, (int, float)) or not math.isfinite(gb) or gb < 0:
+        raise ConfigError(f"{name} must be a finite number of GiB >= 0, got {gb!r}")
+    return int(gb * GB)
