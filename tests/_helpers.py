@@ -12,6 +12,8 @@ import mlx.core as mx
 import numpy as np
 from mlx.utils import tree_map
 
+from kvstore.codec import Block, serialize
+from kvstore.hashing import KEY_BYTES, as_tokens
 from kvstore.layers import KVLayer, Quantized, StateLayer
 
 _P = (1 << 31) - 1
@@ -106,3 +108,22 @@ def assert_hit_is(hit, tokens: Sequence[int], length: int, kv_bits: Optional[int
         assert layer.start == 0 and layer.stop == length, (li, layer.start, layer.stop)
         assert same(layer.keys, k), f"layer {li}: keys differ from the KV of tokens[:{length}]"
         assert same(layer.values, v), f"layer {li}: values differ from the KV of tokens[:{length}]"
+
+
+# ---------------------------------------------- a store of 8-token blocks
+
+BS = 8
+M = "test-model"
+
+
+def toks(n: int, start: int = 1000) -> list[int]:
+    return list(range(start, start + n))
+
+
+def put(store, p, **kw):
+    return store.put(M, p, kv_layers(p, **kw))
+
+
+# what one block costs in RAM: its serialized bytes (2 layers x (K, V) of [1, 1, 8, 32] float16, its
+# tokens, the header, 64-byte alignment), the same bytes the disk tier stores
+BLOCK_BYTES = len(serialize(Block(as_tokens(toks(BS)), kv_layers(toks(BS))), b"k" * KEY_BYTES))

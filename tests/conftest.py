@@ -1,9 +1,15 @@
 """Shared pytest options: ``--soak`` runs the long reliability variants
-(tests marked ``soak``); without it they are skipped."""
+(tests marked ``soak``); without it they are skipped. Shared fixtures:
+``store`` (RAM only) and ``ssd`` (a factory of stores on one path), both of
+``_helpers.BS``-token blocks; a module's own fixture of the same name wins."""
 
 from __future__ import annotations
 
 import pytest
+
+from kvstore.store import PrefixStore
+
+from ._helpers import BS
 
 
 def pytest_addoption(parser):
@@ -18,3 +24,25 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "soak" in item.keywords:
             item.add_marker(skip)
+
+
+@pytest.fixture
+def store():
+    s = PrefixStore(budget_gb=1, block_size=BS)
+    yield s
+    s.close()
+
+
+@pytest.fixture
+def ssd(tmp_path):
+    opened = []
+
+    def open_(**kw):
+        kw = dict(dict(budget_gb=1, block_size=BS, ssd_path=tmp_path / "store", disk_budget_gb=1), **kw)
+        s = PrefixStore(**kw)
+        opened.append(s)
+        return s
+
+    yield open_
+    for s in opened:
+        s.close()

@@ -1,7 +1,8 @@
 """Opening a store: one environment per path per process, shared by every
-``PrefixStore`` of that path there; read-only opens that need nothing
-written; errors that say what is wrong and never advise deleting a healthy
-store."""
+``PrefixStore`` of that path there, and none kept alive by a store dropped
+unclosed; a private directory for a new store; read-only opens that need
+nothing written and refuse writes; paths that are not stores refused; errors
+that say what is wrong and never advise deleting a healthy store."""
 
 from __future__ import annotations
 
@@ -15,10 +16,10 @@ from pathlib import Path
 
 import pytest
 
-from kvstore import PrefixStore, StoreOpenError
+from kvstore import PrefixStore, ReadOnlyError, StoreOpenError
 from kvstore.tiers.lmdb import LmdbTier
 
-from ._helpers import assert_hit_is, kv_layers
+from ._helpers import assert_hit_is, kv_layers, put
 
 BS = 8
 M = "test-model"
@@ -155,3 +156,56 @@ def test_lmdb_tier_open_shares_and_counts_its_users(tmp_path):
     c = LmdbTier.open(path)
     assert c is not a
     c.close()
+
+
+def test_store_directory_is_private(tmp_path):
+    """The store directory is created with mode 0o700 (parents as needed), its files 0o600."""
+    path = tmp_path / "a" / "b" / "store"
+    with PrefixStore(budget_gb=1, ssd_path=path, block_size=BS) as s:
+        put(s, toks(8))
+    assert stat.S_IMODE(path.stat().st_mode) == 0o700
+    assert stat.S_IMODE((path / "data.mdb").stat().st_mode) == 0o600
+
+
+def test_foreign_paths_are_refused(tmp_path):
+    """ssd_path must be new, empty or a kvstore store: a file or a directory
+    of other files is refused with StoreOpenError, and left untouched."""
+    f = tmp_path / "file"
+    f.write_text("x")
+    with pytest.raises(StoreOpenError, match="is a file"):
+        PrefixStore(ssd_path=f)
+    d = tmp_path / "dir"
+    d.mkdir()
+    (d / "notes.txt").write_text("x")
+    with pytest.raises(StoreOpenError, match="not a kvstore store"):
+        PrefixStore(ssd_path=d)
+    assert f.read_text() == "x" and sorted(p.name for p in d.iterdir()) == ["notes.txt"]
+
+
+def test_readonly_store_serves_but_refuses_writes(ssd, tmp_path):
+    """A read-only store fetches what is on disk and refuses put."""
+    p = toks(20)
+    s = ssd()
+    put(s, p)
+    s.close()
+    ro = ssd(readonly=True)
+    assert_hit_is(ro.fetch(M, p), p, 20)
+    with pytest.raises(ReadOnlyError, match="read-only"):
+        put(ro, p)
+    with pytest.raises(ReadOnlyError):
+        ro.clear()
+    with pytest.raises(StoreOpenError):
+        PrefixStore(ssd_path=tmp_path / "missing", readonly=True)
+
+
+def test_a_writable_store_dropped_unclosed_leaves_its_path_free(tmp_path):
+    """Opening a store starts no thread that keeps it alive: one dropped
+    without close() (and never written to) is collected, and its path opens
+    again in the same process."""
+    import gc
+
+    s = PrefixStore(budget_gb=1, block_size=BS, ssd_path=tmp_path / "store")
+    del s
+    gc.collect()
+    again = PrefixStore(budget_gb=1, block_size=BS, ssd_path=tmp_path / "store")
+    again.close()

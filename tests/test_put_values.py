@@ -148,3 +148,34 @@ def test_arrays_the_store_cannot_keep_exactly_are_refused_at_put(store, make, sa
         store.put(M, p, [make(kv_layers(p, n_layers=1)[0])])
     store.flush()
     assert len(store) == 0 and not store.fetch(M, p)
+
+
+def test_a_put_keeps_the_kv_it_was_given_when_the_engine_writes_its_buffer_after(ssd, monkeypatch):
+    """The writer serializes straight from the engine's buffers, after put
+    has returned; an engine that writes into those buffers meanwhile (mlx-lm
+    fills its cache in place) does not change what is stored."""
+    import kvstore.writer as writer
+
+    p = toks(3 * BS)
+    layers = kv_layers(p)
+    engine = [[l.keys, l.values] for l in layers]  # the engine's buffers, 1 spare row per layer
+    engine = [[mx.concatenate([t, mx.zeros_like(t[..., :1, :])], axis=2) for t in kv] for kv in engine]
+    given = [KVLayer(k[..., : len(p), :], v[..., : len(p), :]) for k, v in engine]
+    mx.eval([t for kv in engine for t in kv] + [t for l in given for t in (l.keys, l.values)])
+    wrote = threading.Event()
+    real = writer.encode
+
+    def encode(*a):
+        assert wrote.wait(10)
+        return real(*a)
+
+    monkeypatch.setattr(writer, "encode", encode)
+    s = ssd(budget_gb=0)
+    s.put(M, p, given)
+    for kv in engine:  # the engine overwrites rows of the prompt (a trim and a new suffix)
+        for t in kv:
+            t[..., 2:, :] = mx.full(t[..., 2:, :].shape, 7.0, t.dtype)
+        mx.eval(kv)
+    wrote.set()
+    s.flush()
+    assert_hit_is(s.fetch(M, p), p, len(p))

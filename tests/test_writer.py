@@ -1,0 +1,305 @@
+"""The background writer: ``put`` hashes, indexes and queues; the writer
+thread encodes the blocks (quantizing many rows at once) into reused
+buffers, and a commit thread writes them to disk in transactions that
+stream blocks in while the next ones are encoded.
+
+- Queued work is bounded: past the bound a put runs in the caller.
+- A put never waits on a disk transaction.
+- A put of many batches lands whole; a failed write leaves the writer free
+  and RAM serving; where no thread can start (an exiting interpreter) the
+  blocks are still written, by the writer or in the caller's thread.
+- An interrupt part-way through an inline put leaves no transaction open.
+
+What ``put`` is given is what is stored, whatever the caller does after:
+tests/test_put_values.py."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+
+from kvstore.hashing import root_key
+from kvstore.store import PrefixStore
+
+from ._helpers import BS, M, assert_hit_is, kv_layers, put, toks
+
+# ------------------------------------------------------------ the queue bound
+
+
+def test_put_runs_in_the_caller_when_the_background_thread_is_far_behind(ssd, monkeypatch):
+    """Queued work is bounded: a put that would pass the bound is done in the
+    caller (counted as ``puts_inline``), and both puts are stored."""
+    import kvstore.writer as W
+
+    gate = threading.Event()
+    real = W.encode
+
+    def encode(*a):
+        if threading.current_thread().name == "kvstore-writer":
+            gate.wait(30)  # the background thread is stuck behind the first put
+        return real(*a)
+
+    monkeypatch.setattr(W, "encode", encode)
+    s = ssd()
+    s._writer.max_pending = 1
+    a, b = toks(20), toks(20, start=5000)
+    put(s, a)
+    put(s, b)  # pending work is over the bound: done here, while the writer waits
+    assert s.stats()["puts_inline"] == 1
+    assert_hit_is(s.fetch(M, b), b, 20)
+    gate.set()
+    s.flush()
+    assert_hit_is(s.fetch(M, a), a, 20)
+    assert s.stats()["puts_inline"] == 1
+
+
+# ---------------------------------------------------- encoding and transactions
+
+
+def test_a_put_of_many_batches_is_written_whole_while_encoding_overlaps(ssd, monkeypatch):
+    """Batches go to the commit thread one at a time while the writer encodes
+    the next: after a flush every block is on disk, and a reopened store
+    serves the whole prompt exactly."""
+    import kvstore.writer as writer
+
+    monkeypatch.setattr(writer, "WRITE_BATCH", 1)  # every block its own batch and transaction
+    p = toks(10 * BS)
+    s = ssd()
+    assert put(s, p) == 10
+    s.flush()
+    assert s.stats()["ssd_blocks"] == 10
+    s.close()
+    hit = ssd(budget_gb=0).fetch(M, p)
+    assert hit.length == 10 * BS and hit.ssd_tokens == 10 * BS
+    assert_hit_is(hit, p, 10 * BS)
+
+
+def test_a_transaction_copies_the_first_block_before_the_writer_has_encoded_the_last(ssd, monkeypatch):
+    """Blocks stream into the write transaction as they are encoded: LMDB
+    has the first block of a put before the writer encodes its last one, so
+    the disk is not idle while a whole batch is encoded first; the put
+    still lands whole, in one transaction."""
+    import kvstore.writer as writer
+    from kvstore.tiers.lmdb import LmdbTier
+
+    events: list[str] = []
+    real_encode, real_store = writer.encode, LmdbTier.store
+
+    def encode(job, node, codec):
+        events.append(f"encode {node.start // BS}")
+        if node.start // BS == 4:  # the last block comes after the transaction has had time to take the first
+            deadline = __import__("time").monotonic() + 5
+            while "copy 0" not in events and __import__("time").monotonic() < deadline:
+                threading.Event().wait(0.01)
+        return real_encode(job, node, codec)
+
+    def store(self, entries, nbytes=None):
+        def seen():
+            for e in entries:
+                events.append(f"copy {e.record.start // BS}")
+                yield e
+        events.append("transaction")
+        return real_store(self, seen(), nbytes)
+
+    monkeypatch.setattr(writer, "encode", encode)
+    monkeypatch.setattr(LmdbTier, "store", store)
+    s = ssd(budget_gb=0)
+    p = toks(5 * BS)
+    assert put(s, p) == 5
+    s.flush()
+    assert events.index("copy 0") < events.index("encode 4")
+    assert events.count("transaction") == 1 and sorted(e for e in events if e.startswith("copy")) == \
+        [f"copy {i}" for i in range(5)]
+    s.close()
+    hit = ssd(budget_gb=0).fetch(M, p)
+    assert hit.ssd_tokens == 5 * BS
+    assert_hit_is(hit, p, 5 * BS)
+
+
+@pytest.mark.parametrize("bits", [8, 4])
+def test_rows_quantized_together_are_the_rows_quantized_block_by_block(tmp_path, monkeypatch, bits):
+    """The writer quantizes (and rotates) many rows of a layer at once and
+    cuts the blocks from them; each block's stored bytes are exactly those of
+    quantizing the block alone."""
+    import kvstore.writer as writer
+
+    p = toks(5 * BS)
+    layers = kv_layers(p, heads=2, dim=64)
+    stored = {}
+    for rows in (BS, 3 * BS):  # block by block; three blocks at once (a chunk ending mid-prompt)
+        monkeypatch.setattr(writer, "COMPRESS_ROWS", rows)
+        path = tmp_path / f"s{rows}"
+        with PrefixStore(budget_gb=0, block_size=BS, ssd_path=path, kv_bits=bits, rotate_keys=True) as s:
+            assert s.put(M, p, layers) == 5
+        with PrefixStore(budget_gb=0, block_size=BS, ssd_path=path, kv_bits=bits, rotate_keys=True) as s:
+            disk = s._persist.disk
+            with disk.env.begin(db=disk.dbs[b"blocks"]) as txn:
+                stored[rows] = {bytes(k): bytes(v) for k, v in txn.cursor()}
+    assert len(stored[BS]) == 5 and stored[BS] == stored[3 * BS]
+
+
+def test_a_disk_only_store_serializes_into_the_buffers_it_wrote_before(ssd):
+    """Blocks written through (no RAM to keep them) hand their bytes back,
+    and the next put's blocks are serialized into them: no fresh memory (page
+    faults) per block in the steady state, and every block still exact."""
+    from kvstore import buffers
+
+    big = dict(n_layers=2, heads=16, dim=1024)  # 1 MiB blocks: the size buffers are kept for
+    s = ssd(budget_gb=0)
+    a, b = toks(4 * BS), toks(4 * BS, start=5000)
+    s.put(M, a, kv_layers(a, **big))
+    s.flush()
+    handed_back = {r.ctypes.data for r in buffers._waiting}
+    assert handed_back
+    taken: list[int] = []
+    real = buffers.take
+
+    def take(n):
+        out = real(n)
+        taken.append(out.ctypes.data)
+        return out
+
+    try:
+        buffers.take = take
+        s.put(M, b, kv_layers(b, **big))
+        s.flush()
+    finally:
+        buffers.take = real
+    assert handed_back & set(taken)
+    for p in (a, b):
+        hit = s.fetch(M, p)
+        assert hit.ssd_tokens == len(p)
+        assert_hit_is(hit, p, len(p), **big)
+
+
+# ------------------------------------------------------ the commit thread
+
+
+def test_put_leaves_every_disk_write_to_the_background_threads(ssd, monkeypatch):
+    """A put never waits on a disk transaction (an fsync): not for its blocks
+    and not for the first description of a new model, which still lands."""
+    from kvstore.tiers.lmdb import LmdbTier
+
+    writers: list[str] = []
+    real = LmdbTier.write
+
+    def write(self, *a, **kw):
+        writers.append(threading.current_thread().name)
+        return real(self, *a, **kw)
+
+    monkeypatch.setattr(LmdbTier, "write", write)
+    s = ssd()
+    writers.clear()  # (opening the store writes its settings)
+    put(s, toks(3 * BS))
+    put(s, toks(3 * BS))  # nothing new
+    s.flush()
+    assert writers and threading.current_thread().name not in writers
+    assert root_key(M, s.namespace) in s._persist.disk.models()
+
+
+def test_a_write_that_fails_part_way_leaves_the_writer_free_and_ram_serving(ssd, monkeypatch):
+    """When the disk write fails after taking some blocks, the writer is not
+    left waiting on the transaction: the put finishes, the failure is
+    counted, RAM still serves the prompt, and the next put is written."""
+    from kvstore.tiers.lmdb import LmdbTier
+
+    real_store = LmdbTier.store
+    calls = []
+
+    def store(self, entries, nbytes=None):
+        calls.append(1)
+        if len(calls) == 1:
+            next(iter(entries))
+            raise OSError(5, "Input/output error")
+        return real_store(self, entries, nbytes)
+
+    monkeypatch.setattr(LmdbTier, "store", store)
+    s = ssd()
+    p = toks(6 * BS)
+    assert put(s, p) == 6
+    s.flush(timeout=30)
+    assert s._writer.pending_jobs == 0
+    st = s.stats()
+    assert st["write_errors"] == 1 and st["ssd_blocks"] == 0
+    assert_hit_is(s.fetch(M, p), p, 6 * BS)
+    q = toks(3 * BS, start=5000)
+    assert put(s, q) == 3
+    s.flush(timeout=30)
+    assert s.stats()["ssd_blocks"] == 3
+
+
+# ---------------------------------------------- no thread, interrupted puts
+
+
+def test_where_no_commit_thread_can_start_the_writer_writes_the_blocks_itself(ssd, monkeypatch):
+    """An exiting interpreter (Python 3.12+) refuses new threads: a put whose
+    commit thread cannot start is still written whole, by the writer."""
+    import kvstore.writer as writer
+
+    real_start = threading.Thread.start
+
+    def start(self):
+        if self.name == "kvstore-commit":
+            raise RuntimeError("can't create new thread at interpreter shutdown")
+        return real_start(self)
+
+    monkeypatch.setattr(threading.Thread, "start", start)
+    monkeypatch.setattr(writer, "WRITE_BATCH", 1)  # several transactions
+    s = ssd(budget_gb=0)
+    p = toks(6 * BS)
+    assert put(s, p) == 6
+    s.flush(timeout=30)
+    assert s._writer.pending_jobs == 0 and s.stats()["ssd_blocks"] == 6
+    assert_hit_is(s.fetch(M, p), p, 6 * BS)
+
+
+def test_where_no_thread_can_start_a_put_is_written_in_the_callers_thread(ssd, monkeypatch):
+    """An exiting interpreter (Python 3.12+) refuses new threads: a put (and a
+    new model's description) then runs in the caller, written whole, with no
+    error raised into the engine and nothing left pending."""
+    from kvstore.hashing import root_key
+
+    s = ssd(budget_gb=0)
+    def start(self):
+        raise RuntimeError("can't create new thread at interpreter shutdown")
+
+    monkeypatch.setattr(threading.Thread, "start", start)
+    p = toks(4 * BS)
+    assert put(s, p) == 4
+    assert s.stats()["ssd_blocks"] == 4 and s._writer.pending_bytes == 0
+    assert root_key(M, s.namespace) in s._persist.disk.models()
+    monkeypatch.undo()
+    assert_hit_is(s.fetch(M, p), p, 4 * BS)
+
+
+def test_an_interrupt_while_the_engine_thread_encodes_leaves_no_transaction_open(ssd, monkeypatch):
+    """A put run in the engine's thread (the writer's queue over its bound)
+    that is interrupted (Ctrl-C) part-way: the interrupt reaches the engine
+    once the blocks handed over are written, the others are stored by the
+    next put, and the store closes (no write transaction left waiting for
+    blocks that never come)."""
+    import kvstore.writer as writer
+
+    real_encode = writer.encode
+
+    def encode(job, node, codec):
+        if node.start >= 3 * BS and threading.current_thread() is threading.main_thread():
+            raise KeyboardInterrupt
+        return real_encode(job, node, codec)
+
+    monkeypatch.setattr(writer, "encode", encode)
+    s = ssd(budget_gb=0)
+    monkeypatch.setattr(s._writer, "submit", s._writer.run)  # the inline path
+    p = toks(6 * BS)
+    with pytest.raises(KeyboardInterrupt):
+        put(s, p)
+    monkeypatch.undo()
+    assert s.stats()["ssd_blocks"] == 3  # (written by the time the interrupt reaches the engine)
+    assert put(s, p) == 3  # the blocks never encoded are not taken as stored
+    s.flush(timeout=30)
+    assert s.stats()["ssd_blocks"] == 6
+    assert_hit_is(s.fetch(M, p), p, 6 * BS)
+    done = threading.Event()
+    threading.Thread(target=lambda: (s.close(), done.set()), daemon=True).start()
+    assert done.wait(30)
