@@ -1,13 +1,10 @@
 """Host memory for blocks' bytes, used again once nothing refers to it.
 
-A fresh buffer costs its page faults: about 1.2 us per 4 KiB page on the
-2-core VM (80 ms per 256 MiB), and memory the VM's host has taken back
-since it was last freed is slower still to touch (a 32 MiB block took 60-88
-ms instead of 3 ms to serialize into fresh memory, with no compaction
-stall counted in /proc/vmstat). A store in its steady state lets go of
-blocks' bytes about as fast as it makes new ones (a block written through
-with no room in RAM, a block evicted from a full RAM tier), so those
-buffers are handed back here and taken again.
+A fresh buffer costs its page faults (docs/design-notes.md, "buffers"), and
+a store in its steady state lets go of blocks' bytes about as fast as it
+makes new ones (a block written through with no room in RAM, a block
+evicted from a full RAM tier), so those buffers are handed back here and
+taken again.
 
 A buffer handed back is reused only when Python holds no other reference to
 it: every slice, memoryview and exported buffer of a numpy array holds one,
@@ -63,7 +60,3 @@ def give_back(view) -> None:
         _waiting_bytes += raw.nbytes
         while _waiting_bytes > _KEEP:
             _waiting_bytes -= _waiting.popleft().nbytes
-
-
-def waiting_bytes() -> int:
-    return _waiting_bytes

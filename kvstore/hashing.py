@@ -24,7 +24,6 @@ import xxhash
 
 from .errors import InputError
 
-KEY_BYTES = 16
 _ROOT_TAG = b"kvstore-root-v1\x00"
 _WIDE_TAG = b"\x01"  # precedes the int64 bytes of a block with an id outside int32
 _I32 = np.iinfo(np.int32)
@@ -88,14 +87,6 @@ def narrowest(tokens: np.ndarray) -> np.ndarray:
     return tokens
 
 
-def tokens_from_bytes(raw: Union[bytes, memoryview], n: int) -> np.ndarray:
-    """``n`` token ids stored as little-endian int32 (4n bytes) or int64 (8n)."""
-    for dt in TOKEN_DTYPES:
-        if len(raw) == n * dt.itemsize:
-            return np.frombuffer(raw, dtype=dt)
-    raise ValueError(f"{len(raw)} bytes are not {n} int32 or int64 token ids")
-
-
 def token_bytes(block_tokens: np.ndarray) -> bytes:
     """The bytes a block's tokens are hashed as (see the module docstring)."""
     if block_tokens.dtype == np.int32:
@@ -121,7 +112,6 @@ class KeyChain:
         self.root = root
         self.tokens = tokens
         self.block_size = block_size
-        self.n_full = len(tokens) // block_size
         self._keys: list[bytes] = []
 
     def key(self, i: int) -> bytes:

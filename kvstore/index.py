@@ -78,8 +78,8 @@ class Node:
 
 
 @dataclass
-class MatchResult:
-    """Longest run of full blocks of a prompt found in the index."""
+class Walk:
+    """Longest run of whole blocks of a prompt found in the index."""
 
     root: Node
     nodes: list[Node] = field(default_factory=list)
@@ -146,9 +146,9 @@ class RadixIndex:
         nodes[key] = node
         return node
 
-    def match(self, root: Node, keys) -> MatchResult:
+    def match(self, root: Node, keys) -> Walk:
         """Walk ``keys`` (an iterable of block keys, in order) from ``root``."""
-        result = MatchResult(root)
+        result = Walk(root)
         node = root
         for key in keys:
             child = node.children.get(key) if node.children else None
@@ -184,7 +184,3 @@ class RadixIndex:
     def unpin(nodes) -> None:
         for n in nodes:
             n.pins -= 1
-
-    @staticmethod
-    def is_leaf(node: Node) -> bool:
-        return not node.children

@@ -21,7 +21,7 @@ from typing import Callable, Optional, Sequence
 import numpy as np
 
 from .hashing import KeyChain
-from .index import FULL_GAP, NO_GAP, MatchResult, Node, RadixIndex
+from .index import FULL_GAP, NO_GAP, Walk, Node, RadixIndex
 from .layers import KVLayer
 
 
@@ -33,17 +33,12 @@ class Match:
     prompt ends or diverges inside of (used up to ``matched``).
     """
 
-    full: MatchResult
+    full: Walk
     path: list[Node] = field(default_factory=list)
     matched: int = 0
 
-    @property
-    def stop(self) -> Node:
-        """Where the walk over whole blocks stopped."""
-        return self.full.last
 
-
-def walk(index: RadixIndex, root: Node, chain: KeyChain, n: int) -> MatchResult:
+def walk(index: RadixIndex, root: Node, chain: KeyChain, n: int) -> Walk:
     """Whole blocks of ``chain.tokens[:n]`` found by key (hashing only as far
     as the walk goes)."""
     return index.match(root, (chain.key(i) for i in range(n // chain.block_size)))

@@ -86,7 +86,7 @@ class Planner:
         for state, nbytes in source_bytes.items():
             self.cost.observe_load(state, nbytes, load_s * nbytes / total, end_to_end=True)
 
-    def load(self) -> None:
+    def load_rates(self) -> None:
         """Start from what earlier runs on this machine measured."""
         try:
             saved = (self.disk.tier.get_info("rates") or {}).get(machine_id()) if self.disk is not None else None
@@ -95,7 +95,7 @@ class Planner:
         if saved:
             self.cost.merge_saved(saved)
 
-    def save(self) -> None:
+    def save_rates(self) -> None:
         if self.disk is None or not self.cost.dirty:
             return
         try:

@@ -35,7 +35,7 @@ log = logging.getLogger("kvstore")
 
 @dataclass
 class Served:
-    """What ``load`` served: layers of ``[0, length)``, and per block used,
+    """What ``read`` served: layers of ``[0, length)``, and per block used,
     whether it came from RAM and its stored bytes."""
 
     layers: list
@@ -67,7 +67,7 @@ class Reader:
             return self.disk.tokens(node)
         return None
 
-    def load(self, path: list[Node], toks: np.ndarray, length: int, quantized: Optional[tuple[int, int]] = None,
+    def read(self, path: list[Node], toks: np.ndarray, length: int, quantized: Optional[tuple[int, int]] = None,
              cold: frozenset = frozenset(), found: Optional[dict[bytes, Stored]] = None) -> Served:
         """The layers of ``path``'s blocks for ``[0, length)``. ``cold``: keys
         of disk blocks the cost plan found out of the page cache (read ahead);
@@ -163,7 +163,7 @@ class Reader:
     def _promote_later(self, nodes: list[Node]) -> None:
         """Copy blocks just served from disk into RAM on a thread of its own:
         the hit that read them does not wait for the copies."""
-        nodes = [p for p in nodes if p.on_disk]
+        nodes = [p for p in nodes if p.on_disk and p.nbytes <= self.table.ram_budget]
         if not nodes or self.disk is None:
             return
         with self._lock:

@@ -145,7 +145,7 @@ class PrefixStore:
         self._closed = False
         if self._disk is not None:
             self._disk.load_index()
-            self._planner.load()
+            self._planner.load_rates()
         _OPEN.add(self)
 
     # ------------------------------------------------------------ public API
@@ -211,7 +211,7 @@ class PrefixStore:
             plan = self._planner.plan(root.key, len(toks), pinned, length, found)
             path = [p for p in pinned if p.start < plan.length]
             t0 = time.perf_counter()
-            got = self._reader.load(path, toks, plan.length, quantized, plan.cold, found)
+            got = self._reader.read(path, toks, plan.length, quantized, plan.cold, found)
             t_load = time.perf_counter() - t0
         finally:
             self._table.unpin(pinned)
@@ -422,7 +422,7 @@ class PrefixStore:
         if self._disk is None or self.readonly:
             return
         self._disk.save()
-        self._planner.save()
+        self._planner.save_rates()
 
     def _warn(self, what: str, msg: str) -> None:
         if what not in self._warned:

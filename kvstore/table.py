@@ -36,7 +36,7 @@ from . import lookup
 from .codec import Stored
 from .counters import Counters
 from .hashing import KeyChain
-from .index import MatchResult, Node, RadixIndex
+from .index import Walk, Node, RadixIndex
 from .layers import KVLayer
 from .record import BlockRecord
 from .tiers.ram import RamTier
@@ -80,7 +80,7 @@ class BlockTable:
         with self._lock:
             return self._index.root(key)
 
-    def walk(self, root: Node, chain: KeyChain, n: int) -> MatchResult:
+    def walk(self, root: Node, chain: KeyChain, n: int) -> Walk:
         with self._lock:
             return lookup.walk(self._index, root, chain, n)
 
@@ -120,6 +120,10 @@ class BlockTable:
     @property
     def ram_bytes(self) -> int:
         return self._ram.nbytes
+
+    @property
+    def ram_budget(self) -> int:
+        return self._ram.budget
 
     # ------------------------------------------------------------------ put
 

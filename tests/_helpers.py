@@ -13,7 +13,7 @@ import numpy as np
 from mlx.utils import tree_map
 
 from kvstore.codec import Block, serialize
-from kvstore.hashing import KEY_BYTES, as_tokens
+from kvstore.hashing import as_tokens
 from kvstore.layers import KVLayer, Quantized, StateLayer
 
 _P = (1 << 31) - 1
@@ -126,4 +126,4 @@ def put(store, p, **kw):
 
 # what one block costs in RAM: its serialized bytes (2 layers x (K, V) of [1, 1, 8, 32] float16, its
 # tokens, the header, 64-byte alignment), the same bytes the disk tier stores
-BLOCK_BYTES = len(serialize(Block(as_tokens(toks(BS)), kv_layers(toks(BS))), b"k" * KEY_BYTES))
+BLOCK_BYTES = len(serialize(Block(as_tokens(toks(BS)), kv_layers(toks(BS))), b"k" * 16))  # (a key: 16 bytes)

@@ -30,6 +30,11 @@ MODELS = ("model-a", "model-b")
 paths = st.lists(st.integers(0, 3), min_size=1, max_size=5).map(tuple)
 
 
+def n_full(chain: KeyChain) -> int:
+    """Whole blocks of a chain's tokens."""
+    return len(chain.tokens) // chain.block_size
+
+
 class IndexModel(RuleBasedStateMachine):
     """Each block holds one token, so a node at depth d covers tokens [d-1, d).
     The model is the set of indexed token prefixes (prefix-closed) per model."""
@@ -115,7 +120,7 @@ class IndexModel(RuleBasedStateMachine):
             assert key in self.index
             node = self.index.get(key)
             assert node.end == len(p)
-            assert RadixIndex.is_leaf(node) == (not any(q[: len(p)] == p and len(q) > len(p) for q in self.model[m]))
+            assert (not node.children) == (not any(q[: len(p)] == p and len(q) > len(p) for q in self.model[m]))
             assert node.pins == self.pins.get((m, p), 0)
         leaves = sum(1 for m in MODELS for p in self.model[m]
                      if not any(q[: len(p)] == p and len(q) > len(p) for q in self.model[m]))
@@ -148,7 +153,8 @@ from kvstore.hashing import KeyChain, as_tokens, root_key
 out = []
 for model, ns, toks in json.loads(sys.argv[1]):
     c = KeyChain(root_key(model, ns), as_tokens(toks), 4)
-    out.append([root_key(model, ns).hex()] + [c.key(i).hex() for i in range(c.n_full)] + [c.tail_key(c.n_full, len(toks) % 4).hex()])
+    n = len(toks) // 4
+    out.append([root_key(model, ns).hex()] + [c.key(i).hex() for i in range(n)] + [c.tail_key(n, len(toks) % 4).hex()])
 print(json.dumps(out))
 """
 
@@ -210,9 +216,9 @@ def test_keys_are_chained(toks, bs, data):
     other[j] = (toks[j] + data.draw(st.integers(1, 1000))) % 2**31
     a = KeyChain(root_key("m"), as_tokens(toks), bs)
     b = KeyChain(root_key("m"), as_tokens(other), bs)
-    for i in range(a.n_full):
+    for i in range(n_full(a)):
         assert (a.key(i) == b.key(i)) == (i < j // bs)
-    assert a.n_full == b.n_full
+    assert n_full(a) == n_full(b)
 
 
 @SETTINGS
@@ -221,9 +227,9 @@ def test_tail_keys_extend_the_chain(toks, bs):
     """A partial block's key hashes its tokens onto its parent's key; a full
     length tail key is the block key; tails of different lengths differ."""
     c = KeyChain(root_key("m"), as_tokens(toks), bs)
-    for i in range(c.n_full):
+    for i in range(n_full(c)):
         assert c.tail_key(i, bs) == c.key(i) == chain_key(c.parent(i), as_tokens(toks[i * bs:(i + 1) * bs]))
-    i = c.n_full
+    i = n_full(c)
     tails = {c.tail_key(i, n) for n in range(1, len(toks) - i * bs + 1)}
     assert len(tails) == len(toks) - i * bs
 
@@ -235,10 +241,10 @@ def test_keys_asked_for_at_once_equal_keys_asked_for_in_turn(toks, bs):
     """A put hashes every block in one go (``key(last)`` first); the keys are
     the chain's, block by block, for int32 and int64 prompts alike."""
     one_go, in_turn = (KeyChain(root_key("m"), as_tokens(toks), bs) for _ in range(2))
-    if one_go.n_full:
-        one_go.key(one_go.n_full - 1)
+    if n_full(one_go):
+        one_go.key(n_full(one_go) - 1)
     parent = root_key("m")
-    for i in range(in_turn.n_full):
+    for i in range(n_full(in_turn)):
         parent = chain_key(parent, as_tokens(toks[i * bs:(i + 1) * bs]))
         assert one_go.key(i) == in_turn.key(i) == parent
 
@@ -283,11 +289,11 @@ def test_block_keys_do_not_depend_on_the_prompts_width(text, ids, bs):
     narrow = KeyChain(root_key("m"), as_tokens(text), bs)
     wide = KeyChain(root_key("m"), as_tokens(text + ids), bs)
     assert wide.tokens.dtype == np.dtype("<i8")
-    for i in range(narrow.n_full):
+    for i in range(n_full(narrow)):
         assert wide.key(i) == narrow.key(i)
     n = len(text) % bs
     if n:
-        assert wide.tail_key(narrow.n_full, n) == narrow.tail_key(narrow.n_full, n)
+        assert wide.tail_key(n_full(narrow), n) == narrow.tail_key(n_full(narrow), n)
 
 
 def test_wide_blocks_hash_tagged_int64_bytes():

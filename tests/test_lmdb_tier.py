@@ -11,7 +11,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from kvstore.hashing import KEY_BYTES
+KEY_BYTES = 16  # a block key: xxh3-128
 
 from ._helpers import BS, M, assert_hit_is, kv_layers, put, toks
 
@@ -60,7 +60,7 @@ def test_each_block_starts_its_write_out_where_its_bytes_lie_in_the_file(ssd, mo
     assert put(s, p) == 5
     s.flush()
     assert len(asked) == 5
-    disk = s._persist.disk
+    disk = s._disk.tier
     fd = os.open(disk.path / "data.mdb", os.O_RDONLY)
     try:
         on_file = {os.pread(fd, n, off) for off, n in asked}
@@ -82,7 +82,7 @@ def test_the_pages_a_write_takes_are_prefilled_only_where_lmdb_appends(ssd, monk
 
     big = dict(heads=4, dim=256)  # 64 KiB blocks: values on pages of their own
     s = ssd(budget_gb=0)
-    disk = s._persist.disk
+    disk = s._disk.tier
     ranges: list[tuple[int, int]] = []  # file offsets
     real = lmdb_tier.prefill
 
@@ -115,15 +115,13 @@ def test_a_value_appended_without_prefill_is_never_zeroed_by_the_next_ones_prefi
     reusable yet): a larger value after it in the same transaction must not
     have its prefill start below it. Both come back intact."""
     from kvstore.record import BlockRecord
-    from kvstore.tiers.base import Entry
+    from kvstore.record import Entry
     from kvstore.tiers.lmdb import LmdbTier
 
     def entry(i: int, n: int, fill: int) -> Entry:
         key = i.to_bytes(KEY_BYTES, "little")
-        e = Entry(BlockRecord(key=key, parent=b"\0" * KEY_BYTES, root=b"\1" * KEY_BYTES, start=0, length=1,
-                              tokens=np.zeros(1, np.int32), nbytes=n), None)
-        e.payload = memoryview(bytes([fill]) * n)
-        return e
+        return Entry(BlockRecord(key=key, parent=b"\0" * KEY_BYTES, root=b"\1" * KEY_BYTES, start=0, length=1,
+                                 tokens=np.zeros(1, np.int32), nbytes=n), memoryview(bytes([fill]) * n))
 
     MiB = 1 << 20
     tier = LmdbTier(tmp_path / "s", budget_bytes=1 << 30)
@@ -178,7 +176,7 @@ def test_a_record_pointing_at_other_bytes_falls_back_to_lmdb(ssd):
     s = ssd()
     s.put(M, p, kv_layers(p, **big))
     s.flush()
-    disk = s._persist.disk
+    disk = s._disk.tier
     with disk.env.begin(write=True) as txn:
         recs = [BlockRecord.unpack(bytes(k), bytes(v)) for k, v in txn.cursor(db=disk.dbs[b"nodes"])]
         offsets = [r.offset for r in recs]

@@ -7,7 +7,7 @@ budget, and hits say which tier served them."""
 
 from __future__ import annotations
 
-from kvstore.store import GB
+from kvstore.config import GB
 
 from ._helpers import BLOCK_BYTES, M, assert_hit_is, put, toks
 

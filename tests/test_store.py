@@ -20,7 +20,8 @@ import pytest
 from kvstore.codec import Codec
 from kvstore.errors import ConfigError, KVStoreError, LayoutError
 from kvstore.layers import KVLayer, Quantized, StateLayer
-from kvstore.store import GB, PrefixStore
+from kvstore.config import GB
+from kvstore.store import PrefixStore
 
 from ._helpers import BLOCK_BYTES, BS, M, assert_hit_is, dq, kv_layers, put, rows, same, state_at, toks
 

@@ -61,11 +61,8 @@ def test_a_put_of_many_batches_is_written_whole_while_encoding_overlaps(ssd, mon
     """Batches go to the commit thread one at a time while the writer encodes
     the next: after a flush every block is on disk, and a reopened store
     serves the whole prompt exactly."""
-    import kvstore.writer as writer
-
-    monkeypatch.setattr(writer, "WRITE_BATCH", 1)  # every block its own batch and transaction
     p = toks(10 * BS)
-    s = ssd()
+    s = ssd(write_batch_bytes=1)  # every block its own batch and transaction
     assert put(s, p) == 10
     s.flush()
     assert s.stats()["ssd_blocks"] == 10
@@ -86,13 +83,13 @@ def test_a_transaction_copies_the_first_block_before_the_writer_has_encoded_the_
     events: list[str] = []
     real_encode, real_store = writer.encode, LmdbTier.store
 
-    def encode(job, node, codec):
+    def encode(job, node, *a):
         events.append(f"encode {node.start // BS}")
         if node.start // BS == 4:  # the last block comes after the transaction has had time to take the first
             deadline = __import__("time").monotonic() + 5
             while "copy 0" not in events and __import__("time").monotonic() < deadline:
                 threading.Event().wait(0.01)
-        return real_encode(job, node, codec)
+        return real_encode(job, node, *a)
 
     def store(self, entries, nbytes=None):
         def seen():
@@ -122,18 +119,16 @@ def test_rows_quantized_together_are_the_rows_quantized_block_by_block(tmp_path,
     """The writer quantizes (and rotates) many rows of a layer at once and
     cuts the blocks from them; each block's stored bytes are exactly those of
     quantizing the block alone."""
-    import kvstore.writer as writer
-
     p = toks(5 * BS)
     layers = kv_layers(p, heads=2, dim=64)
     stored = {}
     for rows in (BS, 3 * BS):  # block by block; three blocks at once (a chunk ending mid-prompt)
-        monkeypatch.setattr(writer, "COMPRESS_ROWS", rows)
         path = tmp_path / f"s{rows}"
-        with PrefixStore(budget_gb=0, block_size=BS, ssd_path=path, kv_bits=bits, rotate_keys=True) as s:
+        with PrefixStore(budget_gb=0, block_size=BS, ssd_path=path, kv_bits=bits, rotate_keys=True,
+                         compress_rows=rows) as s:
             assert s.put(M, p, layers) == 5
         with PrefixStore(budget_gb=0, block_size=BS, ssd_path=path, kv_bits=bits, rotate_keys=True) as s:
-            disk = s._persist.disk
+            disk = s._disk.tier
             with disk.env.begin(db=disk.dbs[b"blocks"]) as txn:
                 stored[rows] = {bytes(k): bytes(v) for k, v in txn.cursor()}
     assert len(stored[BS]) == 5 and stored[BS] == stored[3 * BS]
@@ -195,7 +190,7 @@ def test_put_leaves_every_disk_write_to_the_background_threads(ssd, monkeypatch)
     put(s, toks(3 * BS))  # nothing new
     s.flush()
     assert writers and threading.current_thread().name not in writers
-    assert root_key(M, s.namespace) in s._persist.disk.models()
+    assert root_key(M, s.namespace) in s._disk.tier.models()
 
 
 def test_a_write_that_fails_part_way_leaves_the_writer_free_and_ram_serving(ssd, monkeypatch):
@@ -235,8 +230,6 @@ def test_a_write_that_fails_part_way_leaves_the_writer_free_and_ram_serving(ssd,
 def test_where_no_commit_thread_can_start_the_writer_writes_the_blocks_itself(ssd, monkeypatch):
     """An exiting interpreter (Python 3.12+) refuses new threads: a put whose
     commit thread cannot start is still written whole, by the writer."""
-    import kvstore.writer as writer
-
     real_start = threading.Thread.start
 
     def start(self):
@@ -245,8 +238,7 @@ def test_where_no_commit_thread_can_start_the_writer_writes_the_blocks_itself(ss
         return real_start(self)
 
     monkeypatch.setattr(threading.Thread, "start", start)
-    monkeypatch.setattr(writer, "WRITE_BATCH", 1)  # several transactions
-    s = ssd(budget_gb=0)
+    s = ssd(budget_gb=0, write_batch_bytes=1)  # several transactions
     p = toks(6 * BS)
     assert put(s, p) == 6
     s.flush(timeout=30)
@@ -268,7 +260,7 @@ def test_where_no_thread_can_start_a_put_is_written_in_the_callers_thread(ssd, m
     p = toks(4 * BS)
     assert put(s, p) == 4
     assert s.stats()["ssd_blocks"] == 4 and s._writer.pending_bytes == 0
-    assert root_key(M, s.namespace) in s._persist.disk.models()
+    assert root_key(M, s.namespace) in s._disk.tier.models()
     monkeypatch.undo()
     assert_hit_is(s.fetch(M, p), p, 4 * BS)
 
@@ -283,10 +275,10 @@ def test_an_interrupt_while_the_engine_thread_encodes_leaves_no_transaction_open
 
     real_encode = writer.encode
 
-    def encode(job, node, codec):
+    def encode(job, node, *a):
         if node.start >= 3 * BS and threading.current_thread() is threading.main_thread():
             raise KeyboardInterrupt
-        return real_encode(job, node, codec)
+        return real_encode(job, node, *a)
 
     monkeypatch.setattr(writer, "encode", encode)
     s = ssd(budget_gb=0)
