@@ -26,6 +26,7 @@ import numpy as np
 from .codec import Stored
 from .gather import gather
 from .counters import Counters
+from .errors import BlockDecodeError
 from .index import Node, RadixIndex
 from .lookup import servable
 from .persist import Persist
@@ -165,9 +166,10 @@ class Placement:
                 with disk.reader() as txn:
                     for i, p in enumerate(path):
                         if items[i] is None:
-                            got = disk.stored(txn, p.key, p.start, unread=True)  # read while copied
-                            if isinstance(got, str):
-                                bad.append((p, got))
+                            try:
+                                got = disk.stored(txn, p.key, p.start, unread=True)  # read while copied
+                            except BlockDecodeError as e:
+                                bad.append((p, str(e)))
                                 break
                             if got is None:  # removed by another process (`kvstore clear`, its eviction)
                                 gone.append(p)
@@ -271,7 +273,10 @@ class Placement:
             disk = self.persist.disk
             with disk.reader() as txn:  # one copy of each value out of the map (checked), no decode
                 for p in nodes:
-                    got = disk.stored(txn, p.key, p.start)
+                    try:
+                        got = disk.stored(txn, p.key, p.start)
+                    except BlockDecodeError:
+                        got = None
                     got = got.held() if isinstance(got, Stored) else None
                     if got is None:
                         break
