@@ -91,10 +91,9 @@ def start_writeback(fd: int, offset: int, nbytes: int) -> None:
     """Start writing the dirty pages of ``[offset, offset + nbytes)`` of a
     file to disk, without waiting for them (``sync_file_range(2)``, Linux).
     Durability is unchanged: the commit's sync still waits for every page.
-    What it buys: LMDB's commit syncs all of a transaction's pages at its end,
-    so the disk idled while values were copied into the map; this way it
-    writes one while the next is copied (a 256 MiB flush went from 202 to
-    172 ms on the 2-core box)."""
+    Why: LMDB's commit syncs all of a transaction's pages at its end, so the
+    disk idled while values were copied into the map; this way it writes one
+    while the next is copied (docs/design-notes.md, "LMDB tier")."""
     if _sync_file_range is not None and nbytes > 0:
         start = offset - offset % _PAGE
         _sync_file_range(fd, start, offset + nbytes - start, _SYNC_FILE_RANGE_WRITE)  # advice: errors ignored
@@ -108,9 +107,8 @@ def prefill(fd: int, offset: int, nbytes: int) -> None:
     there are unused (an allocated file's unwritten end): its page cache is
     then in place, in large folios and already dirty, when a copy into the
     mapping of those pages follows, which otherwise takes a write fault per
-    4 KiB page. Per 128 MiB on the 2-core box: 10 ms of zeros + 9 ms of copy,
-    against 101 ms of copy through faults (23 + 7 ms with MADV_POPULATE_WRITE),
-    and the commit's sync of large folios is faster too (35 vs 42-58 ms)."""
+    4 KiB page; the commit's sync of large folios is faster too
+    (docs/design-notes.md, "LMDB tier")."""
     end = offset + nbytes
     while offset < end:
         offset += os.pwrite(fd, memoryview(_ZEROS)[: min(len(_ZEROS), end - offset)], offset)
