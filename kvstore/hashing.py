@@ -88,14 +88,6 @@ def narrowest(tokens: np.ndarray) -> np.ndarray:
     return tokens
 
 
-def tokens_from_bytes(raw: Union[bytes, memoryview], n: int) -> np.ndarray:
-    """``n`` token ids stored as little-endian int32 (4n bytes) or int64 (8n)."""
-    for dt in TOKEN_DTYPES:
-        if len(raw) == n * dt.itemsize:
-            return np.frombuffer(raw, dtype=dt)
-    raise ValueError(f"{len(raw)} bytes are not {n} int32 or int64 token ids")
-
-
 def token_bytes(block_tokens: np.ndarray) -> bytes:
     """The bytes a block's tokens are hashed as (see the module docstring)."""
     if block_tokens.dtype == np.int32:
