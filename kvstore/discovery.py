@@ -28,7 +28,7 @@ from typing import Optional
 
 import numpy as np
 
-from .codec import Stored
+from .wire import Stored
 from .counters import Counters
 from .errors import BlockDecodeError
 from .hashing import KeyChain, chain_key

@@ -23,7 +23,7 @@ from typing import Optional
 
 import numpy as np
 
-from .codec import Stored
+from .wire import Stored
 from .gather import gather
 from .counters import Counters
 from .index import Node, RadixIndex

@@ -31,7 +31,8 @@ import mlx.core as mx
 import numpy as np
 
 from . import buffers, cuda
-from .codec import Block, Codec, Stored, block_arrays
+from .codec import Block, Codec, block_arrays
+from .wire import Stored
 from .counters import Counters
 from .errors import StorageError
 from .index import Node

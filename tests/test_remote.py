@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 from kvstore import KVLayer, PrefixStore
-from kvstore.codec import Block, serialize
+from kvstore.codec import Block
 from kvstore.counters import Counters
 from kvstore.errors import ConfigError, RemoteConfigError
 from kvstore.hashing import KeyChain, as_tokens, root_key
@@ -23,6 +23,7 @@ from kvstore.record import BlockRecord
 from kvstore.remote_sync import Remote
 from kvstore.tiers.base import Entry
 from kvstore.tiers.remote import PREFIX, RemoteTier
+from kvstore.wire import serialize
 
 from ._helpers import assert_hit_is, kv_layers
 from ._redis import PASSWORD, RedisServer, free_port, need_redis, start_cluster

@@ -10,11 +10,12 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from kvstore.codec import Block, Codec, serialize
+from kvstore.codec import Block, Codec
 from kvstore.errors import ConfigError, KVStoreError, LayoutError, ReadOnlyError, StoreOpenError
 from kvstore.hashing import KEY_BYTES, KeyChain, as_tokens, root_key
 from kvstore.layers import KVLayer, Quantized, StateLayer
 from kvstore.store import GB, PrefixStore
+from kvstore.wire import serialize
 
 from ._helpers import assert_hit_is, dq, kv_layers, rows, same, state_at
 

@@ -22,7 +22,8 @@ from dataclasses import dataclass, field
 from functools import cached_property
 from typing import Mapping, Optional, Protocol, Sequence
 
-from ..codec import Block, deserialize, serialize
+from ..codec import Block
+from ..wire import deserialize, serialize
 from ..errors import BlockDecodeError
 from ..record import BlockRecord
 

@@ -46,7 +46,7 @@ from typing import Callable, Iterable, Iterator, Mapping, Optional, Sequence, Un
 import lmdb
 import msgpack
 
-from ..codec import Stored
+from ..wire import Stored
 from ..errors import BlockDecodeError, StorageError, StoreOpenError
 from ..record import BlockRecord
 from ..spread import pool

@@ -17,7 +17,7 @@ from collections import OrderedDict
 from typing import Iterator, Mapping, Optional, Sequence
 
 from .. import buffers
-from ..codec import Stored
+from ..wire import Stored
 from .base import Entry, Loaded, Use
 
 
