@@ -15,7 +15,7 @@ from typing import Iterator, Optional
 
 import xxhash
 
-from .codec import check_key, read_header
+from .header import check_key, read_header
 from .errors import BlockDecodeError
 from .record import BlockRecord
 from .tiers.lmdb import LmdbTier
@@ -122,12 +122,12 @@ def check_block(disk: LmdbTier, txn, rec: BlockRecord) -> Optional[str]:
     except BlockDecodeError as e:
         return str(e)
     payload = memoryview(buf)[h.payload_start:]
-    if xxhash.xxh3_64_intdigest(payload) != h.fields["sum"]:
+    if xxhash.xxh3_64_intdigest(payload) != h.checksum:
         return "payload checksum mismatch"
-    _, _, off, n = h.fields["tok"]
     if h.ntokens != rec.length:
         return "length differs from the index"
-    if bytes(payload[off : off + n]) != rec.tokens.tobytes():
+    tok = h.tokens
+    if bytes(payload[tok.offset : tok.offset + tok.nbytes]) != rec.tokens.tobytes():
         return "tokens differ from the index"
     return None
 

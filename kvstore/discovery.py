@@ -30,7 +30,7 @@ from typing import Optional
 
 import numpy as np
 
-from .codec import Stored
+from .wire import Stored
 from .config import StoreConfig
 from .counters import Counters
 from .errors import BlockDecodeError

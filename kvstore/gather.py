@@ -1,8 +1,9 @@
 """A hit's blocks to one tensor per layer, with one copy of each stored byte.
 
-Blocks come from RAM (``Block``: mlx arrays) or from disk (``Stored``: the
-block's bytes as LMDB maps them, valid inside the read transaction, header
-checked, payload not yet). Where every block holds full rows of plain
+Every tier hands over a block as ``Stored``, its serialized bytes with the
+header checked: from RAM (bytes this process holds, checksum known good) or
+from disk (as LMDB maps them, valid inside the read transaction, payload not
+checked yet). Where every block holds full rows of plain
 attention layers under one setting (the common case), the hit is built in
 one pass over the bytes, blocks side by side on a thread pool, each block's
 checksum verified by the thread that moves it:
@@ -24,7 +25,7 @@ asking for other quantization) is decoded block by block for ``assemble``.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional, Sequence, Union
+from typing import Optional, Sequence
 
 import mlx.core as mx
 import numpy as np
@@ -32,16 +33,15 @@ import xxhash
 
 from . import cuda
 from .assemble import assemble
-from .codec import Block, Stored, np_dtype
+from .codec import Block
 from .errors import BlockDecodeError
+from .header import ArraySpec, KVSpec
 from .layers import KVLayer, Layer, Quantized
 from .spread import each, spread
+from .wire import Stored
 
 _DEVICE_BUF = 1 << 30  # bytes per device buffer blocks are copied into
 _DTYPE = {"float16": mx.float16, "bfloat16": mx.bfloat16, "float32": mx.float32, "uint32": mx.uint32}
-
-
-Item = Union[Block, Stored]
 
 
 @dataclass
@@ -57,43 +57,26 @@ class Gathered:
 # ------------------------------------------------------------------ layout
 
 
-def _spec(item: Item) -> Optional[tuple]:
+def _spec(item: Stored) -> Optional[tuple]:
     """Per layer, the settings and per-array (dtype, heads, width) of a block
     of full-row attention layers; ``None`` when the fast path cannot take it."""
     out = []
-    if isinstance(item, Stored):
-        n = item.header.ntokens
-        for e in item.header.layers:
-            if e is None or "s" in e or e.get("w") is not None or e.get("o", 0) != 0:
-                return None
-            ts = []
-            for t in (e["k"], e["v"]):
-                arrays = t["a"] if "q" in t else [t["a"]]
-                if any(d[1][-2] != n or len(d[1]) != 4 or d[1][0] != 1 for d in arrays):
-                    return None
-                ts.append((tuple(t["q"]) if "q" in t else None, t.get("r"),
-                           tuple((d[0], d[1][1], d[1][3]) for d in arrays)))
-            out.append(tuple(ts))
-        return tuple(out)
-    n = len(item.tokens)
-    for layer in item.layers:
-        if not isinstance(layer, KVLayer) or layer.window is not None:
+    n = item.header.ntokens
+    for e in item.header.layers:
+        if not isinstance(e, KVSpec) or e.window is not None or e.row_offset != 0:
             return None
         ts = []
-        for t in (layer.keys, layer.values):
-            q = isinstance(t, Quantized)
-            arrays = t.arrays() if q else (t,)
-            if any(a.ndim != 4 or a.shape[0] != 1 or a.shape[2] != n for a in arrays):
+        for t in (e.keys, e.values):
+            if any(len(a.shape) != 4 or a.shape[0] != 1 or a.shape[2] != n or a.dtype not in _DTYPE
+                   for a in t.arrays):
                 return None
-            if any(str(a.dtype).split(".")[-1] not in _DTYPE for a in arrays):
-                return None
-            ts.append(((t.bits, t.group_size) if q else None, t.rotation if q else None,
-                       tuple((str(a.dtype).split(".")[-1], a.shape[1], a.shape[3]) for a in arrays)))
+            ts.append((None if t.bits is None else (t.bits, t.group_size), t.rotation,
+                       tuple((a.dtype, a.shape[1], a.shape[3]) for a in t.arrays)))
         out.append(tuple(ts))
     return tuple(out)
 
 
-def _fast_spec(items: Sequence[Item], quantized: Optional[tuple[int, int]]) -> Optional[tuple]:
+def _fast_spec(items: Sequence[Stored], quantized: Optional[tuple[int, int]]) -> Optional[tuple]:
     specs = {_spec(it) for it in items}
     if len(specs) != 1:
         return None
@@ -106,7 +89,7 @@ def _fast_spec(items: Sequence[Item], quantized: Optional[tuple[int, int]]) -> O
     return spec
 
 
-def gather(items: Sequence[Item], length: int, quantized: Optional[tuple[int, int]] = None) -> Gathered:
+def gather(items: Sequence[Stored], length: int, quantized: Optional[tuple[int, int]] = None) -> Gathered:
     """One tensor per layer (``Quantized`` when the engine asks for the stored
     settings) for rows ``[0, length)`` of consecutive blocks from position 0."""
     spans = []  # per block used: (first row, rows used)
@@ -114,7 +97,7 @@ def gather(items: Sequence[Item], length: int, quantized: Optional[tuple[int, in
     for it in items:
         if pos >= length:
             break
-        n = it.header.ntokens if isinstance(it, Stored) else len(it.tokens)
+        n = it.header.ntokens
         spans.append((pos, min(n, length - pos)))
         pos += n
     items = items[: len(spans)]
@@ -146,16 +129,14 @@ def gather(items: Sequence[Item], length: int, quantized: Optional[tuple[int, in
     return Gathered([KVLayer(k, v, 0, None) for k, v in tensors], length)
 
 
-def _slow(items: Sequence[Item], length: int, quantized) -> Gathered:
+def _slow(items: Sequence[Stored], length: int, quantized) -> Gathered:
     """Decode block by block (checksums included) and concatenate."""
     blocks: list[Block] = []
     for i, it in enumerate(items):
-        if isinstance(it, Stored):
-            try:
-                it = it.decode()
-            except BlockDecodeError:
-                return Gathered([], 0, i)
-        blocks.append(it)
+        try:
+            blocks.append(it.decode())
+        except BlockDecodeError:
+            return Gathered([], 0, i)
     return Gathered(assemble(blocks, length, quantized), length)
 
 
@@ -166,9 +147,9 @@ def _np(a: mx.array) -> np.ndarray:
     return np.asarray(a.view(mx.uint16) if a.dtype == mx.bfloat16 else a)
 
 
-def _stored_arrays(item: Stored) -> list:
-    """Per layer, per tensor, the (dtype, shape, offset, bytes) of each array."""
-    return [[t["a"] if "q" in t else [t["a"]] for t in (e["k"], e["v"])] for e in item.header.layers]
+def _stored_arrays(item: Stored) -> list[list[tuple[ArraySpec, ...]]]:
+    """Per layer, per tensor, where each array lies."""
+    return [[e.keys.arrays, e.values.arrays] for e in item.header.layers]
 
 
 def _zeros(spec, length: int) -> list:
@@ -190,31 +171,25 @@ def _fill_host(items, spans, spec, length):
 
     def move(i: int) -> bool:
         item, (s, n) = items[i], spans[i]
-        if isinstance(item, Stored):
-            payload = item.payload
-            placed = [(dst, a) for lv, la in zip(views, _stored_arrays(item)) for tv, ta in zip(lv, la)
-                      for dst, a in zip(tv, ta)]
-            # the checksum is taken array by array as each is copied, while its bytes are in the cache
-            # (one read of the mapped pages instead of two), where the arrays lie in the payload's order
-            offsets = [a[2] for _, a in placed]
-            h = xxhash.xxh3_64() if not item.checked and offsets == sorted(offsets) else None
-            if h is None and not item.intact():
-                return False
-            pos = 0
-            for dst, (name, shape, off, nb) in placed:
-                if h is not None and off + nb > pos:  # every payload byte hashed once, in order
-                    h.update(payload[pos : off + nb])
-                    pos = off + nb
-                src = np.frombuffer(payload, np_dtype(name), nb // np_dtype(name).itemsize, off)
-                np.copyto(dst[0, :, s : s + n], src.reshape(shape)[0, :, :n])
-            if h is not None:
-                h.update(payload[pos:])
-                return h.intdigest() == item.header.fields["sum"]  # a bad block's rows are never served
-        else:
-            for lv, layer in zip(views, item.layers):
-                for tv, t in zip(lv, (layer.keys, layer.values)):
-                    for dst, a in zip(tv, t.arrays() if isinstance(t, Quantized) else (t,)):
-                        np.copyto(dst[0, :, s : s + n], _np(a)[0, :, :n])
+        payload = item.payload
+        placed = [(dst, a) for lv, la in zip(views, _stored_arrays(item)) for tv, ta in zip(lv, la)
+                  for dst, a in zip(tv, ta)]
+        # the checksum is taken array by array as each is copied, while its bytes are in the cache
+        # (one read of the mapped pages instead of two), where the arrays lie in the payload's order
+        offsets = [a.offset for _, a in placed]
+        h = xxhash.xxh3_64() if not item.checked and offsets == sorted(offsets) else None
+        if h is None and not item.intact():
+            return False
+        pos = 0
+        for dst, a in placed:
+            end = a.offset + a.nbytes
+            if h is not None and end > pos:  # every payload byte hashed once, in order
+                h.update(payload[pos:end])
+                pos = end
+            np.copyto(dst[0, :, s : s + n], a.view(payload)[0, :, :n])
+        if h is not None:
+            h.update(payload[pos:])
+            return h.intdigest() == item.header.checksum  # a bad block's rows are never served
         return True
 
     ok = each(move, len(items))
@@ -227,51 +202,39 @@ def _fill_host(items, spans, spec, length):
 
 def _fill_device(items, spans, spec, length):
     rt = cuda.runtime()
-    stored = [i for i, it in enumerate(items) if isinstance(it, Stored)]
     sizes: list[int] = []  # device buffers of at most _DEVICE_BUF bytes (mlx shapes are 32-bit)
-    where: dict[int, tuple[int, int]] = {}  # block -> (buffer, offset)
-    for i in stored:
-        size = -(-len(items[i].payload) // 64) * 64
+    where: list[tuple[int, int]] = []  # per block: (buffer, offset)
+    for item in items:
+        size = -(-len(item.payload) // 64) * 64
         if not sizes or sizes[-1] + size > _DEVICE_BUF:
             sizes.append(0)
-        where[i] = (len(sizes) - 1, sizes[-1])
+        where.append((len(sizes) - 1, sizes[-1]))
         sizes[-1] += size
-    ok: dict[int, bool] = {}
-    views: list[dict[str, mx.array]] = []
-    if stored:
-        devs = [mx.zeros((n,), mx.uint8) for n in sizes]  # written on the GPU: their pages live there
-        mx.eval(devs)
-        mx.synchronize()
-        bases = [cuda.address(d) for d in devs]
+    devs = [mx.zeros((n,), mx.uint8) for n in sizes]  # written on the GPU: their pages live there
+    mx.eval(devs)
+    mx.synchronize()
+    bases = [cuda.address(d) for d in devs]
 
-        def move(j: int) -> bool:
-            item = items[stored[j]]
-            if not item.intact():
-                return False
-            b, off = where[stored[j]]
-            cuda.upload(rt, bases[b] + off, item.payload)
-            return True
+    def move(i: int) -> bool:
+        item = items[i]
+        if not item.intact():
+            return False
+        b, off = where[i]
+        cuda.upload(rt, bases[b] + off, item.payload)
+        return True
 
-        ok = dict(zip(stored, each(move, len(stored))))
-        views = [{name: d.view(dt) for name, dt in _DTYPE.items()} for d in devs]
-    bad = next((i for i in stored if not ok[i]), None)
+    ok = each(move, len(items))
+    views = [{name: d.view(dt) for name, dt in _DTYPE.items()} for d in devs]
+    bad = next((i for i, good in enumerate(ok) if not good), None)
     end = len(items) if bad is None else bad
-    # runs of consecutive stored blocks of one byte layout, each cut as a strided matrix
+    # runs of consecutive blocks of one byte layout, each cut as a strided matrix
     pieces: list[list[list[list[mx.array]]]] = [[[[] for _ in t[2]] for t in layer] for layer in spec]
     i = 0
     while i < end:
         item = items[i]
-        if not isinstance(item, Stored):
-            n = spans[i][1]
-            for lp, layer in zip(pieces, item.layers):
-                for tp, t in zip(lp, (layer.keys, layer.values)):
-                    for p, a in zip(tp, t.arrays() if isinstance(t, Quantized) else (t,)):
-                        p.append(a[..., :n, :])
-            i += 1
-            continue
         j = i + 1
         size = len(item.payload)
-        while (j < end and isinstance(items[j], Stored) and len(items[j].payload) == size and size % 64 == 0
+        while (j < end and len(items[j].payload) == size and size % 64 == 0
                and items[j].header.layers == item.header.layers and where[j][0] == where[i][0]
                and where[j][1] - where[j - 1][1] == size):
             j += 1
@@ -280,12 +243,12 @@ def _fill_device(items, spans, spec, length):
         stride = -(-size // 64) * 64
         for lp, la in zip(pieces, _stored_arrays(item)):
             for tp, ta in zip(lp, la):
-                for p, (name, shape, off, nb) in zip(tp, ta):
-                    isz = np_dtype(name).itemsize
+                for p, a in zip(tp, ta):
+                    isz = a.np_dtype.itemsize
                     b, o = where[i]
-                    flat = views[b][name][o // isz : (o + m * stride) // isz]
-                    x = flat.reshape(m, stride // isz)[:, off // isz : (off + nb) // isz]
-                    _, h, r, w = shape
+                    flat = views[b][a.dtype][o // isz : (o + m * stride) // isz]
+                    x = flat.reshape(m, stride // isz)[:, a.offset // isz : (a.offset + a.nbytes) // isz]
+                    _, h, r, w = a.shape
                     x = x.reshape(m, h, r, w).transpose(1, 0, 2, 3).reshape(1, h, m * r, w)
                     p.append(x[..., :rows, :])
         i = j

@@ -111,10 +111,6 @@ def tensor_rows(t: Tensor) -> int:
     return t.shape[-2]
 
 
-def tensor_nbytes(t: Tensor) -> int:
-    return t.nbytes
-
-
 def take_rows(t: Tensor, start: int, stop: int) -> Tensor:
     if isinstance(t, Quantized):
         return t.take(start, stop)

@@ -21,7 +21,7 @@ from typing import Optional, Sequence
 
 import numpy as np
 
-from .codec import Stored
+from .wire import Stored
 from .counters import Counters
 from .disk import Disk
 from .errors import BlockDecodeError

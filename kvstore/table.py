@@ -33,7 +33,7 @@ from typing import Callable, Iterable, Mapping, Optional, Sequence
 import numpy as np
 
 from . import lookup
-from .codec import Stored
+from .wire import Stored
 from .counters import Counters
 from .hashing import KeyChain
 from .index import Walk, Node, RadixIndex

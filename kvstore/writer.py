@@ -30,7 +30,8 @@ from typing import TYPE_CHECKING, Callable, Optional, Union
 import numpy as np
 
 from . import buffers
-from .codec import Block, Codec, Stored
+from .codec import Block, Codec
+from .wire import Stored
 from .commit import Committer, Feed, settle
 from .config import StoreConfig
 from .counters import Counters

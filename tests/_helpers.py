@@ -5,14 +5,19 @@ cannot pass for the right one."""
 
 from __future__ import annotations
 
+import struct
 from importlib import metadata
 from typing import Optional, Sequence
 
 import mlx.core as mx
+import msgpack
 import numpy as np
+import xxhash
 from mlx.utils import tree_map
 
-from kvstore.codec import Block, serialize
+from kvstore import header as wire_header
+from kvstore.codec import Block
+from kvstore.wire import serialize
 from kvstore.hashing import as_tokens
 from kvstore.layers import KVLayer, Quantized, StateLayer
 
@@ -108,6 +113,28 @@ def assert_hit_is(hit, tokens: Sequence[int], length: int, kv_bits: Optional[int
         assert layer.start == 0 and layer.stop == length, (li, layer.start, layer.stop)
         assert same(layer.keys, k), f"layer {li}: keys differ from the KV of tokens[:{length}]"
         assert same(layer.values, v), f"layer {li}: values differ from the KV of tokens[:{length}]"
+
+
+def wire_prefix(header: bytes, version: int = wire_header.FORMAT_VERSION) -> bytes:
+    """A block's prefix as the format spells it: magic, version, reserved 0,
+    header length, xxh3_64 of the header."""
+    return struct.pack("<4sHHIQ", wire_header.MAGIC, version, 0, len(header), xxhash.xxh3_64_intdigest(header))
+
+
+def raw_header(buf) -> dict:
+    """A block's msgpack header as the plain map on the wire (to forge
+    headers kvstore's writer never writes)."""
+    hlen = int.from_bytes(bytes(buf[8:12]), "little")
+    return msgpack.unpackb(bytes(buf[20 : 20 + hlen]), raw=False)
+
+
+def repack(buf, fields, version: int = wire_header.FORMAT_VERSION) -> bytes:
+    """``buf``'s payload under a new header, with valid checksums: a hostile
+    writer, not random corruption."""
+    h = wire_header.read_header(buf)
+    header = msgpack.packb(fields, use_bin_type=True)
+    head = wire_prefix(header, version) + header
+    return head + bytes(-len(head) % wire_header.ALIGN) + bytes(memoryview(buf)[h.payload_start:])
 
 
 # ---------------------------------------------- a store of 8-token blocks

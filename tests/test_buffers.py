@@ -6,8 +6,9 @@ import numpy as np
 import pytest
 
 from kvstore import buffers
-from kvstore.codec import Block, serialize
+from kvstore.codec import Block
 from kvstore.hashing import as_tokens
+from kvstore.wire import serialize
 
 from ._helpers import kv_layers
 

@@ -5,25 +5,24 @@ allocation."""
 from __future__ import annotations
 
 import copy
-import struct
 import time
 import tracemalloc
 
 import mlx.core as mx
-import msgpack
 import numpy as np
 import pytest
 import xxhash
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
-from kvstore import codec
-from kvstore.codec import (BITS, GROUP_SIZES, Block, Codec, convert, deserialize, read_header,
-                           serialize)
+from kvstore import header, wire
+from kvstore.codec import BITS, GROUP_SIZES, Block, Codec, convert
 from kvstore.errors import BlockDecodeError
+from kvstore.header import KVSpec, read_header
 from kvstore.layers import KVLayer, Quantized, StateLayer
+from kvstore.wire import Stored, deserialize, serialize
 
-from ._helpers import same
+from ._helpers import raw_header, repack, same, wire_prefix
 
 SETTINGS = settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
@@ -50,22 +49,6 @@ def small_block() -> Block:
     """Rotated 4-bit keys, dense values, a state snapshot and an absent layer."""
     x = mx.random.normal((1, 1, 3, 32), key=mx.random.key(1)).astype(mx.float16)
     return Block(tokens(3), [KVLayer(convert(x, 4, 32, rotation=7), x, 0, None), StateLayer([x[0, 0], None]), None])
-
-
-def wire_prefix(header: bytes, version: int = codec.FORMAT_VERSION) -> bytes:
-    """A block's prefix as the format spells it: magic, version, reserved 0,
-    header length, xxh3_64 of the header."""
-    return struct.pack("<4sHHIQ", codec.MAGIC, version, 0, len(header),
-                       xxhash.xxh3_64_intdigest(header))
-
-
-def repack(buf: bytes, fields, version: int = codec.FORMAT_VERSION) -> bytes:
-    """``buf``'s payload under a new header, with valid checksums: a hostile
-    writer, not random corruption."""
-    h = read_header(buf)
-    header = msgpack.packb(fields, use_bin_type=True)
-    head = wire_prefix(header, version) + header
-    return head + bytes(-len(head) % codec.ALIGN) + bytes(buf[h.payload_start:])
 
 
 def check_well_formed(block: Block) -> None:
@@ -199,7 +182,7 @@ def test_token_ids_keep_their_value_at_the_width_they_need(ids, wide):
     x = mx.zeros((1, 1, len(ids), 32), mx.float16)
     block = Block(toks, [KVLayer(x, x)])
     fits = all(-(2**31) <= i < 2**31 for i in ids)
-    assert read_header(serialize(block)).fields["tok"][0] == ("int32" if fits else "int64")
+    assert read_header(serialize(block)).tokens.dtype == ("int32" if fits else "int64")
     out = roundtrip(block)
     assert out.tokens.tolist() == ids and out.tokens.dtype == (np.int32 if fits else np.int64)
     assert block.tokens.dtype == out.tokens.dtype  # what the index records is what the payload holds
@@ -217,11 +200,10 @@ def test_serialized_layout_is_aligned():
     h = read_header(buf)
     assert h.payload_start % 64 == 0
     assert bytes(buf[:4]) == b"KVSB"
-    offsets = [h.fields["tok"][2]]
+    offsets = [h.tokens.offset]
     for entry in h.layers:
-        if entry and "k" in entry:
-            for t in (entry["k"], entry["v"]):
-                offsets += [d[2] for d in t["a"]] if "q" in t else [t["a"][2]]
+        if isinstance(entry, KVSpec):
+            offsets += [a.offset for t in (entry.keys, entry.values) for a in t.arrays]
     assert offsets and all(o % 64 == 0 for o in offsets)
 
 
@@ -236,7 +218,7 @@ def test_bad_magic_is_rejected():
         read_header(bytes(buf))
 
 
-@pytest.mark.parametrize("version", [0, 1, codec.FORMAT_VERSION + 1, 0xFFFF])
+@pytest.mark.parametrize("version", [0, 1, header.FORMAT_VERSION + 1, 0xFFFF])
 def test_other_format_version_is_rejected(version):
     """Blocks of another format version are refused, naming the version."""
     buf = bytearray(serialize(small_block()))
@@ -320,7 +302,8 @@ def test_short_checksums_still_give_a_valid_block(monkeypatch):
             def intdigest(self):
                 return self.h.intdigest() & 0xFFFF
 
-    monkeypatch.setattr(codec, "xxhash", Short)
+    monkeypatch.setattr(wire, "xxhash", Short)
+    monkeypatch.setattr(header, "xxhash", Short)
     x = mx.random.normal((1, 1, 80, 8), key=mx.random.key(2)).astype(mx.float16)
     starts = set()
     for n in range(1, 80):  # header lengths across several 64-byte boundaries
@@ -336,7 +319,7 @@ def test_short_checksums_still_give_a_valid_block(monkeypatch):
 def test_oversized_header_length_is_rejected():
     """A header length beyond MAX_HEADER or the buffer is refused before reading it."""
     buf = bytearray(serialize(small_block()))
-    buf[8:12] = (codec.MAX_HEADER + 1).to_bytes(4, "little")
+    buf[8:12] = (header.MAX_HEADER + 1).to_bytes(4, "little")
     with pytest.raises(BlockDecodeError, match="header length"):
         read_header(bytes(buf))
 
@@ -346,7 +329,7 @@ def test_oversized_header_length_is_rejected():
 
 def _fields():
     buf = serialize(small_block())
-    return buf, read_header(buf).fields
+    return buf, raw_header(buf)
 
 
 def _kv(fields):
@@ -504,8 +487,6 @@ def test_mutated_headers_fail_cleanly(data):
 def test_a_packed_block_carries_the_header_a_reader_parses():
     """The writer keeps the header it wrote instead of parsing it back: it
     must be the header a reader of the same bytes gets."""
-    from kvstore.codec import Stored
-
     block = small_block()
     held = Stored.pack(block, b"k" * 16, 0)
     parsed = Stored.of(bytes(held.buf), b"k" * 16, 0)
@@ -522,7 +503,7 @@ def test_a_large_block_is_serialized_64_bytes_into_a_page():
     layers = [KVLayer(mx.ones((1, 8, rows, 64), mx.float16) * i, mx.ones((1, 8, rows, 64), mx.float16), 0, None)
               for i in range(2)]
     block = Block(tokens(rows), layers)
-    buf = codec.serialize(block, b"k" * 16)
+    buf = serialize(block, b"k" * 16)
     addr = np.frombuffer(buf, np.uint8).ctypes.data
     assert len(buf) > 1 << 20 and addr % 4096 == 64
     back = deserialize(buf, key=b"k" * 16)
@@ -534,11 +515,11 @@ def test_a_header_read_before_is_checked_again_once_its_bytes_change():
     """Headers are parsed and validated once per exact bytes (a hit reads the
     same blocks again and again): the same bytes give the same header, and any
     changed byte of the header, or a value of another length, is checked anew."""
-    buf = bytearray(codec.serialize(small_block(), b"k" * 16))
+    buf = bytearray(serialize(small_block(), b"k" * 16))
     first = read_header(bytes(buf))
     assert read_header(bytes(buf)) is first
     broken = bytearray(buf)
-    broken[codec._PREFIX.size + 2] ^= 0x40  # a byte of the msgpack header
+    broken[header.PREFIX.size + 2] ^= 0x40  # a byte of the msgpack header
     with pytest.raises(BlockDecodeError):
         read_header(bytes(broken))
     with pytest.raises(BlockDecodeError):

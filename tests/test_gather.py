@@ -10,12 +10,13 @@ import numpy as np
 import pytest
 
 from kvstore import PrefixStore
-from kvstore.codec import Codec, Block, Stored, serialize
+from kvstore.codec import Block, Codec
 from kvstore.gather import _slow, gather
 from kvstore.hashing import KeyChain, root_key
 from kvstore.layers import KVLayer, Quantized, take_rows
+from kvstore.wire import Stored, serialize
 
-from ._helpers import bits_of, kv_layers
+from ._helpers import bits_of, kv_layers, raw_header, repack
 
 BS = 16
 
@@ -71,9 +72,11 @@ def test_quantized_engine_gets_the_stored_triples():
 
 
 def test_ram_and_disk_blocks_mix_in_one_prompt():
-    """Blocks from RAM (decoded) and from disk (bytes) in one hit."""
+    """Blocks from RAM (packed here, checksum known) and from disk (bytes
+    read back, checksum not checked yet) in one hit."""
     items = _blocks(np.arange(300, 364, dtype=np.int32), Codec.from_bits(None))
-    mixed = [items[0].decode(), items[1], items[2].decode(), items[3]]
+    mixed = [Stored.pack(it.decode(), it.key, it.start) if i % 2 == 0 else it for i, it in enumerate(items)]
+    assert [it.checked for it in mixed] == [True, False, True, False]
     _same(gather(mixed, 60).layers, _slow(items, 60, None).layers)
 
 
@@ -139,22 +142,11 @@ def test_the_checksum_taken_while_copying_is_the_whole_payloads():
     where a header lays an array inside an earlier one (a writer kvstore does
     not have, but a valid header all the same), every payload byte is still
     hashed once, so an intact block is served as the slow path serves it."""
-    import copy
-
-    import msgpack
-    import xxhash
-
-    from kvstore import codec
-
     item = _blocks(np.arange(100, 116, dtype=np.int32), Codec.from_bits(8))[0]
-    fields = copy.deepcopy(item.header.fields)
+    fields = raw_header(item.buf)
     data, scales, _ = fields["L"][1]["k"]["a"]
     scales[2] = data[2]  # layer 1's key scales read from the start of its key data: inside it, offsets in order
-    header = msgpack.packb(fields, use_bin_type=True)
-    head = codec._PREFIX.pack(codec.MAGIC, codec.FORMAT_VERSION, 0, len(header), xxhash.xxh3_64_intdigest(header))
-    head += header
-    buf = memoryview(head + bytes(-len(head) % codec.ALIGN) + bytes(item.payload))
-    odd = Stored.of(buf, item.key, 0)
+    odd = Stored.of(memoryview(repack(item.buf, fields)), item.key, 0)
     assert odd.intact()
     fast, slow = gather([odd], BS), _slow([odd], BS, None)
     assert fast.bad is None and fast.length == BS

@@ -14,7 +14,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from kvstore.codec import Block, serialize
+from kvstore.codec import Block
+from kvstore.wire import serialize
 from kvstore.errors import BlockDecodeError
 from kvstore.hashing import KeyChain, as_tokens, root_key
 from kvstore.record import BlockRecord, Entry

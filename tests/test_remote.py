@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 from kvstore import KVLayer, PrefixStore
-from kvstore.codec import Block, serialize
+from kvstore.codec import Block
 from kvstore.counters import Counters
 from kvstore.errors import ConfigError, RemoteConfigError
 from kvstore.hashing import KeyChain, as_tokens, root_key
@@ -24,6 +24,7 @@ from kvstore.remote_sync import Remote
 from kvstore.config import StoreConfig
 from kvstore.record import Entry
 from kvstore.tiers.remote import PREFIX, RemoteTier
+from kvstore.wire import serialize
 
 from ._helpers import assert_hit_is, kv_layers
 from ._redis import PASSWORD, RedisServer, free_port, need_redis, start_cluster

@@ -9,11 +9,13 @@ import numpy as np
 import pytest
 import xxhash
 
+from kvstore.codec import Block, Codec, convert
 from kvstore.config import StoreConfig
-from kvstore.codec import Block, Codec, convert, deserialize, read_header, serialize
+from kvstore.header import read_header
 from kvstore.layers import KVLayer, Quantized
 from kvstore.rotation import DEFAULT_SEED, rotatable, rotate, signs, unrotate
 from kvstore.store import PrefixStore
+from kvstore.wire import deserialize, serialize
 
 M = "rotation-test-model"
 
@@ -81,7 +83,8 @@ def test_a_rotated_block_roundtrips_through_its_header():
     buf = serialize(block)
     assert int.from_bytes(buf[4:6], "little") == 3
     entry = read_header(buf).layers[0]
-    assert entry["k"]["q"] == [4, 64] and entry["k"]["r"] == DEFAULT_SEED and "r" not in entry["v"]
+    assert (entry.keys.bits, entry.keys.group_size, entry.keys.rotation) == (4, 64, DEFAULT_SEED)
+    assert entry.values.bits is None and entry.values.rotation is None
     back = deserialize(buf).layers[0].keys
     assert isinstance(back, Quantized) and back.settings == (4, 64, DEFAULT_SEED)
     for a, b in zip(back.arrays(), q.arrays()):
@@ -90,7 +93,7 @@ def test_a_rotated_block_roundtrips_through_its_header():
 
     plain = serialize(Block(np.arange(5, dtype=np.int32), [KVLayer(convert(k, 4, 64), k, 0, None)]))
     assert int.from_bytes(plain[4:6], "little") == 2
-    assert "r" not in read_header(plain).layers[0]["k"]
+    assert read_header(plain).layers[0].keys.rotation is None
     assert deserialize(plain).layers[0].keys.rotation is None
 
 
@@ -213,9 +216,9 @@ def test_a_block_with_rotated_values_records_them_per_tensor(rotate_keys):
     buf = serialize(block)
     assert int.from_bytes(buf[4:6], "little") == 3
     entry = read_header(buf).layers[0]
-    assert entry["v"]["q"] == [4, 64] and entry["v"]["r"] == DEFAULT_SEED
-    assert entry["k"]["q"] == [8, 64] and (entry["k"].get("r") == DEFAULT_SEED) == rotate_keys
-    assert rotate_keys or "r" not in entry["k"]
+    assert (entry.values.bits, entry.values.group_size, entry.values.rotation) == (4, 64, DEFAULT_SEED)
+    assert (entry.keys.bits, entry.keys.group_size) == (8, 64)
+    assert entry.keys.rotation == (DEFAULT_SEED if rotate_keys else None)
     back = deserialize(buf).layers[0]
     assert back.values.settings == (4, 64, DEFAULT_SEED)
     assert back.keys.settings == (8, 64, DEFAULT_SEED if rotate_keys else None)

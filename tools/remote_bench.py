@@ -139,9 +139,9 @@ class Server:
 
 def bench_restore(cfg: dict, R: int, tmp: Path, server: Server) -> dict:
     from kvstore import PrefixStore
-    from kvstore.codec import deserialize
     from kvstore.hashing import KeyChain, root_key
     from kvstore.tiers.remote import RemoteTier
+    from kvstore.wire import deserialize
 
     c = cfg["restore"]
     rng = np.random.default_rng(10)

@@ -26,7 +26,7 @@ from typing import Iterable, Iterator, Mapping, Optional, Sequence
 
 import lmdb
 
-from ..codec import Stored
+from ..wire import Stored
 from ..errors import BlockDecodeError
 from ..record import BlockRecord, Entry, Use
 from ..spread import pool

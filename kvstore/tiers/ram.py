@@ -16,7 +16,7 @@ from collections import OrderedDict
 from typing import Iterable, Iterator, Optional
 
 from .. import buffers
-from ..codec import Stored
+from ..wire import Stored
 
 
 class RamTier:

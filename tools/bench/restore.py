@@ -103,8 +103,8 @@ def _ssd_numpy_assemble(disk, block_size: int, key: str, toks: np.ndarray, names
     instead of ``mx.array`` per block and ``mx.concatenate`` per layer."""
     import xxhash
 
-    from kvstore.codec import np_dtype, read_header
     from kvstore.hashing import KeyChain, root_key
+    from kvstore.header import read_header
 
     bs = block_size
     chain = KeyChain(root_key(key, namespace), toks, bs)
@@ -114,21 +114,16 @@ def _ssd_numpy_assemble(disk, block_size: int, key: str, toks: np.ndarray, names
             buf = memoryview(disk.payload(txn, chain.key(i)))
             h = read_header(buf)
             pl = buf[h.payload_start:]
-            if xxhash.xxh3_64_intdigest(pl) != h.fields["sum"]:
+            if xxhash.xxh3_64_intdigest(pl) != h.checksum:
                 raise ValueError("checksum")
-            t = h.fields["tok"]
-            if not np.array_equal(np.frombuffer(pl, "<i4", count=h.ntokens, offset=t[2]), toks[i * bs:(i + 1) * bs]):
+            if not np.array_equal(h.tokens.view(pl), toks[i * bs:(i + 1) * bs]):
                 raise ValueError("tokens")
             views.append((h, pl))
         out = []
         for li in range(len(views[0][0].layers)):
             kv = []
-            for which in ("k", "v"):
-                parts = []
-                for h, pl in views:
-                    name, shape, off, n = h.layers[li][which]["a"]
-                    dt = np_dtype(name)
-                    parts.append(np.frombuffer(pl, dtype=dt, count=n // dt.itemsize, offset=off).reshape(shape))
+            for which in ("keys", "values"):
+                parts = [getattr(h.layers[li], which).arrays[0].view(pl) for h, pl in views]
                 kv.append(mx.array(np.concatenate(parts, axis=-2)))
             out.append(kv)
         mx.eval(out)
