@@ -25,6 +25,32 @@ KvBits = Union[None, int, tuple[Optional[int], Optional[int]]]
 
 @dataclass(frozen=True, kw_only=True)
 class StoreConfig:
+    """Every setting of a ``PrefixStore``, keyword-only and checked here.
+
+    ``budget_gb`` bounds the RAM tier; with ``ssd_path`` every block is also
+    written to an LMDB store there (write-through, in the background) that
+    survives restarts and may be shared by several processes, bounded by
+    ``disk_budget_gb`` (default: half the free space, at most 64 GiB).
+    ``kv_bits`` stores KV quantized (an int, or ``(key_bits, value_bits)``);
+    ``None`` keeps the engine's dtype. ``rotate_keys`` rotates keys before
+    quantizing them (``kvstore.rotation``; ``None``: at 4 bits or fewer),
+    ``rotate_values`` values (``None``: at 4 bits or fewer too).
+    Entries remember their own settings, so
+    a store reopened with other settings reads old entries correctly.
+    ``namespace`` salts every key: tenants never share or see blocks.
+    ``fetch_policy``: ``"auto"`` serves the part of a hit that loads faster
+    than the engine recomputes it (rates measured here, see ``cost``),
+    ``"always"`` serves every stored token, ``"never"`` none.
+    ``remote`` (``redis://[[user]:password@]host:port/db``, ``rediss://`` for
+    TLS, ``unix:///path.sock``; the password may come from
+    ``$KVSTORE_REMOTE_PASSWORD`` or ``$REDISCLI_AUTH``) adds a Redis / Valkey
+    server or cluster shared by hosts, after RAM and LMDB: new blocks are
+    copied there in the background, and a fetch reads there what the local
+    tiers lack; a down server only costs ``remote_timeout`` seconds now and
+    then.
+    The tuning fields below them say why they are what they are.
+    """
+
     # ------------------------------------------------------------- settings
     budget_gb: float = 4.0  # the RAM tier's bytes
     ssd_path: Optional[Union[str, os.PathLike]] = None  # an LMDB store there (None: RAM only)
@@ -87,8 +113,7 @@ class StoreConfig:
         gib(self.budget_gb, "budget_gb")
         if self.disk_budget_gb is not None:
             gib(self.disk_budget_gb, "disk_budget_gb")
-        if self.fetch_policy not in POLICIES:
-            raise ConfigError(f"fetch_policy must be one of {POLICIES}, got {self.fetch_policy!r}")
+        check_policy(self.fetch_policy)
         t = self.remote_timeout
         if isinstance(t, bool) or not isinstance(t, (int, float)) or not math.isfinite(t) or t <= 0:
             raise ConfigError(f"remote_timeout must be a number of seconds > 0, got {t!r}")
@@ -116,6 +141,11 @@ class StoreConfig:
 _POSITIVE = ("write_batch_bytes", "write_ahead_bytes", "write_seconds", "max_pending_bytes", "compress_rows",
              "full_pause_s", "evict_rounds", "remote_queue_bytes", "remote_batch_bytes", "remote_batch_blocks",
              "remote_close_wait", "remote_probe_blocks", "remote_read_bytes")
+
+
+def check_policy(policy: str) -> None:
+    if policy not in POLICIES:
+        raise ConfigError(f"fetch_policy must be one of {POLICIES}, got {policy!r}")
 
 
 def gib(gb: float, name: str) -> int:

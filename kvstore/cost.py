@@ -32,9 +32,8 @@ from typing import Callable, Optional, Sequence
 
 import numpy as np
 
-from .errors import ConfigError
+from .config import check_policy
 
-POLICIES = ("auto", "always", "never")
 STATES = ("ram", "ssd_cached", "ssd_cold")
 # what a fetch costs before any byte moves (walk, assemble set-up), seconds; measured values replace it
 _FIXED_LOAD_S = 0.5e-3
@@ -134,8 +133,7 @@ class CostModel:
         self.set_policy(self.policy)
 
     def set_policy(self, policy: str) -> None:
-        if policy not in POLICIES:
-            raise ConfigError(f"fetch_policy must be one of {POLICIES}, got {policy!r}")
+        check_policy(policy)
         self.policy = policy
 
     # ------------------------------------------------------------ observing

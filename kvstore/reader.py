@@ -28,7 +28,7 @@ from .errors import BlockDecodeError
 from .gather import gather
 from .index import Node
 from .lookup import servable
-from .table import BlockTable, tokens_match
+from .table import BlockTable
 
 log = logging.getLogger("kvstore")
 
@@ -215,3 +215,10 @@ class Reader:
             pool, self._pool = self._pool, None
         if pool is not None:
             pool.shutdown(wait=True)
+
+
+def tokens_match(item: Stored, toks: np.ndarray, start: int, stop: int) -> bool:
+    """Whether a stored block's tokens are the prompt's ``[start, stop)``."""
+    tokens = item.tokens
+    m = stop - start
+    return m <= len(tokens) and np.array_equal(tokens[:m], toks[start:stop])

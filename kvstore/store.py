@@ -80,27 +80,9 @@ class PrefixStore:
     >>> store.put("model", tokens, layers)               # doctest: +SKIP
     >>> hit = store.fetch("model", tokens)               # doctest: +SKIP
 
-    ``budget_gb`` bounds the RAM tier; with ``ssd_path`` every block is also
-    written to an LMDB store there (write-through, in the background) that
-    survives restarts and may be shared by several processes, bounded by
-    ``disk_budget_gb`` (default: half the free space, at most 64 GiB).
-    ``kv_bits`` stores KV quantized (an int, or ``(key_bits, value_bits)``);
-    ``None`` keeps the engine's dtype. ``rotate_keys`` rotates keys before
-    quantizing them (``kvstore.rotation``; ``None``: at 4 bits or fewer),
-    ``rotate_values`` values (``None``: at 4 bits or fewer too).
-    Entries remember their own settings, so
-    a store reopened with other settings reads old entries correctly.
-    ``namespace`` salts every key: tenants never share or see blocks.
-    ``fetch_policy``: ``"auto"`` serves the part of a hit that loads faster
-    than the engine recomputes it (rates measured here, see ``cost``),
-    ``"always"`` serves every stored token, ``"never"`` none.
-    ``remote`` (``redis://[[user]:password@]host:port/db``, ``rediss://`` for
-    TLS, ``unix:///path.sock``; the password may come from
-    ``$KVSTORE_REMOTE_PASSWORD`` or ``$REDISCLI_AUTH``) adds a Redis / Valkey
-    server or cluster shared by hosts, after RAM and LMDB: new blocks are
-    copied there in the background, and a fetch reads there what the local
-    tiers lack; a down server only costs ``remote_timeout`` seconds now and
-    then. Raises ``ConfigError`` for settings out of range (``RemoteConfigError``
+    Settings are keywords (or one ``config``): ``kvstore.config.StoreConfig``
+    lists and explains them; ``PrefixStore(config, budget_gb=8)`` varies one.
+    Raises ``ConfigError`` for settings out of range (``RemoteConfigError``
     for a malformed URL or refused credentials) and ``StoreOpenError`` for an
     ``ssd_path`` it cannot use.
     """

@@ -18,23 +18,20 @@ Eviction takes leaves first, without a scan, in both tiers:
   used end of the RAM order holds leaves; eviction walks from there, skipping
   pinned blocks. A block evicted before its disk write finished stays indexed
   (the writer holds it and writes it).
-- Disk: a heap of blocks on disk with no child on disk, by last use, stale
-  entries skipped as they surface: O(log n) per evicted block.
+- Disk: a heap of blocks on disk with no child on disk, by last use
+  (``DiskOrder``): O(log n) per evicted block.
 """
 
 from __future__ import annotations
 
-import heapq
-import itertools
 import threading
 from dataclasses import dataclass
 from typing import Callable, Iterable, Mapping, Optional, Sequence
 
-import numpy as np
-
 from . import lookup
 from .wire import Stored
 from .counters import Counters
+from .disk_order import DiskOrder
 from .hashing import KeyChain
 from .index import Walk, Node, RadixIndex
 from .layers import KVLayer
@@ -57,9 +54,7 @@ class BlockTable:
         self._lock = threading.RLock()
         self._index = RadixIndex()
         self._ram = RamTier(ram_budget)
-        self._lru: list[tuple[float, int, Node]] = []  # (last use, tie-break, node): disk leaves, lazily
-        self._seq = itertools.count()
-        self.disk_blocks = 0  # indexed blocks with a disk copy
+        self._lru = DiskOrder(self._index)
         self._counters = counters
         self._has_disk = has_disk
         self._writable = writable
@@ -195,24 +190,15 @@ class BlockTable:
                 node.nbytes, node.used, node.offset = rec.nbytes, rec.used, rec.offset
                 self._mark(node, True)
 
+    @property
+    def disk_blocks(self) -> int:
+        """Indexed blocks with a disk copy."""
+        return self._lru.blocks
+
     def disk_victims(self, nbytes: int) -> list[Node]:
         """Least recently used disk leaves, unpinned, about ``nbytes`` of them."""
-        out, held, freed, seen = [], [], 0, set()
         with self._lock:
-            while self._lru and freed < nbytes:
-                used, _, node = heapq.heappop(self._lru)
-                if (self._index.get(node.key) is not node or not node.on_disk or node.disk_kids
-                        or used != node.used or id(node) in seen):
-                    continue  # stale entry
-                seen.add(id(node))
-                if node.pins:
-                    held.append(node)
-                    continue
-                out.append(node)
-                freed += max(node.nbytes, 1)
-            for node in held:
-                self._push(node)
-        return out
+            return self._lru.victims(nbytes)
 
     def left_disk(self, victims: Sequence[Node], deleted: set[bytes]) -> None:
         """``deleted`` of ``victims`` left the disk; a block then in no tier
@@ -222,7 +208,7 @@ class BlockTable:
                 if self._index.get(v.key) is not v:
                     continue
                 if v.key not in deleted and v.on_disk:
-                    self._push(v)  # another process removed it first, or it survived: keep it known
+                    self._lru.push(v)  # another process removed it first, or it survived: keep it known
                     continue
                 self._mark(v, False)
                 if not v.in_ram and v.job is None:
@@ -299,7 +285,7 @@ class BlockTable:
             for p in path:
                 if p.on_disk and self._has_disk:
                     p.used = when
-                    self._push(p)
+                    self._lru.push(p)
             self._ram.touch([p.key for p in reversed(path)])
 
     def promote(self, node: Node, block: Stored) -> None:
@@ -436,11 +422,11 @@ class BlockTable:
             self._ram.pop(d.key)
             d.in_ram = False
             if d.on_disk:
-                self.disk_blocks -= 1
+                self._lru.blocks -= 1
         top = dropped[0] if dropped else None
         if top is not None and top.on_disk and top.parent is not None and not top.parent.is_root:
             top.parent.disk_kids -= 1
-            self._push(top.parent)
+            self._lru.push(top.parent)
         return [d.key for d in dropped if d.on_disk]
 
     def _mark(self, node: Node, on_disk: bool) -> None:
@@ -450,34 +436,12 @@ class BlockTable:
         node.on_disk = on_disk
         parent = node.parent
         if on_disk:
-            self.disk_blocks += 1
+            self._lru.blocks += 1
             if parent is not None and not parent.is_root:
                 parent.disk_kids += 1
-            self._push(node)
+            self._lru.push(node)
         else:
-            self.disk_blocks -= 1
+            self._lru.blocks -= 1
             if parent is not None and not parent.is_root:
                 parent.disk_kids -= 1
-                self._push(parent)
-
-    def _push(self, node: Node) -> None:
-        if node.on_disk and node.disk_kids == 0:
-            heapq.heappush(self._lru, (node.used, next(self._seq), node))
-            if len(self._lru) > 2 * self.disk_blocks + 1024:
-                self._compact()
-
-    def _compact(self) -> None:
-        """Drop stale heap entries (every use pushes one): amortized O(1) per push."""
-        live = {}
-        for used, seq, node in self._lru:
-            if used == node.used and node.on_disk and not node.disk_kids and self._index.get(node.key) is node:
-                live[id(node)] = (used, seq, node)
-        self._lru = list(live.values())
-        heapq.heapify(self._lru)
-
-
-def tokens_match(item: Stored, toks: np.ndarray, start: int, stop: int) -> bool:
-    """Whether a stored block's tokens are the prompt's ``[start, stop)``."""
-    tokens = item.tokens
-    m = stop - start
-    return m <= len(tokens) and np.array_equal(tokens[:m], toks[start:stop])
+                self._lru.push(parent)

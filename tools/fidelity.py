@@ -371,19 +371,6 @@ def splice_docs(section: str, doc: Path) -> None:
     doc.write_text(text, encoding="utf-8")
 
 
-def kept_section(doc: Path) -> str:
-    """The marked section of ``doc`` ('' if none): ``tools/bench.py`` keeps it when it rewrites the page."""
-    if not doc.exists():
-        return ""
-    text = doc.read_text(encoding="utf-8")
-    if _MARK_BEGIN not in text or _MARK_END not in text:
-        return ""
-    return _MARK_BEGIN + text.split(_MARK_BEGIN, 1)[1].split(_MARK_END, 1)[0] + _MARK_END
-
-
-# ----------------------------------------------------------------------- main
-
-
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="fidelity", description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", help="output folder (fidelity.json); required unless --save-texts")

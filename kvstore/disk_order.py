@@ -1,0 +1,57 @@
+"""The disk tier's eviction order: blocks on disk with no child on disk (the
+only ones that may leave it), least recently used first.
+
+A heap kept lazily: every use pushes an entry, stale ones are skipped as
+they surface and dropped when they outnumber the live ones, so evicting one
+block costs O(log n) however many blocks the store holds. Owned by the
+``BlockTable`` and used under its lock.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+
+from .index import Node, RadixIndex
+
+
+class DiskOrder:
+    def __init__(self, index: RadixIndex):
+        self._index = index
+        self._heap: list[tuple[float, int, Node]] = []  # (last use, tie-break, node)
+        self._seq = itertools.count()
+        self.blocks = 0  # indexed blocks with a disk copy (kept by the table)
+
+    def push(self, node: Node) -> None:
+        """``node``'s last use or its children changed: a leaf on disk is (re)entered."""
+        if node.on_disk and node.disk_kids == 0:
+            heapq.heappush(self._heap, (node.used, next(self._seq), node))
+            if len(self._heap) > 2 * self.blocks + 1024:
+                self._compact()
+
+    def victims(self, nbytes: int) -> list[Node]:
+        """Least recently used disk leaves, unpinned, about ``nbytes`` of them
+        (taken out of the order; the caller pushes back what stays)."""
+        out, held, freed, seen = [], [], 0, set()
+        while self._heap and freed < nbytes:
+            used, _, node = heapq.heappop(self._heap)
+            if not self._live(used, node) or id(node) in seen:
+                continue  # stale entry
+            seen.add(id(node))
+            if node.pins:
+                held.append(node)
+                continue
+            out.append(node)
+            freed += max(node.nbytes, 1)
+        for node in held:
+            self.push(node)
+        return out
+
+    def _live(self, used: float, node: Node) -> bool:
+        return used == node.used and node.on_disk and not node.disk_kids and self._index.get(node.key) is node
+
+    def _compact(self) -> None:
+        """Drop stale entries (every use pushes one): amortized O(1) per push."""
+        live = {id(node): (used, seq, node) for used, seq, node in self._heap if self._live(used, node)}
+        self._heap = list(live.values())
+        heapq.heapify(self._heap)
