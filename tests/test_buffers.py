@@ -35,13 +35,13 @@ def test_a_buffer_is_reused_only_once_nothing_refers_to_it():
     del mv
     again = buffers.take(4 * MiB)
     assert again.ctypes.data == where and again.nbytes == 4 * MiB
-    assert buffers.waiting_bytes() == 0
+    assert buffers._waiting_bytes == 0
 
 
 def test_only_a_buffer_of_about_the_size_asked_is_reused():
     buffers.give_back(np.empty(8 * MiB, np.uint8))
     assert buffers.take(4 * MiB).nbytes == 4 * MiB  # twice the size: not handed out, kept
-    assert buffers.waiting_bytes() == 8 * MiB
+    assert buffers._waiting_bytes == 8 * MiB
     assert buffers.take(8 * MiB - 4096).nbytes == 8 * MiB
 
 
@@ -49,7 +49,7 @@ def test_small_and_foreign_buffers_are_not_kept():
     buffers.give_back(memoryview(bytearray(4 * MiB)))
     buffers.give_back(np.empty(MiB // 2, np.uint8))
     buffers.give_back(np.empty((2, 2 * MiB), np.uint8))
-    assert buffers.waiting_bytes() == 0
+    assert buffers._waiting_bytes == 0
 
 
 def test_at_most_keep_bytes_wait(monkeypatch):
@@ -57,7 +57,7 @@ def test_at_most_keep_bytes_wait(monkeypatch):
     kept = [np.empty(4 * MiB, np.uint8) for _ in range(4)]
     for a in kept:
         buffers.give_back(a)
-    assert buffers.waiting_bytes() == 8 * MiB
+    assert buffers._waiting_bytes == 8 * MiB
     assert [a is b for a, b in zip(buffers._waiting, kept[2:])] == [True, True]  # the oldest went first
 
 
@@ -70,5 +70,5 @@ def test_a_block_serialized_into_a_reused_buffer_is_the_block_serialized_into_fr
     assert len(fresh) > MiB
     buffers.give_back(np.full(len(fresh) + 4096, 0xFF, np.uint8))  # what an old block could have left
     reused = serialize(block, b"k" * 16)
-    assert buffers.waiting_bytes() == 0  # it went into the poisoned buffer
+    assert buffers._waiting_bytes == 0  # it went into the poisoned buffer
     assert bytes(reused) == fresh

@@ -3,7 +3,7 @@
 One environment (a directory; opened, mapped and grown by ``lmdb_env``) with
 sub-databases:
 
-- ``blocks``:   block key -> serialized block (see ``codec``)
+- ``blocks``:   block key -> serialized block (see ``header``, ``wire``)
 - ``nodes``:    block key -> its ``BlockRecord`` (parent, position, tokens,
                 first/last use, hits, payload bytes, offset in the file)
 - ``children``: parent key -> child keys (dupsort), to find blocks other

@@ -1,7 +1,7 @@
 """RAM tier: blocks as their serialized bytes, in LRU order under a byte budget.
 
 A block is held exactly as the disk and the remote tier store it
-(``codec.Stored``, checked): what the budget counts is what is held, with no
+(``wire.Stored``, checked): what the budget counts is what is held, with no
 engine buffer or device memory behind it. On CUDA this makes ``budget_gb``
 host RAM, as on every other backend; a hit from RAM takes the same one-copy
 route to the engine's device as one from disk (``gather``), and a block read

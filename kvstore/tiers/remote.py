@@ -46,7 +46,7 @@ import numpy as np
 from ..errors import RemoteConfigError
 from ..record import BlockRecord
 
-PREFIX = b"kvstore:v1:"  # v1: block bytes of codec format 2 and records of record.RECORD_VERSION 1
+PREFIX = b"kvstore:v1:"  # v1: block bytes of wire format 2 and records of record.RECORD_VERSION 1
 FIELD_PAYLOAD, FIELD_RECORD, FIELD_ROOT = b"p", b"r", b"m"
 PASSWORD_ENV = ("KVSTORE_REMOTE_PASSWORD", "REDISCLI_AUTH")  # first set wins, when the URL has none
 USER_ENV = "KVSTORE_REMOTE_USER"
