@@ -6,6 +6,8 @@ import pathlib
 import subprocess
 import sys
 
+import pytest
+
 import kvstore
 
 CORE = pathlib.Path(kvstore.__file__).parent
@@ -46,3 +48,21 @@ def test_install_has_no_top_level_adapters_or_tools(tmp_path):
                "u.find_spec('kvstore.adapters.mlx_lm') is not None, u.find_spec('kvstore.tools') is not None)",
                tmp_path)
     assert out == "None None True True"
+
+
+def test_no_dead_code_outside_the_whitelist():
+    """Every name in kvstore/, adapters/ and tools/ is used, or named in
+    tools/vulture_whitelist.py with who uses it (public API, a framework's
+    hook)."""
+    pytest.importorskip("vulture")
+    root = pathlib.Path(__file__).resolve().parents[1]
+    got = subprocess.run([sys.executable, "-m", "vulture", "kvstore", "adapters", "tools", "--min-confidence", "60"],
+                         cwd=root, capture_output=True, text=True)
+    assert got.returncode == 0 and not got.stdout.strip(), got.stdout + got.stderr
+
+
+def test_every_benchmark_file_and_anchor_the_docs_name_exists():
+    root = pathlib.Path(__file__).resolve().parents[1]
+    got = subprocess.run([sys.executable, str(root / "tools" / "check_doc_links.py")], cwd=root,
+                         capture_output=True, text=True)
+    assert got.returncode == 0, got.stdout + got.stderr
