@@ -4,7 +4,9 @@ A fresh buffer costs its page faults (docs/design-notes.md, "buffers"), and
 a store in its steady state lets go of blocks' bytes about as fast as it
 makes new ones (a block written through with no room in RAM, a block
 evicted from a full RAM tier), so those buffers are handed back here and
-taken again.
+taken again. On CUDA they are page-locked (``cuda.Runtime.pinned``): the
+RAM tier's blocks then reach the GPU on the copy engine in one copy, and
+blocks written from the GPU land in them the same way.
 
 A buffer handed back is reused only when Python holds no other reference to
 it: every slice, memoryview and exported buffer of a numpy array holds one,
@@ -19,6 +21,8 @@ import threading
 from collections import deque
 
 import numpy as np
+
+from . import cuda
 
 _KEEP = 640 << 20  # bytes of handed-back buffers kept for reuse: a write transaction's worth, and more
 _MIN = 1 << 20  # smaller buffers come and go through numpy's own cache
@@ -41,7 +45,8 @@ def take(n: int) -> np.ndarray:
                     del _waiting[i]
                     _waiting_bytes -= raw.nbytes
                     return raw
-    return np.empty(n, np.uint8)
+    rt = cuda.runtime() if n >= _MIN else None
+    return rt.pinned(n) if rt is not None else np.empty(n, np.uint8)
 
 
 def give_back(view) -> None:

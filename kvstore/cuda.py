@@ -53,6 +53,7 @@ class Runtime:
         lib.cudaMemcpyAsync.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int,
                                         ctypes.c_void_p]
         lib.cudaHostAlloc.argtypes = [ctypes.POINTER(ctypes.c_void_p), ctypes.c_size_t, ctypes.c_uint]
+        lib.cudaFreeHost.argtypes = [ctypes.c_void_p]
         lib.cudaStreamCreateWithFlags.argtypes = [ctypes.POINTER(ctypes.c_void_p), ctypes.c_uint]
         attr = ctypes.c_int(0)
         lib.cudaDeviceGetAttribute(ctypes.byref(attr), 89, self.device)  # cudaDevAttrConcurrentManagedAccess
@@ -91,10 +92,39 @@ class Runtime:
         return s
 
     def pinned(self, nbytes: int) -> np.ndarray:
-        """Page-locked host memory (kept for the process's life) as a byte array."""
+        """Page-locked host memory as a byte array, freed once no array or
+        view over it is left."""
+        return np.asarray(_Pinned(self, nbytes))
+
+
+class _Pinned:
+    """Page-locked host bytes (``cudaHostAlloc``): the copy engine moves them
+    to and from the GPU without a staging copy. Numpy arrays made from it
+    keep it alive; the last one to go frees it."""
+
+    def __init__(self, rt: Runtime, nbytes: int):
         p = ctypes.c_void_p()
-        self._check(self.lib.cudaHostAlloc(ctypes.byref(p), nbytes, 0), "cudaHostAlloc")
-        return np.ctypeslib.as_array((ctypes.c_uint8 * nbytes).from_address(p.value))
+        rt._check(rt.lib.cudaHostAlloc(ctypes.byref(p), max(1, nbytes), 0), "cudaHostAlloc")
+        self._free, self.ptr = rt.lib.cudaFreeHost, p.value
+        self.__array_interface__ = {"shape": (nbytes,), "typestr": "|u1", "data": (p.value, False), "version": 3}
+
+    def __del__(self):
+        try:
+            self._free(self.ptr)
+        except Exception:  # (an interpreter shutting down)
+            pass
+
+
+def is_pinned(buf) -> bool:
+    """Whether ``buf`` (an array or memoryview, or a view of one) lies in
+    page-locked memory this module allocated."""
+    for _ in range(16):
+        if isinstance(buf, _Pinned):
+            return True
+        buf = buf.obj if isinstance(buf, memoryview) else buf.base if isinstance(buf, np.ndarray) else None
+        if buf is None:
+            return False
+    return False
 
 
 _lock = threading.Lock()
@@ -163,10 +193,15 @@ def _staging(rt: Runtime) -> Iterator[tuple]:
 
 
 def upload(rt: Runtime, dst: int, src: memoryview) -> None:
-    """Host bytes to device address ``dst``: copies into alternating pinned
-    buffers overlap the copy engine's transfer of the previous one."""
+    """Host bytes to device address ``dst``: from pinned memory in one copy
+    on the copy engine; from pageable memory through alternating pinned
+    buffers, each copy into one overlapping the transfer of the other."""
+    pinned = is_pinned(src)
     src = np.frombuffer(src, np.uint8)
     with _staging(rt) as (stream, bufs):
+        if pinned:
+            rt.copy(dst, src.ctypes.data, len(src), stream)  # (the staging context waits for it)
+            return
         pending = [False, False]
         for j, off in enumerate(range(0, len(src), STAGE)):
             k = j % 2
@@ -185,6 +220,19 @@ def download(rt: Runtime, dst: np.ndarray, src: int, hasher=None) -> None:
     engine fills one pinned buffer while the host empties the other (and
     feeds ``hasher``, in order, while the bytes are in its cache)."""
     chunks = [(off, min(STAGE, len(dst) - off)) for off in range(0, len(dst), STAGE)]
+    if is_pinned(dst):
+        with _staging(rt) as (stream, _):  # straight into ``dst``; the next chunk lands while one is hashed
+            base = dst.ctypes.data
+            for j, (off, n) in enumerate(chunks):
+                if j == 0:
+                    rt.copy(base, src, n, stream)
+                rt.sync(stream)
+                if j + 1 < len(chunks):
+                    o, m = chunks[j + 1]
+                    rt.copy(base + o, src + o, m, stream)
+                if hasher is not None:
+                    hasher.update(dst[off : off + n])
+        return
     with _staging(rt) as (stream, bufs):
         for j, (off, n) in enumerate(chunks):
             if j == 0:

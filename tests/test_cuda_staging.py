@@ -69,3 +69,67 @@ def test_staging_buffers_are_reused_not_made_per_thread_or_call():
         t.join()
     assert rt.streams == 1 and rt.pinned_bytes == 2 * cuda.STAGE
     assert np.array_equal(dev, src)
+
+
+class _HostLib:
+    """``cudaHostAlloc``/``cudaFreeHost`` on the C heap, counting frees."""
+
+    def __init__(self):
+        self._libc = ctypes.CDLL(None)
+        self._libc.malloc.restype = ctypes.c_void_p
+        self._libc.free.argtypes = [ctypes.c_void_p]
+        self.freed = 0
+
+    def cudaHostAlloc(self, ptr, nbytes, flags):
+        ctypes.cast(ptr, ctypes.POINTER(ctypes.c_void_p))[0] = self._libc.malloc(nbytes)
+        return 0
+
+    def cudaFreeHost(self, p):
+        self.freed += 1
+        self._libc.free(p)
+
+
+class PinnedHostRuntime(HostRuntime):
+    """A runtime whose page-locked memory is ``kvstore.cuda``'s own, on the heap."""
+
+    def __init__(self):
+        super().__init__()
+        self.lib = _HostLib()
+        self.copies = 0
+
+    _check = staticmethod(cuda.Runtime._check)
+    pinned = cuda.Runtime.pinned
+
+    def copy(self, dst, src, nbytes, stream=None):
+        self.copies += 1
+        super().copy(dst, src, nbytes, stream)
+
+
+def test_pinned_memory_moves_in_place_and_is_freed_with_its_last_view():
+    """Bytes in page-locked memory (the RAM tier's blocks on CUDA) go to the
+    device in one copy, with no staging copy; a download into it lands in
+    place, hashed on the way like a staged one; the memory is freed once
+    the last array or view over it is gone."""
+    import xxhash
+
+    _drain_pool()
+    rt = PinnedHostRuntime()
+    n = 2 * cuda.STAGE + 777
+    buf = rt.pinned(n)
+    buf[:] = np.random.default_rng(1).integers(0, 256, n, dtype=np.uint8)
+    view = memoryview(buf[64:])  # a block's payload: a view of a view
+    view_ro = memoryview(np.frombuffer(view, np.uint8))
+    assert cuda.is_pinned(view) and cuda.is_pinned(view_ro) and not cuda.is_pinned(memoryview(bytes(8)))
+    dev = np.zeros(n - 64, np.uint8)
+    cuda.upload(rt, dev.ctypes.data, view_ro)
+    assert rt.copies == 1 and np.array_equal(dev, buf[64:])
+    back = rt.pinned(n - 64)
+    h = xxhash.xxh3_64()
+    before = rt.copies
+    cuda.download(rt, back, dev.ctypes.data, h)
+    assert rt.copies - before == 3 and np.array_equal(back, dev)  # one per chunk, no staging
+    assert h.intdigest() == xxhash.xxh3_64_intdigest(dev)
+    del buf, back, view
+    assert rt.lib.freed == 1  # ``back``; ``buf`` is still under view_ro
+    del view_ro
+    assert rt.lib.freed == 2
