@@ -215,6 +215,16 @@ def upload(rt: Runtime, dst: int, src: memoryview) -> None:
         rt.sync(stream)
 
 
+def upload_pinned(rt: Runtime, moves: list[tuple[int, memoryview]]) -> None:
+    """Pinned host bytes to device addresses, ``(dst, src)`` each: all queued
+    on one stream back to back, then one wait (the copy engine never idles
+    between blocks, as it would behind a wait per block)."""
+    with _staging(rt) as (stream, _):
+        for dst, src in moves:
+            a = np.frombuffer(src, np.uint8)
+            rt.copy(dst, a.ctypes.data, len(a), stream)
+
+
 def download(rt: Runtime, dst: np.ndarray, src: int, hasher=None) -> None:
     """Device bytes at ``src`` into host array ``dst`` (uint8): the copy
     engine fills one pinned buffer while the host empties the other (and

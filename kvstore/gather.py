@@ -215,15 +215,26 @@ def _fill_device(items, spans, spec, length):
     mx.synchronize()
     bases = [cuda.address(d) for d in devs]
 
-    def move(i: int) -> bool:
-        item = items[i]
+    # RAM blocks (pinned, checked) go on one stream back to back (task 0); LMDB's pages are checked and
+    # staged block by block on the other threads meanwhile
+    pinned = [it.checked and cuda.is_pinned(it.buf) for it in items]
+    rest = [i for i in range(len(items)) if not pinned[i]]
+
+    def move(k: int) -> bool:
+        if k == 0:
+            cuda.upload_pinned(rt, [(bases[where[i][0]] + where[i][1], it.payload)
+                                    for i, it in enumerate(items) if pinned[i]])
+            return True
+        item = items[rest[k - 1]]
         if not item.intact():
             return False
-        b, off = where[i]
+        b, off = where[rest[k - 1]]
         cuda.upload(rt, bases[b] + off, item.payload)
         return True
 
-    ok = each(move, len(items))
+    ok = [True] * len(items)
+    for i, good in zip(rest, each(move, len(rest) + 1)[1:]):
+        ok[i] = good
     views = [{name: d.view(dt) for name, dt in _DTYPE.items()} for d in devs]
     bad = next((i for i, good in enumerate(ok) if not good), None)
     end = len(items) if bad is None else bad
