@@ -31,7 +31,7 @@ from .gguf import gguf_fingerprint, is_gguf
 from .mlx_lm import caches_to_layers, layers_to_caches, layout_signature, model_fingerprint
 
 __all__ = ["model_key", "models_key", "fetch_cache", "prefill", "store_cache", "stream_generate", "generate",
-           "Generation"]
+           "Generation", "calibrate", "calibrate_once"]
 
 # id(model) -> {resolved model folder or None: key}; modules are dicts, hence unhashable
 _KEYS: dict[int, dict[Optional[str], str]] = {}
@@ -118,8 +118,11 @@ def fetch_cache(store: PrefixStore, model: nn.Module, key: str, tokens: Sequence
     """A prompt cache for ``tokens``: the longest stored prefix (leaving at
     least the last token to compute, so the engine gets its logits), or an
     empty cache on a miss. With a ``draft_model`` (and the key of
-    :func:`models_key`) it holds the main model's caches, then the draft's."""
+    :func:`models_key`) it holds the main model's caches, then the draft's.
+    Under ``fetch_policy="auto"``, a model the store knows no prefills of is
+    calibrated first (:func:`calibrate_once`)."""
     models = [model] if draft_model is None else [model, draft_model]
+    calibrate_once(store, key, models)
     quant = (kv_bits, kv_group_size) if kv_bits else None
     hit = store.fetch(key, tokens, limit=len(tokens) - 1, quantized=quant)
     if not hit:
@@ -175,7 +178,8 @@ class Generation:
     ssd_tokens: int = 0
     remote_tokens: int = 0
     computed_tokens: int = 0
-    ttft_s: float = 0.0  # prompt arrival to first generated token
+    ttft_s: float = 0.0  # prompt arrival to first generated token (less calibrate_s)
+    calibrate_s: float = 0.0  # once per model and store: a few timed prefills (``calibrate_once``)
     total_s: float = 0.0
     finish_reason: Optional[str] = None
 
@@ -206,6 +210,8 @@ def stream_generate(model: nn.Module, tokenizer, prompt: Union[str, Sequence[int
     if model_path is not None:
         store.register_model(key, {"path": str(Path(model_path).resolve()), "name": Path(model_path).name})
     qkw = dict(kv_bits=kv_bits, kv_group_size=kv_group_size, quantized_kv_start=quantized_kv_start)
+    # set-up, as loading the model is: the server does it at load, here the first request does (not in ttft_s)
+    res.calibrate_s = calibrate_once(store, key, [model] if draft is None else [model, draft])
     t_fetch = time.perf_counter()
     got = fetch_cache(store, model, key, tokens, max_kv_size=max_kv_size, draft_model=draft, **qkw)
     cache = got.cache
@@ -222,7 +228,7 @@ def stream_generate(model: nn.Module, tokenizer, prompt: Union[str, Sequence[int
                                          prefill_step_size=prefill_step_size, **qkw, **kwargs):
             if not generated:
                 now = time.perf_counter()
-                res.ttft_s = now - t0
+                res.ttft_s = now - t0 - res.calibrate_s
                 # what this request cost from fetch to first token: the store learns prefill and the
                 # real cost of its hits from it (on a GPU, arrays move to the device in the first forward)
                 store.observe_request(key, len(tokens), got.hit, now - t_fetch)
@@ -254,7 +260,7 @@ def calibrate(store: PrefixStore, key: str, models: Sequence[nn.Module],
     adapter cannot time, like mlx-lm's server, call this once)."""
     vocab = 1000
     for start, stop in sizes:
-        tokens = mx.random.randint(0, vocab, (stop,))
+        tokens = mx.random.randint(0, vocab, (stop,), key=mx.random.key(stop))  # the caller's seed left alone
         seconds = 0.0
         for m in models:
             cache = C.make_prompt_cache(m)
@@ -266,3 +272,17 @@ def calibrate(store: PrefixStore, key: str, models: Sequence[nn.Module],
             mx.eval([c.state for c in cache])
             seconds += time.perf_counter() - t
         store.observe_prefill(key, start, stop, seconds)
+
+
+def calibrate_once(store: PrefixStore, key: str, models: Sequence[nn.Module]) -> float:
+    """``calibrate`` where ``fetch_policy="auto"`` will weigh a hit against a
+    prefill it knows nothing of (a model whose prefills this store, or an
+    earlier run on this machine, never saw); returns the seconds it took.
+    Without it the first hits of a model were served whatever they cost. A
+    few prefills of at most 1K tokens: ~0.5 s for the tiny CPU llama, less
+    on a GPU."""
+    if store.fetch_policy != "auto" or store.knows_prefill(key):
+        return 0.0
+    t = time.perf_counter()
+    calibrate(store, key, models)
+    return time.perf_counter() - t

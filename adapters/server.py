@@ -31,7 +31,7 @@ from mlx_lm.models import cache as C
 
 from kvstore import Hit, PrefixStore
 
-from .generate import calibrate, models_key, needs_snapshots, prefill
+from .generate import calibrate_once, models_key, needs_snapshots, prefill
 from .gguf import TRAINED, is_gguf, load_model, resolve_model
 from .inserts import Inserts
 from .mlx_lm import cache_offset, layers_to_caches, snapshot
@@ -264,9 +264,7 @@ class StorePromptCache:
             self.store.register_model(key, info)
         m = _Models(key, models, [len(C.make_prompt_cache(x)) for x in models])
         self._models[model] = m
-        if self.store.fetch_policy == "auto" and not self.store.knows_prefill(key):
-            # the server's prefills cannot be timed from here: measure a few once, for the cost model
-            calibrate(self.store, key, models)
+        calibrate_once(self.store, key, models)  # the server's prefills cannot be timed from here
         return m
 
 

@@ -55,7 +55,7 @@ import mlx.nn as nn
 from kvstore import PrefixStore
 from kvstore.errors import ConfigError, KVStoreError
 
-from .generate import calibrate, model_key
+from .generate import calibrate_once, model_key
 from .inserts import Inserts
 from .mlx_lm import cache_offset, layers_to_cache, snapshot
 
@@ -184,8 +184,8 @@ class StorePrefixCache:
         self._inserts = Inserts(store)
         self._stats = _Stats()
         self._lock = threading.Lock()
-        if calibrate_prefill and store.fetch_policy == "auto" and not store.knows_prefill(self.key):
-            calibrate(store, self.key, [model])  # the scheduler's prefills cannot be timed from here
+        if calibrate_prefill:
+            calibrate_once(store, self.key, [model])  # the scheduler's prefills cannot be timed from here
 
     # -- what the scheduler calls ---------------------------------------------
 

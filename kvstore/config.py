@@ -65,6 +65,9 @@ class StoreConfig:
     fetch_policy: str = "auto"  # "auto", "always" or "never"
     remote: Optional[str] = None  # redis://, rediss://, unix:// URL of a shared tier
     remote_timeout: float = 0.5  # seconds a down remote costs now and then
+    # Keep the cost model's estimates in the store per machine, and start from them at open (False: every
+    # open starts knowing nothing, as a first request on a new machine does; benchmarks of that case).
+    remember_rates: bool = True
 
     # --------------------------------------------------------------- tuning
     # Rotation before quantizing is the default at or below these bits: it measured better at 4 bits and not
@@ -97,6 +100,20 @@ class StoreConfig:
     remote_close_wait: float = 10.0
     remote_probe_blocks: int = 1024
     remote_read_bytes: int = 64 << 20
+    # fetch_policy="auto" before a load rate is measured (``probe``): the prior of each state in GB/s
+    # (None: probed at open, once per machine and store). A served hit that loses costs more than cold, a
+    # declined one at most cold, so the cold-SSD prior errs low: the probe reads on one thread (the store
+    # reads cold blocks on several) and is counted in series with building the arrays (the store overlaps
+    # them), then scaled by ``prior_cold_share``; where the disk cannot be read around the page cache it is
+    # ``unprobed_cold_gbps``, a SATA SSD's rate.
+    prior_ram_gbps: Optional[float] = None
+    prior_ssd_cached_gbps: Optional[float] = None
+    prior_ssd_cold_gbps: Optional[float] = None
+    prior_cold_share: float = 0.75
+    unprobed_cold_gbps: float = 0.5
+    # Bytes each probe moves: past the latency of a disk request and a few caches' sizes, a few ms of
+    # memory bandwidth and tens of ms of disk, once per machine and store.
+    probe_bytes: int = 16 << 20
 
     def __post_init__(self):
         bs = self.block_size
@@ -104,8 +121,9 @@ class StoreConfig:
             raise ConfigError(f"block_size must be an int in [1, {MAX_BLOCK}] (tokens per block), got {bs!r}")
         if self.namespace is not None and not isinstance(self.namespace, str):  # ("" is a namespace of its own)
             raise ConfigError(f"namespace must be a str or None, got {self.namespace!r}")
-        if not isinstance(self.readonly, bool):
-            raise ConfigError(f"readonly must be True or False, got {self.readonly!r}")
+        for name in ("readonly", "remember_rates"):
+            if not isinstance(getattr(self, name), bool):
+                raise ConfigError(f"{name} must be True or False, got {getattr(self, name)!r}")
         p = self.ssd_path
         if p is not None and (not isinstance(p, (str, os.PathLike)) or not str(p).strip()):
             # "" would be the working directory: a store is made only where it is named
@@ -122,7 +140,7 @@ class StoreConfig:
                 v = getattr(self, f.name)
                 if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float)) or v <= 0):
                     raise ConfigError(f"{f.name} must be a number > 0, got {v!r}")
-        for name in ("evict_to", "cached_share"):
+        for name in ("evict_to", "cached_share", "prior_cold_share"):
             if not 0 < getattr(self, name) <= 1:
                 raise ConfigError(f"{name} must be in (0, 1], got {getattr(self, name)!r}")
 
@@ -140,7 +158,8 @@ class StoreConfig:
 
 _POSITIVE = ("write_batch_bytes", "write_ahead_bytes", "write_seconds", "max_pending_bytes", "compress_rows",
              "full_pause_s", "evict_rounds", "remote_queue_bytes", "remote_batch_bytes", "remote_batch_blocks",
-             "remote_close_wait", "remote_probe_blocks", "remote_read_bytes")
+             "remote_close_wait", "remote_probe_blocks", "remote_read_bytes", "prior_ram_gbps",
+             "prior_ssd_cached_gbps", "prior_ssd_cold_gbps", "unprobed_cold_gbps", "probe_bytes")
 
 
 def check_policy(policy: str) -> None:

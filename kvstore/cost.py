@@ -13,9 +13,11 @@ Prefill of tokens ``[s, e)`` after a cached prefix of ``s`` is modelled as
 ``a + b (e - s) + c (e^2 - s^2) / 2``: a fixed part, a per-token part, and
 attention whose cost grows with the context (each new token attends to all
 before it). The three are fitted by least squares to recent observations.
-Until a model has been observed, and while a tier has no measured rate,
-fetches serve everything (the old behaviour), so the store learns the rates
-it then relies on.
+Until a tier's rate is measured, a prior stands in for it (``probe``: timed
+once per machine, erring toward declining); the adapters time a few prefills
+of a model before its first fetch (``calibrate``). A measurement replaces a
+prior, and the plan is the same for both. Without a prefill model, or a rate
+or prior for a tier, fetches serve everything (and so measure it).
 
 Estimates are kept per machine in the store's LMDB meta, so a restart starts
 from what was learned.
@@ -113,7 +115,7 @@ class Plan:
 @dataclass
 class _Rate:
     bytes_per_s: float
-    observed: int = 0
+    observed: int = 0  # 0: a prior (``probe``), replaced by the first measurement
     end_to_end: bool = False  # measured to the engine's first token (what the engine really paid)
 
 
@@ -167,6 +169,18 @@ class CostModel:
             self._models.pop(model, None)
             self.dirty = True
 
+    def assume(self, state: str, bytes_per_s: float) -> None:
+        """A prior for ``state`` until its rate is measured."""
+        with self._lock:
+            if state not in self.rates and bytes_per_s > 0:
+                self.rates[state] = _Rate(float(bytes_per_s))
+                self.dirty = True
+
+    def unknown(self, states) -> set[str]:
+        """Those of ``states`` with neither a measured rate nor a prior."""
+        with self._lock:
+            return {s for s in states if s not in self.rates}
+
     def prefill_model(self, model: str) -> Optional[PrefillModel]:
         with self._lock:
             obs = self.prefill_obs.get(model)
@@ -191,7 +205,8 @@ class CostModel:
             return Plan(0, servable, reason="policy never")
         pm = self.prefill_model(model)
         with self._lock:
-            rates = {s: r.bytes_per_s for s, r in self.rates.items() if r.observed}
+            rates = {s: r.bytes_per_s for s, r in self.rates.items()}
+            priors = sorted({s for s in states if s in rates and not self.rates[s].observed})
         unknown = {s for s in states if s not in rates}
         if pm is None or unknown:
             why = "prefill rate not measured yet" if pm is None else f"no rate for {', '.join(sorted(unknown))} yet"
@@ -219,6 +234,8 @@ class CostModel:
         if best.length < servable:
             best.reason = ("recomputing is faster than loading" if best.length == 0 else
                            f"loading past token {best.length} is slower than recomputing")
+            if priors:
+                best.reason += f" (rates assumed, not measured yet: {', '.join(priors)})"
         return best
 
     # --------------------------------------------------------------- saving
@@ -226,7 +243,8 @@ class CostModel:
     def describe(self, model: Optional[str] = None) -> dict:
         """Rates and prefill models, for ``stats()``."""
         with self._lock:
-            rates = {s: {"gb_per_s": r.bytes_per_s / 1e9, "observed": r.observed} for s, r in self.rates.items()}
+            rates = {s: {"gb_per_s": r.bytes_per_s / 1e9, "observed": r.observed, "prior": not r.observed}
+                     for s, r in self.rates.items()}
             keys = list(self.prefill_obs)
         models = {}
         for k in keys if model is None else [model]:

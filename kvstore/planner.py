@@ -3,14 +3,19 @@ cost where they are now, what a served fetch really cost, and keeping the
 estimates per machine in the store.
 
 ``plan`` asks the table where the path's blocks are, then the disk which of
-their pages are cached (no I/O: ``mincore``).
+their pages are cached (no I/O: ``mincore``). Until a state's rate is
+measured, a prior stands in (``probe``), timed at open under
+``fetch_policy="auto"`` (else at the first plan that needs it) and kept with
+the measured rates.
 """
 
 from __future__ import annotations
 
 from typing import Mapping, Optional
 
-from .cost import CostModel, Plan, machine_id
+from . import probe
+from .config import StoreConfig
+from .cost import STATES, CostModel, Plan, machine_id
 from .counters import Counters
 from .disk import Disk
 from .index import Node
@@ -19,12 +24,13 @@ from .table import BlockTable
 
 class Planner:
     def __init__(self, cost: CostModel, table: BlockTable, disk: Optional[Disk], counters: Counters,
-                 cached_share: float):
+                 cfg: StoreConfig):
         self.cost = cost
         self.table = table
         self.disk = disk
         self.counters = counters
-        self.cached_share = cached_share  # a disk block with this share of its pages cached reads as cached
+        self.cfg = cfg
+        self.cached_share = cfg.cached_share  # a disk block with this share of its pages cached reads as cached
 
     def plan(self, root: bytes, n_prompt: int, path: list[Node], servable: int, found: Mapping = {}) -> Plan:
         """How much of the servable prefix to load: per block its tier and, on
@@ -41,6 +47,8 @@ class Planner:
                 resident = {}
         states = ["ram" if r else "ssd_cached" if (resident.get(p.key) or 0) >= self.cached_share else "ssd_cold"
                   for p, r in zip(path, view.in_ram)]
+        if self.cost.policy == "auto":
+            self.assume(states)
         limit_to = (lambda n: self.table.servable([p for p in path if p.start < n], n)) if view.constrained else None
         plan = self.cost.plan(root.hex(), n_prompt, [p.start for p in path], [p.end for p in path], view.sizes,
                               states, servable, limit_to)
@@ -86,17 +94,49 @@ class Planner:
         for state, nbytes in source_bytes.items():
             self.cost.observe_load(state, nbytes, load_s * nbytes / total, end_to_end=True)
 
-    def load_rates(self) -> None:
-        """Start from what earlier runs on this machine measured."""
+    def assume(self, states) -> None:
+        """Priors for those of ``states`` with neither a rate nor a prior: the
+        configured ones, else probed (``probe``; tens of ms, once)."""
+        unknown = self.cost.unknown(states)
+        if not unknown:
+            return
         try:
-            saved = (self.disk.tier.get_info("rates") or {}).get(machine_id()) if self.disk is not None else None
+            self._assume(unknown)
+        except Exception:  # no prior: served, and measured (the behaviour before priors)
+            return
+
+    def _assume(self, unknown: set[str]) -> None:
+        cfg, gb = self.cfg, 1e9
+        arrays = (cfg.prior_ram_gbps or 0) * gb or probe.array_rate(cfg.probe_bytes)
+        for state in unknown:
+            if state == "ram":
+                rate = arrays
+            elif state == "ssd_cached":
+                rate = (cfg.prior_ssd_cached_gbps or 0) * gb or probe.in_series(probe.copy_rate(cfg.probe_bytes),
+                                                                               arrays)
+            elif cfg.prior_ssd_cold_gbps:
+                rate = cfg.prior_ssd_cold_gbps * gb
+            else:
+                read = probe.direct_read_rate(self.disk.tier.path / "data.mdb", cfg.probe_bytes) \
+                    if self.disk is not None else None
+                rate = cfg.prior_cold_share * (probe.in_series(read, arrays) if read else cfg.unprobed_cold_gbps * gb)
+            self.cost.assume(state, rate)
+
+    def start(self) -> None:
+        """At open: what earlier runs on this machine measured, then priors for
+        the states still unknown where ``fetch_policy="auto"`` will need them."""
+        try:
+            saved = (self.disk.tier.get_info("rates") or {}).get(machine_id()) \
+                if self.disk is not None and self.cfg.remember_rates else None
         except Exception:
             saved = None
         if saved:
             self.cost.merge_saved(saved)
+        if self.cost.policy == "auto":
+            self.assume(STATES if self.disk is not None else ("ram",))
 
     def save_rates(self) -> None:
-        if self.disk is None or not self.cost.dirty:
+        if self.disk is None or not self.cost.dirty or not self.cfg.remember_rates:
             return
         try:
             rates = self.disk.tier.get_info("rates") or {}

@@ -118,7 +118,7 @@ class PrefixStore:
                 raise
             self._disk = Disk(tier, self._table, self._counters, cfg, self._warn)
         self._reader = Reader(self._table, self._disk, self._counters, writable=not cfg.readonly)
-        self._planner = Planner(self._cost, self._table, self._disk, self._counters, cfg.cached_share)
+        self._planner = Planner(self._cost, self._table, self._disk, self._counters, cfg)
         self._writer = Writer(self._table, self._disk, self.codec, self._counters, cfg, on_idle=self._save,
                               remote=None if cfg.readonly else self._remote)
         self._discovery = None if self._remote is None else Discovery(
@@ -127,7 +127,7 @@ class PrefixStore:
         self._closed = False
         if self._disk is not None:
             self._disk.load_index()
-            self._planner.load_rates()
+        self._planner.start()  # measured rates saved earlier, else priors (``probe``)
         _OPEN.add(self)
 
     # ------------------------------------------------------------ public API

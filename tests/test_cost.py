@@ -125,9 +125,9 @@ def test_store_skips_by_cost_reports_it_and_keeps_rates_across_restart(tmp_path)
         learned = again.stats()["cost"]  # before any fetch: what the last run measured came back from disk
         assert learned["rates"]["ram"]["observed"] >= 1
         assert next(iter(learned["prefill"].values()))["observed"] == 4
-        first = again.fetch(M, p)  # from SSD, a tier not measured yet on this machine: served, and measured
-        assert first.length == 64 and "no rate for ssd_" in first.skip_reason
-        assert again.fetch(M, p).skipped_tokens == 64  # now in RAM: the learned rates decide
+        first = again.fetch(M, p)  # from SSD, a tier not measured yet on this machine: its prior decides
+        assert first.length == 0 and "rates assumed, not measured yet: ssd_" in first.skip_reason
+        assert any(r["prior"] for s, r in again.stats()["cost"]["rates"].items() if s.startswith("ssd_"))
     with PrefixStore(ssd_path=path, block_size=BS, fetch_policy="always") as forced:
         assert forced.fetch(M, p).length == 64
 
@@ -139,11 +139,11 @@ def test_a_hit_timed_to_the_first_token_corrects_the_load_rate(tmp_path):
     and from then on the store's own (too cheap) timings of that source no
     longer count: an expensive hit is then declined."""
     p = _prompt(64)
-    with PrefixStore(ssd_path=tmp_path / "store", block_size=BS) as store:
+    with PrefixStore(ssd_path=tmp_path / "store", block_size=BS, prior_ram_gbps=100.0) as store:
         store.put(M, p, kv_layers(p))
         store.flush()
-        for n in (100, 1000, 4000):  # cold requests: 1M tokens/s
-            store.observe_request(M, n, None, n * 1e-6)
+        for n in (100, 1000, 4000):  # cold requests: 10K tokens/s
+            store.observe_request(M, n, None, n * 1e-4)
         hit = store.fetch(M, p, limit=63)
         assert hit.length == 63 and hit.source_bytes["ram"] > 0  # the fetch alone looks cheap: served
         store.observe_request(M, 64, hit, 1.0)  # but the engine waited a second for its first token
@@ -229,6 +229,75 @@ def test_blocks_without_a_recorded_offset_teach_no_rate_until_read_once(tmp_path
     env.close()
     with PrefixStore(budget_gb=0, ssd_path=tmp_path / "s", block_size=64, fetch_policy="always") as s:
         assert s.fetch("m", p).ssd_tokens == len(p)
-        assert s.stats()["cost"]["rates"] == {}  # nothing learnt from blocks of unknown residency
+        # nothing learnt from blocks of unknown residency (the priors are those the first open probed)
+        assert not any(r["observed"] for r in s.stats()["cost"]["rates"].values())
         assert s.fetch("m", p).ssd_tokens == len(p)
         assert s.stats()["cost"]["rates"]["ssd_cached"]["observed"] == 1  # offsets learnt on the first read
+
+
+def test_a_prior_stands_in_for_a_rate_until_measured_and_decides_alike():
+    """A prior decides as a measured rate of the same value would (one rule),
+    and the first measurement replaces it."""
+    measured, assumed = CostModel(), CostModel()
+    for cost in (measured, assumed):
+        _fast_prefill(cost, tok_per_s=1e4)
+    measured.observe_load("ssd_cold", 1 * GB, 10.0)
+    assumed.assume("ssd_cold", 0.1 * GB)
+    args = ("m", 4000, [0, 2000], [2000, 3999], [int(0.5 * GB)] * 2, ["ssd_cold"] * 2, 3999)
+    a, m = assumed.plan(*args), measured.plan(*args)
+    assert a.length == m.length == 0 and "assumed" in a.reason and "assumed" not in m.reason
+    assumed.observe_load("ssd_cold", 100 * GB, 1.0)  # measured: far faster than the prior said
+    assert assumed.describe()["rates"]["ssd_cold"] == {"gb_per_s": 100.0, "observed": 1, "prior": False}
+    assert assumed.plan(*args).length == 3999
+
+
+def test_priors_are_probed_at_open_kept_per_machine_and_not_when_told(tmp_path):
+    p = _prompt(64)
+    with PrefixStore(ssd_path=tmp_path / "s", block_size=BS) as store:
+        store.put(M, p, kv_layers(p))
+        rates = store.stats()["cost"]["rates"]
+        assert set(rates) == {"ram", "ssd_cached", "ssd_cold"} and all(r["prior"] for r in rates.values())
+        assert all(r["gb_per_s"] > 0 for r in rates.values())
+    with PrefixStore(ssd_path=tmp_path / "s", block_size=BS, prior_ram_gbps=123.0) as again:
+        assert again.stats()["cost"]["rates"] == rates  # what the first open probed, not re-probed or configured
+    with PrefixStore(ssd_path=tmp_path / "s", block_size=BS, prior_ram_gbps=123.0, remember_rates=False) as fresh:
+        assert fresh.stats()["cost"]["rates"]["ram"]["gb_per_s"] == 123.0
+    with PrefixStore(block_size=BS, fetch_policy="never") as never:  # no prior where nothing will weigh it
+        assert never.stats()["cost"]["rates"] == {}
+
+
+def test_the_first_request_through_generate_declines_a_losing_ssd_hit_and_serves_a_winning_ram_hit(tmp_path):
+    """An empty store and a model it never saw: ``generate`` under auto first
+    times a few prefills of the model (``calibrate_once``), and the load-rate
+    priors decide the first hit. They are set through ``StoreConfig`` here, so
+    that the outcome is by construction: a disk far slower than any prefill, RAM
+    far faster."""
+    import mlx.core as mx
+    from mlx_lm import load
+    from mlx_lm.models.cache import make_prompt_cache
+
+    from kvstore.adapters.generate import generate, model_key, store_cache
+    from kvstore.adapters.tiny_models import make_tiny_model
+
+    model, tokenizer = load(str(make_tiny_model("llama", tmp_path / "model")))
+    key, p = model_key(model), _prompt(256)
+    cache = make_prompt_cache(model)  # the prompt's KV made outside generate: no prefill observed
+    model(mx.array(p)[None], cache=cache)
+    mx.eval([c.state for c in cache])
+    priors = dict(block_size=64, remember_rates=False, prior_ram_gbps=1000.0, prior_ssd_cached_gbps=1e-6,
+                  prior_ssd_cold_gbps=1e-6)
+    with PrefixStore(ssd_path=tmp_path / "s", fetch_policy="never", **priors) as s:
+        store_cache(s, key, p, cache)
+    with PrefixStore(budget_gb=0, ssd_path=tmp_path / "s", **priors) as s:
+        assert s.stats()["cost"]["prefill"] == {}
+        r = generate(model, tokenizer, p, store=s, max_tokens=1)
+        assert r.cached_tokens == 0 and s.stats()["tokens_skipped_cost"] == 255
+        assert r.calibrate_s > 0 and 0 < r.ttft_s
+    with PrefixStore(budget_gb=1, **priors) as s:  # RAM only
+        store_cache(s, key, p, cache)
+        s.flush()
+        r = generate(model, tokenizer, p, store=s, max_tokens=1)
+        assert r.cached_tokens == 255 and r.ram_tokens == 255 and s.stats()["tokens_skipped_cost"] == 0
+        assert r.calibrate_s > 0
+        again = generate(model, tokenizer, p, store=s, max_tokens=1)
+        assert again.calibrate_s == 0 and again.cached_tokens == 255  # calibrated once per model and store
