@@ -53,6 +53,9 @@ class StoreConfig:
 
     # ------------------------------------------------------------- settings
     budget_gb: float = 4.0  # the RAM tier's bytes
+    # GPU memory for hot blocks' copies (CUDA; None: 1/16 of the GPU's memory, at most 8 GiB; 0: off). Where
+    # memory is one (Apple silicon, CPUs) the RAM tier is the device tier and this is 0.
+    device_budget_gb: Optional[float] = None
     ssd_path: Optional[Union[str, os.PathLike]] = None  # an LMDB store there (None: RAM only)
     disk_budget_gb: Optional[float] = None  # None: half the free space, at most 64 GiB
     block_size: int = 256  # tokens per block
@@ -129,6 +132,8 @@ class StoreConfig:
             # "" would be the working directory: a store is made only where it is named
             raise ConfigError(f"ssd_path must name a directory (or be None for a RAM-only store), got {p!r}")
         gib(self.budget_gb, "budget_gb")
+        if self.device_budget_gb is not None:
+            gib(self.device_budget_gb, "device_budget_gb")
         if self.disk_budget_gb is not None:
             gib(self.disk_budget_gb, "disk_budget_gb")
         check_policy(self.fetch_policy)
@@ -147,6 +152,16 @@ class StoreConfig:
     @property
     def ram_bytes(self) -> int:
         return int(self.budget_gb * GB)
+
+    def device_bytes(self) -> int:
+        """The device tier's budget on this machine (0 without CUDA)."""
+        from . import cuda
+        rt = cuda.runtime()
+        if rt is None:
+            return 0
+        if self.device_budget_gb is not None:
+            return int(self.device_budget_gb * GB)
+        return min(8 * GB, rt.total_memory() // 16)
 
     @property
     def disk_bytes(self) -> Optional[int]:

@@ -86,6 +86,12 @@ class Runtime:
         if nbytes > 0:
             self._check(self.lib.cudaMemcpyAsync(dst, src, nbytes, 4, stream), "cudaMemcpyAsync")  # Default
 
+    def total_memory(self) -> int:
+        """Bytes of the GPU's memory."""
+        free, total = ctypes.c_size_t(0), ctypes.c_size_t(0)
+        self._check(self.lib.cudaMemGetInfo(ctypes.byref(free), ctypes.byref(total)), "cudaMemGetInfo")
+        return total.value
+
     def stream(self):
         s = ctypes.c_void_p()
         self._check(self.lib.cudaStreamCreateWithFlags(ctypes.byref(s), 1), "cudaStreamCreate")  # non-blocking

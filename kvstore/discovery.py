@@ -40,23 +40,24 @@ from .lookup import Match, shared_prefix
 from .record import BlockRecord, Entry
 from .remote_sync import Remote
 from .table import BlockTable
-from .writer import Job, Writer
+from .writer import Job
 
 log = logging.getLogger("kvstore")
 
 class Discovery:
-    def __init__(self, remote: Remote, table: BlockTable, writer: Writer, counters: Counters, config: StoreConfig,
+    def __init__(self, remote: Remote, table: BlockTable, counters: Counters, config: StoreConfig,
                  keep_on_disk: bool):
         self.remote = remote
         self.table = table
-        self.writer = writer
         self.counters = counters
         self.max_probe = config.remote_probe_blocks
         self.keep_on_disk = keep_on_disk
 
-    def find(self, root: Node, chain: KeyChain, n: int, match: Match) -> dict[bytes, Stored]:
+    def find(self, root: Node, chain: KeyChain, n: int, match: Match, copies: list) -> dict[bytes, Stored]:
         """Index the blocks of ``chain.tokens[:n]`` the remote holds beyond
-        ``match``; returns them by key, checked, for the read path to serve.
+        ``match``; returns them by key, checked, for the read path to serve,
+        and adds to ``copies`` the writer jobs of their disk copies (for the
+        caller to submit once the hit is served: they would only compete with it).
         Never raises; a down remote costs at most one timeout (then the
         breaker skips it)."""
         tier = self.remote.tier
@@ -100,7 +101,7 @@ class Discovery:
             return {}
         self.counters.count("remote_blocks_read", len(got_blocks))
         self.counters.count("remote_bytes_read", sum(len(b) for _, _, b in got_blocks))
-        return self._keep(match.full.last, got_blocks, chain)
+        return self._keep(match.full.last, got_blocks, chain, copies)
 
     # ---------------------------------------------------------------- steps
 
@@ -176,12 +177,11 @@ class Discovery:
                     self.remote.url)
         self.remote.call(self.remote.tier.remove, [key])
 
-    def _keep(self, parent: Node, got: list[tuple[BlockRecord, Stored, bytes]], chain: KeyChain
-              ) -> dict[bytes, Stored]:
-        """Index ``got`` below ``parent``, into RAM as far as it fits; queue
-        the disk copy of the new blocks (never waited on)."""
+    def _keep(self, parent: Node, got: list[tuple[BlockRecord, Stored, bytes]], chain: KeyChain,
+              jobs: list) -> dict[bytes, Stored]:
+        """Index ``got`` below ``parent``, into RAM as far as it fits; a job
+        for the disk copy of the new blocks goes to ``jobs`` (never waited on)."""
         now = time.time()
-        jobs: list[Job] = []
 
         def make_job(fresh: list[Node]) -> Job:
             new = {nd.key for nd in fresh}
@@ -194,8 +194,6 @@ class Discovery:
 
         fresh = self.table.keep_found(parent, [(r, block) for r, block, _ in got], now,
                                       make_job if self.keep_on_disk else None)
-        for job in jobs:
-            self.writer.submit(job)
         new = {nd.key for nd in fresh}
         return {r.key: block for r, block, _ in got if r.key in new}
 

@@ -24,7 +24,7 @@ asking for other quantization) is decoded block by block for ``assemble``.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Optional, Sequence
 
 import mlx.core as mx
@@ -38,6 +38,7 @@ from .errors import BlockDecodeError
 from .header import ArraySpec, KVSpec
 from .layers import KVLayer, Layer, Quantized
 from .spread import each, spread
+from .tiers.device import DeviceBlock
 from .wire import Stored
 
 _DEVICE_BUF = 1 << 30  # bytes per device buffer blocks are copied into
@@ -47,11 +48,14 @@ _DTYPE = {"float16": mx.float16, "bfloat16": mx.bfloat16, "float32": mx.float32,
 @dataclass
 class Gathered:
     """Layers of ``[0, length)``; or, when a block failed its checksum, no
-    layers and ``bad``, its index (the caller serves the blocks before it)."""
+    layers and ``bad``, its index (the caller serves the blocks before it).
+    ``on_device``: with ``keep_on_device``, a device copy of each block this
+    hit moved to the GPU (for the device tier)."""
 
     layers: list[Optional[Layer]]
     length: int
     bad: Optional[int] = None
+    on_device: list = field(default_factory=list)
 
 
 # ------------------------------------------------------------------ layout
@@ -89,9 +93,11 @@ def _fast_spec(items: Sequence[Stored], quantized: Optional[tuple[int, int]]) ->
     return spec
 
 
-def gather(items: Sequence[Stored], length: int, quantized: Optional[tuple[int, int]] = None) -> Gathered:
+def gather(items: Sequence, length: int, quantized: Optional[tuple[int, int]] = None,
+           keep_on_device: bool = False) -> Gathered:
     """One tensor per layer (``Quantized`` when the engine asks for the stored
-    settings) for rows ``[0, length)`` of consecutive blocks from position 0."""
+    settings) for rows ``[0, length)`` of consecutive blocks from position 0
+    (``Stored`` bytes, or ``DeviceBlock``s already in GPU memory)."""
     spans = []  # per block used: (first row, rows used)
     pos = 0
     for it in items:
@@ -104,8 +110,11 @@ def gather(items: Sequence[Stored], length: int, quantized: Optional[tuple[int, 
     spec = _fast_spec(items, quantized)
     if spec is None:
         return _slow(items, length, quantized)
-    rt = cuda.runtime()
-    parts, bad = (_fill_device if rt is not None else _fill_host)(items, spans, spec, length)
+    kept: list = []
+    if cuda.runtime() is not None:
+        parts, bad, kept = _fill_device(items, spans, spec, length, keep_on_device)
+    else:
+        parts, bad = _fill_host(items, spans, spec, length)
     if bad is not None:
         return Gathered([], 0, bad)
     tensors: list[list] = []
@@ -126,7 +135,7 @@ def gather(items: Sequence[Stored], length: int, quantized: Optional[tuple[int, 
     # leave it out)
     for (li, ti, _), d in zip(dense, spread([t.dequantize for _, _, t in dense])):
         tensors[li][ti] = d
-    return Gathered([KVLayer(k, v, 0, None) for k, v in tensors], length)
+    return Gathered([KVLayer(k, v, 0, None) for k, v in tensors], length, on_device=kept)
 
 
 def _slow(items: Sequence[Stored], length: int, quantized) -> Gathered:
@@ -134,7 +143,7 @@ def _slow(items: Sequence[Stored], length: int, quantized) -> Gathered:
     blocks: list[Block] = []
     for i, it in enumerate(items):
         try:
-            blocks.append(it.decode())
+            blocks.append((it.to_stored() if isinstance(it, DeviceBlock) else it).decode())
         except BlockDecodeError:
             return Gathered([], 0, i)
     return Gathered(assemble(blocks, length, quantized), length)
@@ -200,25 +209,29 @@ def _fill_host(items, spans, spec, length):
 # -------------------------------------------------------------------- CUDA
 
 
-def _fill_device(items, spans, spec, length):
+def _fill_device(items, spans, spec, length, keep_on_device: bool = False):
     rt = cuda.runtime()
     sizes: list[int] = []  # device buffers of at most _DEVICE_BUF bytes (mlx shapes are 32-bit)
-    where: list[tuple[int, int]] = []  # per block: (buffer, offset)
-    for item in items:
+    where: list[tuple[int, int]] = []  # per block: (buffer, offset); a device block is a buffer of its own
+    on_device = [isinstance(it, DeviceBlock) for it in items]
+    for item, dev in zip(items, on_device):
+        if dev:
+            where.append((-1, 0))
+            continue
         size = -(-len(item.payload) // 64) * 64
         if not sizes or sizes[-1] + size > _DEVICE_BUF:
             sizes.append(0)
         where.append((len(sizes) - 1, sizes[-1]))
         sizes[-1] += size
     devs = [mx.zeros((n,), mx.uint8) for n in sizes]  # written on the GPU: their pages live there
-    mx.eval(devs)
-    mx.synchronize()
+    if devs:
+        mx.eval(devs)
+        mx.synchronize()
     bases = [cuda.address(d) for d in devs]
-
     # RAM blocks (pinned, checked) go on one stream back to back (task 0); LMDB's pages are checked and
     # staged block by block on the other threads meanwhile
-    pinned = [it.checked and cuda.is_pinned(it.buf) for it in items]
-    rest = [i for i in range(len(items)) if not pinned[i]]
+    pinned = [not dev and it.checked and cuda.is_pinned(it.buf) for it, dev in zip(items, on_device)]
+    rest = [i for i in range(len(items)) if not pinned[i] and not on_device[i]]
 
     def move(k: int) -> bool:
         if k == 0:
@@ -235,6 +248,10 @@ def _fill_device(items, spans, spec, length):
     ok = [True] * len(items)
     for i, good in zip(rest, each(move, len(rest) + 1)[1:]):
         ok[i] = good
+    for i, dev in enumerate(on_device):
+        if dev:
+            where[i] = (len(devs), 0)
+            devs.append(items[i].data)
     views = [{name: d.view(dt) for name, dt in _DTYPE.items()} for d in devs]
     bad = next((i for i, good in enumerate(ok) if not good), None)
     end = len(items) if bad is None else bad
@@ -244,8 +261,8 @@ def _fill_device(items, spans, spec, length):
     while i < end:
         item = items[i]
         j = i + 1
-        size = len(item.payload)
-        while (j < end and len(items[j].payload) == size and size % 64 == 0
+        size = _payload_size(item)
+        while (j < end and _payload_size(items[j]) == size and size % 64 == 0
                and items[j].header.layers == item.header.layers and where[j][0] == where[i][0]
                and where[j][1] - where[j - 1][1] == size):
             j += 1
@@ -264,5 +281,18 @@ def _fill_device(items, spans, spec, length):
                     p.append(x[..., :rows, :])
         i = j
     out = [[[p[0] if len(p) == 1 else mx.concatenate(p, axis=2) for p in tp] for tp in lp] for lp in pieces]
-    mx.eval([a for lp in out for tp in lp for a in tp])
-    return out, bad
+    kept: list = [None] * len(items)
+    if keep_on_device:  # the bytes just uploaded, each block in a buffer of its own (one device-side copy)
+        for i in range(end):
+            if not on_device[i]:
+                b, o = where[i]
+                n = -(-len(items[i].payload) // 64) * 64
+                it = items[i]
+                kept[i] = DeviceBlock(it.key, it.start, it.header, mx.contiguous(devs[b][o : o + n]),
+                                      bytes(it.buf[: it.header.payload_start]), it.tokens.copy())
+    mx.eval([a for lp in out for tp in lp for a in tp] + [k.data for k in kept if k is not None])
+    return out, bad, kept
+
+
+def _payload_size(item) -> int:
+    return item.data.nbytes if isinstance(item, DeviceBlock) else len(item.payload)

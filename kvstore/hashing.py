@@ -33,10 +33,11 @@ TOKEN_DTYPES = (np.dtype("<i4"), np.dtype("<i8"))  # the widths a token array ma
 
 def root_key(model_key: Union[str, bytes], namespace: Optional[str] = None) -> bytes:
     """The key every block chain of ``model_key`` (within ``namespace``) starts at.
-    Raises ``InputError`` for a model key that is not a str or bytes."""
-    if not isinstance(model_key, (str, bytes)):
+    Raises ``InputError`` for a model key that is not a str or bytes, or is
+    empty (every model has a name)."""
+    if not isinstance(model_key, (str, bytes)) or not model_key:
         raise InputError(f"model_key must be a non-empty str or bytes (see kvstore.adapters.generate.model_key), "
-                         f"got {model_key!r}")
+                         f"got {'an empty one' if isinstance(model_key, (str, bytes)) else repr(model_key)}")
     if isinstance(model_key, str):
         model_key = model_key.encode()
     ns = b"" if namespace is None else b"\x01" + namespace.encode()

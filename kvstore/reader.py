@@ -137,7 +137,7 @@ class Reader:
             path_used = [p for p in path if p.start < length]
             k = len(path_used)
             try:
-                got = gather(items[:k], length, quantized)
+                got = gather(items[:k], length, quantized, keep_on_device=self.table.device_budget > 0)
             except Exception as e:  # blocks that do not fit together (a reused model key, a bad index record)
                 log.warning("kvstore: stored blocks for this prompt do not fit together (%s); serving a miss", e)
                 return Served([], 0, [], [])
@@ -146,6 +146,8 @@ class Reader:
             bad.append((path_used[got.bad], "payload checksum mismatch"))
             good = got.bad
         now = time.time()
+        if got.on_device:
+            self.table.to_device(got.on_device)
         self.table.served(path_used, now)
         self.counters.used([p for p in path_used if p.on_disk], now)
         return Served(got.layers, got.length, from_ram[:k], [it.nbytes for it in items[:k]])

@@ -106,7 +106,7 @@ class PrefixStore:
         self._warned: set[str] = set()
         self._registered: set[bytes] = set()
         self._table = BlockTable(cfg.ram_bytes, self._counters, has_disk=cfg.ssd_path is not None,
-                                 writable=not cfg.readonly)
+                                 writable=not cfg.readonly, device_budget=cfg.device_bytes())
         self._disk: Optional[Disk] = None
         self._remote = None if cfg.remote is None else Remote(cfg.remote, cfg.namespace, self._counters, cfg)
         if cfg.ssd_path is not None:
@@ -122,7 +122,7 @@ class PrefixStore:
         self._writer = Writer(self._table, self._disk, self.codec, self._counters, cfg, on_idle=self._save,
                               remote=None if cfg.readonly else self._remote)
         self._discovery = None if self._remote is None else Discovery(
-            self._remote, self._table, self._writer, self._counters, cfg,
+            self._remote, self._table, self._counters, cfg,
             keep_on_disk=self._disk is not None and not cfg.readonly)
         self._closed = False
         if self._disk is not None:
@@ -180,8 +180,9 @@ class PrefixStore:
         chain = KeyChain(root.key, toks, self.block_size)
         match = self._match(root, chain, n)
         found: dict = {}  # blocks just read from the remote, served as they are
+        copies: list = []  # ... and their disk copies, queued once the hit is served
         if self._discovery is not None and match.matched < n:
-            found = self._discovery.find(root, chain, n, match)
+            found = self._discovery.find(root, chain, n, match, copies)
             if found:
                 match = self._match(root, chain, n)
         length = self._table.servable(match.path, match.matched)
@@ -197,6 +198,8 @@ class PrefixStore:
             t_load = time.perf_counter() - t0
         finally:
             self._table.unpin(pinned)
+            for job in copies:
+                self._writer.submit(job)
         self._counters.count("tokens_requested", len(toks))
         self._counters.count("tokens_skipped_cost", plan.skipped)
         length, layers, from_ram = got.length, got.layers, got.from_ram
@@ -219,21 +222,21 @@ class PrefixStore:
     def knows_prefill(self, model_key: Union[str, bytes]) -> bool:
         """Whether prefills of this model have been observed (here or by an
         earlier run on this machine)."""
-        return self._cost.prefill_model(_root_key(model_key, self.namespace).hex()) is not None
+        return self._cost.prefill_model(root_key(model_key, self.namespace).hex()) is not None
 
     def observe_request(self, model_key: Union[str, bytes], tokens: int, hit: Optional[Hit], seconds: float) -> None:
         """An engine's request of ``tokens`` took ``seconds`` from its fetch to
         its first token, after ``hit`` (``None`` or empty: a cold prefill).
         Adapters report this after each request; it is what
         ``fetch_policy="auto"`` learns prefill and the real cost of a hit from."""
-        self._planner.observe_request(_root_key(model_key, self.namespace).hex(), tokens, hit.length if hit else 0,
+        self._planner.observe_request(root_key(model_key, self.namespace).hex(), tokens, hit.length if hit else 0,
                                     hit.source_bytes if hit else {}, seconds)
 
     def observe_prefill(self, model_key: Union[str, bytes], start: int, stop: int, seconds: float) -> None:
         """The engine computed tokens ``[start, stop)`` after a cached prefix of
         ``start`` in ``seconds`` (the adapters report this after each request):
         what ``fetch_policy="auto"`` weighs loading against."""
-        self._cost.observe_prefill(_root_key(model_key, self.namespace).hex(), start, stop, seconds)
+        self._cost.observe_prefill(root_key(model_key, self.namespace).hex(), start, stop, seconds)
 
     def contains(self, model_key: Union[str, bytes], tokens) -> int:
         """Length ``fetch`` would serve from the local tiers, without loading
@@ -299,6 +302,14 @@ class PrefixStore:
         _count(n_bytes, "n_bytes")
         self._table.trim_ram(int(n_bytes))
 
+    def trim_device(self, n_bytes: int) -> None:
+        """Drop device-tier copies until at most ``n_bytes`` of GPU memory are
+        held (for an engine that needs the memory; the blocks stay in RAM or
+        on disk). ``set`` a budget with ``device_budget_gb``."""
+        self._check_open()
+        _count(n_bytes, "n_bytes")
+        self._table.set_device_budget(self._table.device_budget, int(n_bytes))
+
     def trim_disk(self, n_bytes: int) -> int:
         """Evict least recently used disk blocks (leaves first) until the disk
         tier uses at most ``n_bytes``; returns how many blocks left. The disk
@@ -359,7 +370,7 @@ class PrefixStore:
     # --------------------------------------------------------------- lookup
 
     def _root(self, model_key, register: bool = True, info: Optional[dict] = None) -> Node:
-        key = _root_key(model_key, self.namespace)
+        key = root_key(model_key, self.namespace)
         if register and not self.readonly and key not in self._registered \
                 and (self._disk is not None or self._remote is not None):
             self._registered.add(key)
@@ -416,14 +427,6 @@ class PrefixStore:
             raise StoreClosedError("this PrefixStore is closed; open a new one")
         if write and self.readonly:
             raise ReadOnlyError("this PrefixStore was opened read-only; open it without readonly=True to write")
-
-
-def _root_key(model_key: Union[str, bytes], namespace: Optional[str]) -> bytes:
-    """``root_key``, refusing an empty model key too (every model has a name)."""
-    if isinstance(model_key, (str, bytes)) and not model_key:
-        raise InputError("model_key must be a non-empty str or bytes (see kvstore.adapters.generate.model_key), "
-                         "got an empty one")
-    return root_key(model_key, namespace)
 
 
 def _count(value, name: str) -> None:

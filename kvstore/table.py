@@ -32,10 +32,12 @@ from . import lookup
 from .wire import Stored
 from .counters import Counters
 from .disk_order import DiskOrder
+from .table_disk import DiskSide
 from .hashing import KeyChain
 from .index import Walk, Node, RadixIndex
 from .layers import KVLayer
 from .record import BlockRecord
+from .tiers.device import DeviceTier
 from .tiers.ram import RamTier
 
 
@@ -49,11 +51,13 @@ class PlanView:
     on_disk: dict[bytes, tuple[int, int]]  # key -> (offset, bytes) of blocks to read from disk
 
 
-class BlockTable:
-    def __init__(self, ram_budget: int, counters: Counters, *, has_disk: bool, writable: bool):
+class BlockTable(DiskSide):
+    def __init__(self, ram_budget: int, counters: Counters, *, has_disk: bool, writable: bool,
+                 device_budget: int = 0):
         self._lock = threading.RLock()
         self._index = RadixIndex()
         self._ram = RamTier(ram_budget)
+        self._dev = DeviceTier(device_budget)  # copies of RAM or disk blocks in GPU memory (CUDA only)
         self._lru = DiskOrder(self._index)
         self._counters = counters
         self._has_disk = has_disk
@@ -95,13 +99,35 @@ class BlockTable:
         """A block's bytes in RAM (a dict read: no lock needed)."""
         return self._ram.get(key)
 
-    def ram_blocks(self, path: Sequence[Node]) -> list[Optional[Stored]]:
+    def ram_blocks(self, path: Sequence[Node]) -> list:
+        """Per block, its device copy, else its RAM bytes, else ``None``."""
         with self._lock:
-            return [self._ram.get(p.key) for p in path]
+            return [self._dev.get(p.key) or self._ram.get(p.key) for p in path]
+
+    @property
+    def device_budget(self) -> int:
+        return self._dev.budget
+
+    def to_device(self, blocks: Sequence) -> None:
+        """Keep device copies a hit made (``DeviceBlock``s) of blocks still
+        indexed, the least recently used making room; pinned blocks stay."""
+        def pinned(key: bytes) -> bool:
+            node = self._index.get(key)
+            return node is not None and node.pins > 0
+
+        with self._lock:
+            for b in blocks:
+                if b is not None and self._index.get(b.key) is not None:
+                    self._dev.add(b, pinned)
+
+    def set_device_budget(self, budget: int, keep_bytes: Optional[int] = None) -> None:
+        with self._lock:
+            self._dev.budget = budget
+            self._dev.shrink(min(budget, self._dev.nbytes if keep_bytes is None else keep_bytes))
 
     def plan_view(self, path: Sequence[Node], found: Mapping[bytes, Stored]) -> PlanView:
         with self._lock:
-            blocks = [self._ram.get(p.key) if p.in_ram else found.get(p.key) for p in path]
+            blocks = [self._dev.get(p.key) or (self._ram.get(p.key) if p.in_ram else found.get(p.key)) for p in path]
             return PlanView(sizes=[b.nbytes if b is not None else p.nbytes for p, b in zip(path, blocks)],
                             in_ram=[b is not None for b in blocks],
                             constrained=any(p.snap is not None or p.gap for p in path),
@@ -110,6 +136,7 @@ class BlockTable:
     def stats(self) -> dict:
         with self._lock:
             return dict(ram_bytes=self._ram.nbytes, ram_blocks=len(self._ram), ram_budget=self._ram.budget,
+                        device_bytes=self._dev.nbytes, device_blocks=len(self._dev), device_budget=self._dev.budget,
                         blocks_indexed=len(self._index))
 
     @property
@@ -181,84 +208,6 @@ class BlockTable:
     def _is_job(self, node: Node, job) -> bool:
         return self._index.get(node.key) is node and node.job is job
 
-    # ------------------------------------------------------------ disk side
-
-    def written(self, pairs: Iterable[tuple[Node, BlockRecord]]) -> None:
-        """These blocks' records and bytes are on disk now."""
-        with self._lock:
-            for node, rec in pairs:
-                node.nbytes, node.used, node.offset = rec.nbytes, rec.used, rec.offset
-                self._mark(node, True)
-
-    @property
-    def disk_blocks(self) -> int:
-        """Indexed blocks with a disk copy."""
-        return self._lru.blocks
-
-    def disk_victims(self, nbytes: int) -> list[Node]:
-        """Least recently used disk leaves, unpinned, about ``nbytes`` of them."""
-        with self._lock:
-            return self._lru.victims(nbytes)
-
-    def left_disk(self, victims: Sequence[Node], deleted: set[bytes]) -> None:
-        """``deleted`` of ``victims`` left the disk; a block then in no tier
-        leaves the index."""
-        with self._lock:
-            for v in victims:
-                if self._index.get(v.key) is not v:
-                    continue
-                if v.key not in deleted and v.on_disk:
-                    self._lru.push(v)  # another process removed it first, or it survived: keep it known
-                    continue
-                self._mark(v, False)
-                if not v.in_ram and v.job is None:
-                    self._forget(v)
-
-    def adopt(self, parent: Node, records: Iterable[BlockRecord]) -> list[Node]:
-        """Index blocks found on disk below ``parent`` (by this or another
-        process); returns those indexed."""
-        with self._lock:
-            if not self.current(parent):
-                return []
-            return [n for n in (self._adopt(parent, r) for r in records) if n is not None]
-
-    def adopt_all(self, by_parent: dict[bytes, list[BlockRecord]], roots: Iterable[bytes]) -> None:
-        """Rebuild from disk: every block whose parent chain is whole (what is
-        left in ``by_parent`` has none)."""
-        with self._lock:
-            for r in roots:
-                stack = [self._index.root(r)]
-                while stack:
-                    node = stack.pop()
-                    for rec in by_parent.pop(node.key, []):
-                        child = self._adopt(node, rec)
-                        if child is not None:
-                            stack.append(child)
-
-    def _adopt(self, parent: Node, rec: BlockRecord) -> Optional[Node]:
-        if rec.parent != parent.key:
-            return None
-        try:
-            node = self._index.add(parent, rec.key, rec.start, rec.length, rec.first, rec.snap, rec.gap,
-                                   rec.first_row if rec.gap else None)
-        except (KeyError, ValueError):
-            return None
-        node.nbytes, node.used, node.offset = rec.nbytes, max(node.used, rec.used), rec.offset
-        self._mark(node, True)
-        return node
-
-    def disk_gone(self, node: Node) -> None:
-        """A block the index has on disk is no longer there (another process
-        removed it): it leaves the index with the blocks under it."""
-        with self._lock:
-            if self._index.get(node.key) is node and not node.in_ram and node.job is None:
-                self._forget(node)
-
-    def learn_offset(self, node: Node, offset: int) -> None:
-        """Where a block written before offsets were recorded sits (for residency checks)."""
-        with self._lock:
-            node.offset = offset
-
     # ----------------------------------------------------------------- reads
 
     def pin(self, nodes: Sequence[Node]) -> None:
@@ -287,6 +236,7 @@ class BlockTable:
                     p.used = when
                     self._lru.push(p)
             self._ram.touch([p.key for p in reversed(path)])
+            self._dev.touch([p.key for p in path])
 
     def promote(self, node: Node, block: Stored) -> None:
         """Keep a block read from disk or the remote in RAM, if it fits
@@ -420,6 +370,7 @@ class BlockTable:
         dropped = self._index.remove(node)
         for d in dropped:
             self._ram.pop(d.key)
+            self._dev.pop(d.key)
             d.in_ram = False
             if d.on_disk:
                 self._lru.blocks -= 1
@@ -428,20 +379,3 @@ class BlockTable:
             top.parent.disk_kids -= 1
             self._lru.push(top.parent)
         return [d.key for d in dropped if d.on_disk]
-
-    def _mark(self, node: Node, on_disk: bool) -> None:
-        """Set ``node.on_disk``, keeping leaf counts and the LRU heap."""
-        if node.on_disk == on_disk:
-            return
-        node.on_disk = on_disk
-        parent = node.parent
-        if on_disk:
-            self._lru.blocks += 1
-            if parent is not None and not parent.is_root:
-                parent.disk_kids += 1
-            self._lru.push(node)
-        else:
-            self._lru.blocks -= 1
-            if parent is not None and not parent.is_root:
-                parent.disk_kids -= 1
-                self._lru.push(parent)

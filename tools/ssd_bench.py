@@ -18,6 +18,7 @@ kind back to back (see ``run``):
   RAM tier;
 - ``first_hit_ms`` / ``later_hit_ms``: the first fetch after a put (blocks the
   writer just admitted to RAM) and the next one, in the steady-state store;
+- ``fetch_device`` (CUDA): a hit from the device tier (GPU memory);
 - ``fetch_ram``, ``fetch_ssd_cached``, ``fetch_ssd_cold``: a fetch to ready
   arrays (on CUDA: on the device); SSD reads from a store with no RAM tier,
   for cold ones closed and its file dropped from the page cache first;
@@ -267,7 +268,15 @@ def _reads(path: Path, plain: Path, prompt, src, kind: str, repeats: int, stored
         _drop(path)
         with PrefixStore(budget_gb=0, ssd_path=path, fetch_policy="always") as s:
             ts["fetch_ssd_cold"].append(_timed_fetch(s, prompt, src, kind, "ssd_tokens"))
-    with PrefixStore(budget_gb=64, ssd_path=path, fetch_policy="always") as s:
+    if cuda.runtime() is not None:  # device-tier hits: the copies a first hit left in GPU memory
+        ts["fetch_device"] = []
+        with PrefixStore(budget_gb=64, device_budget_gb=64, ssd_path=path, fetch_policy="always") as s:
+            s.fetch("bench", prompt)
+            s.flush()
+            s.fetch("bench", prompt)
+            for _ in range(repeats):
+                ts["fetch_device"].append(_timed_fetch(s, prompt, src, kind, "ram_tokens"))
+    with PrefixStore(budget_gb=64, device_budget_gb=0, ssd_path=path, fetch_policy="always") as s:
         s.fetch("bench", prompt)  # read once: warm and in RAM
         s.flush()
         for _ in range(repeats):

@@ -1,0 +1,93 @@
+"""The device tier (GPU memory for hot blocks, CUDA): a hit that moved blocks
+to the GPU keeps a device copy of each under ``device_budget_gb``; the next
+hit is cut from those copies with the same KV; copies go least recently used
+first, with ``trim_device``, and with their blocks.
+
+Driven on this CPU through ``kvstore.cuda``'s own code paths on a runtime
+whose copy engine is ``memmove`` and whose page-locked memory is the heap
+(test_cuda_staging.py): the store, the table and ``gather``'s device path
+are the code a GPU runs; only the copies differ. Without CUDA the tier is
+off (the RAM tier is the device's memory there)."""
+
+from __future__ import annotations
+
+import pytest
+
+from kvstore import PrefixStore, cuda
+
+from ._helpers import BS, M, assert_hit_is, kv_layers, toks
+from .test_cuda_staging import PinnedHostRuntime, _drain_pool
+
+
+@pytest.fixture
+def on_gpu(monkeypatch):
+    if cuda.runtime() is None:  # (a real GPU is used as it is)
+        rt = PinnedHostRuntime()
+        monkeypatch.setattr(cuda, "runtime", lambda: rt)
+    yield
+    _drain_pool()
+
+
+def _store(**kw) -> PrefixStore:
+    return PrefixStore(**dict(dict(budget_gb=1, block_size=BS, fetch_policy="always"), **kw))
+
+
+def test_a_hit_keeps_device_copies_and_the_next_hit_is_cut_from_them(on_gpu):
+    p = toks(4 * BS)
+    with _store(device_budget_gb=0.01) as s:
+        s.put(M, p, kv_layers(p, heads=2, dim=64))
+        s.flush()
+        assert s.stats()["device_blocks"] == 0
+        first = s.fetch(M, p)
+        assert_hit_is(first, p, 4 * BS, heads=2, dim=64)
+        st = s.stats()
+        assert st["device_blocks"] == 4 and 0 < st["device_bytes"] <= st["ram_bytes"]
+        rt = cuda.runtime()
+        moved = getattr(rt, "copies", None)
+        again = s.fetch(M, p)  # from the device copies: nothing crosses the bus
+        assert_hit_is(again, p, 4 * BS, heads=2, dim=64)
+        assert moved is None or rt.copies == moved
+        part = s.fetch(M, p[: 2 * BS + 3] + [7])  # a prefix ending inside a block
+        assert_hit_is(part, p, 2 * BS + 3, heads=2, dim=64)
+
+
+def test_device_copies_stay_under_their_budget_least_recently_used_first(on_gpu):
+    a, b = toks(2 * BS), toks(2 * BS, start=5000)
+    with _store(device_budget_gb=0.01) as s:
+        for p in (a, b):
+            s.put(M, p, kv_layers(p, heads=2, dim=64))
+        s.flush()
+        s.fetch(M, a)
+        per_block = s.stats()["device_bytes"] // 2
+    with _store(device_budget_gb=3 * per_block / (1 << 30)) as s:
+        for p in (a, b):
+            s.put(M, p, kv_layers(p, heads=2, dim=64))
+        s.flush()
+        s.fetch(M, a)
+        s.fetch(M, b)  # room for one of a's blocks beside b's two
+        st = s.stats()
+        assert st["device_blocks"] == 3 and st["device_bytes"] <= st["device_budget"]
+        assert_hit_is(s.fetch(M, a), a, 2 * BS, heads=2, dim=64)
+        assert_hit_is(s.fetch(M, b), b, 2 * BS, heads=2, dim=64)
+
+
+def test_trim_device_frees_the_copies_and_hits_go_on_from_ram(on_gpu):
+    p = toks(3 * BS)
+    with _store(device_budget_gb=0.01) as s:
+        s.put(M, p, kv_layers(p))
+        s.flush()
+        s.fetch(M, p)
+        assert s.stats()["device_blocks"] == 3
+        s.trim_device(0)
+        assert s.stats()["device_bytes"] == 0
+        hit = s.fetch(M, p)
+        assert_hit_is(hit, p, 3 * BS) and hit.ram_tokens == 3 * BS
+        s.clear()  # blocks that leave the store leave the device with them
+        assert s.stats()["device_blocks"] == 0
+
+
+def test_without_cuda_there_is_no_device_tier():
+    if cuda.runtime() is not None:
+        pytest.skip("a GPU is here")
+    with _store(device_budget_gb=1) as s:
+        assert s.stats()["device_budget"] == 0
