@@ -76,7 +76,7 @@ def _fresh_row(model, tokenizer, key, prompt, cache, path: Path, kind: str, bloc
                repeats: int) -> dict:
     """One row, each request the first of a store and engine that know nothing."""
     from kvstore.adapters.generate import store_cache
-    if source != "ram" and not path.exists():
+    if source not in ("ram", "device") and not path.exists():
         with PrefixStore(budget_gb=0, ssd_path=path, kv_bits=KV[kind], block_size=block, fetch_policy="never",
                          remember_rates=False) as s:
             store_cache(s, key, prompt, cache)
@@ -90,14 +90,18 @@ def _fresh_row(model, tokenizer, key, prompt, cache, path: Path, kind: str, bloc
                     drop_page_cache(f)
             t = time.perf_counter()
             if source == "ram":
-                s = PrefixStore(budget_gb=8, fetch_policy=policy, **kw)
+                s = PrefixStore(budget_gb=8, device_budget_gb=0, fetch_policy=policy, **kw)
+            elif source == "device":
+                s = PrefixStore(budget_gb=8, device_budget_gb=8, fetch_policy=policy, **kw)
             else:
                 s = PrefixStore(budget_gb=0, ssd_path=path, fetch_policy=policy, **kw)
             out[policy]["open"].append(time.perf_counter() - t)
             try:
-                if source == "ram":
+                if source in ("ram", "device"):
                     store_cache(s, key, prompt, cache)
                     s.flush()
+                if source == "device":  # a first hit leaves device copies (the request timed is the next one)
+                    s.fetch(key, prompt[:-1], limit=len(prompt) - 1)
                 t, r = _ttft(model, tokenizer, s, prompt)
                 out[policy]["ttft"].append(t)
                 out[policy]["cached"].append(r.cached_tokens)
@@ -131,7 +135,8 @@ def run(model_path: str | None, lengths: list[int], kinds: list[str], repeats: i
                 prompt = _prompt(tokenizer, n, n + len(kind))
                 if fresh:
                     cache = _prefilled(model, prompt)
-                    for source in SOURCES:
+                    from kvstore import cuda
+                    for source in SOURCES + (("device",) if cuda.runtime() is not None else ()):
                         row = {"tokens": n, "kv": kind, "source": source}
                         row.update(_fresh_row(model, tokenizer, key, prompt, cache, path, kind, block, source,
                                               repeats))

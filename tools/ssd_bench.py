@@ -261,12 +261,12 @@ def _reads(path: Path, plain: Path, prompt, src, kind: str, repeats: int, stored
     for cold in (False, True):
         for _ in range(repeats):
             _plain_read(plain, cold, base)
-    with PrefixStore(budget_gb=0, ssd_path=path, fetch_policy="always") as s:  # the fetch alone
+    with PrefixStore(budget_gb=0, device_budget_gb=0, ssd_path=path, fetch_policy="always") as s:  # the fetch alone
         ts["fetch_ssd_cached"] = [_timed_fetch(s, prompt, src, kind, "ssd_tokens") for _ in range(repeats)]
     ts["fetch_ssd_cold"] = []
     for _ in range(repeats):
         _drop(path)
-        with PrefixStore(budget_gb=0, ssd_path=path, fetch_policy="always") as s:
+        with PrefixStore(budget_gb=0, device_budget_gb=0, ssd_path=path, fetch_policy="always") as s:
             ts["fetch_ssd_cold"].append(_timed_fetch(s, prompt, src, kind, "ssd_tokens"))
     if cuda.runtime() is not None:  # device-tier hits: the copies a first hit left in GPU memory
         ts["fetch_device"] = []
