@@ -248,10 +248,14 @@ def _fill_device(items, spans, spec, length, keep_on_device: bool = False):
     ok = [True] * len(items)
     for i, good in zip(rest, each(move, len(rest) + 1)[1:]):
         ok[i] = good
+    shared: dict[int, int] = {}  # id of a device-tier buffer -> its index in devs
     for i, dev in enumerate(on_device):
         if dev:
-            where[i] = (len(devs), 0)
-            devs.append(items[i].data)
+            data = items[i].data
+            if id(data) not in shared:
+                shared[id(data)] = len(devs)
+                devs.append(data)
+            where[i] = (shared[id(data)], items[i].offset)
     views = [{name: d.view(dt) for name, dt in _DTYPE.items()} for d in devs]
     bad = next((i for i, good in enumerate(ok) if not good), None)
     end = len(items) if bad is None else bad
@@ -282,17 +286,16 @@ def _fill_device(items, spans, spec, length, keep_on_device: bool = False):
         i = j
     out = [[[p[0] if len(p) == 1 else mx.concatenate(p, axis=2) for p in tp] for tp in lp] for lp in pieces]
     kept: list = [None] * len(items)
-    if keep_on_device:  # the bytes just uploaded, each block in a buffer of its own (one device-side copy)
+    if keep_on_device:  # the buffers just uploaded into, kept as they are (no copy)
         for i in range(end):
             if not on_device[i]:
                 b, o = where[i]
-                n = -(-len(items[i].payload) // 64) * 64
                 it = items[i]
-                kept[i] = DeviceBlock(it.key, it.start, it.header, mx.contiguous(devs[b][o : o + n]),
+                kept[i] = DeviceBlock(it.key, it.start, it.header, devs[b], o, _payload_size(it),
                                       bytes(it.buf[: it.header.payload_start]), it.tokens.copy())
-    mx.eval([a for lp in out for tp in lp for a in tp] + [k.data for k in kept if k is not None])
+    mx.eval([a for lp in out for tp in lp for a in tp])
     return out, bad, kept
 
 
 def _payload_size(item) -> int:
-    return item.data.nbytes if isinstance(item, DeviceBlock) else len(item.payload)
+    return item.size if isinstance(item, DeviceBlock) else len(item.payload)

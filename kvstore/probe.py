@@ -16,9 +16,9 @@ replaces a prior, and the decision rule is the same for both):
 - ``ssd_cached``: a copy out of the page cache (timed as a host memcpy), then
   the arrays, in series;
 - ``ssd_cold``: the store's own file read around the page cache (``O_DIRECT``,
-  ``F_NOCACHE`` on macOS) on one thread, then the arrays, in series; the store
-  reads cold blocks on several threads and overlaps the steps, so this is low,
-  and it is scaled down further (``StoreConfig.prior_cold_share``).
+  ``F_NOCACHE`` on macOS) on a few threads, as its cold reads run, then the
+  arrays, in series, scaled down (``StoreConfig.prior_cold_share``): where
+  unsure, a prior errs toward declining.
 """
 
 from __future__ import annotations
@@ -46,8 +46,21 @@ def _slower_of_two(run: Callable[[], None]) -> float:
 
 
 def array_rate(nbytes: int) -> float:
-    """Bytes/s from host memory to an mlx array evaluated on the default device."""
+    """Bytes/s from host memory to an mlx array evaluated on the default
+    device: on CUDA the route a RAM hit takes (page-locked bytes into a
+    device buffer on the copy engine), elsewhere a host array into mlx."""
     import mlx.core as mx
+
+    from . import cuda
+    rt = cuda.runtime()
+    if rt is not None:
+        pinned = rt.pinned(nbytes)
+        pinned[:] = 1
+        dev = mx.zeros((nbytes,), mx.uint8)
+        mx.eval(dev)
+        mx.synchronize()
+        at = cuda.address(dev)
+        return nbytes / _slower_of_two(lambda: cuda.upload_pinned(rt, [(at, memoryview(pinned))]))
     host = np.ones(max(1, nbytes // 4), dtype=np.uint32)  # touched: fresh pages would time zero-filling
 
     def run():  # a sum reads every byte where the engine will (an fp16 sum is 7x slower on a CPU than this)
@@ -63,11 +76,12 @@ def copy_rate(nbytes: int) -> float:
     return src.nbytes / _slower_of_two(lambda: np.copyto(dst, src))
 
 
-def direct_read_rate(path: Path, nbytes: int) -> Optional[float]:
+def direct_read_rate(path: Path, nbytes: int, threads: int = 4) -> Optional[float]:
     """Bytes/s reading up to ``nbytes`` of ``path``'s written pages from the
-    device, not the page cache (one thread, ``_CHUNK`` a request); ``None``
-    where that cannot be done (tmpfs, no ``O_DIRECT``) or the file holds less
-    than one request."""
+    device, not the page cache, on ``threads`` threads as the store's cold
+    reads do (``_CHUNK`` a request); ``None`` where that cannot be done
+    (tmpfs, no ``O_DIRECT``) or the file holds less than a request a thread."""
+    from concurrent.futures import ThreadPoolExecutor
     direct = getattr(os, "O_DIRECT", 0)
     try:
         fd = os.open(path, os.O_RDONLY | direct)
@@ -80,18 +94,25 @@ def direct_read_rate(path: Path, nbytes: int) -> Optional[float]:
                 return None
             fcntl.fcntl(fd, fcntl.F_NOCACHE, 1)
         st = os.fstat(fd)
-        size = min(nbytes, st.st_size, st.st_blocks * 512) // _CHUNK * _CHUNK  # written pages: not a hole
-        if size < _CHUNK:
+        size = min(nbytes, st.st_size, st.st_blocks * 512) // (_CHUNK * threads) * _CHUNK * threads
+        if size < _CHUNK * threads:  # (only written pages: not a hole)
             return None
-        with mmap.mmap(-1, _CHUNK) as buf:  # page-aligned, as O_DIRECT wants
-            t = time.perf_counter()
-            done = 0
-            while done < size:
-                n = os.preadv(fd, [buf], done)
-                if n <= 0:
-                    break
-                done += n
-            seconds = time.perf_counter() - t
+
+        def read(part: int) -> int:
+            with mmap.mmap(-1, _CHUNK) as buf:  # page-aligned, as O_DIRECT wants
+                done, end = part * size // threads, (part + 1) * size // threads
+                got = 0
+                while done < end:
+                    n = os.preadv(fd, [buf], done)
+                    if n <= 0:
+                        break
+                    done, got = done + n, got + n
+                return got
+
+        t = time.perf_counter()
+        with ThreadPoolExecutor(threads) as pool:
+            done = sum(pool.map(read, range(threads)))
+        seconds = time.perf_counter() - t
         return done / seconds if done >= _CHUNK and seconds > 0 else None
     except OSError:
         return None

@@ -1,13 +1,16 @@
 """Device tier: hot blocks kept in GPU memory (CUDA), in LRU order under a
 byte budget.
 
-A block is held as its payload bytes in one device buffer, laid out exactly
-as on disk, so a hit cuts each layer's arrays out of it on the GPU: no host
-copy and no transfer, one device-side copy when the layers are assembled
-(``gather``). Blocks come here from a hit that just moved them to the GPU
-(one device-side copy of the bytes it uploaded anyway), so a block is
-always also in RAM or on disk: the tier is a cache over them, and any block
-may leave it. On Apple silicon and CPUs memory is one: the RAM tier is the
+A block is held as its payload bytes in GPU memory, laid out exactly as on
+disk, so a hit cuts each layer's arrays out of them on the GPU: no host copy
+and no transfer, one device-side copy when the layers are assembled
+(``gather``). Blocks come here from a hit that just moved them to the GPU:
+the buffer that hit uploaded them into is kept as it is (no copy), so the
+blocks of one hit share it, lie side by side, and the next hit cuts a run of
+them with one strided view per array, as from the host. The memory of a
+shared buffer is freed once its last block leaves (the budget counts each
+block's own bytes). A block is always also in RAM or on disk: the tier is a
+cache over them, and any block may leave it. On Apple silicon and CPUs memory is one: the RAM tier is the
 device tier there and this one stays empty (budget 0). The ``BlockTable``
 owns it.
 """
@@ -27,22 +30,26 @@ from ..wire import Stored
 
 @dataclass
 class DeviceBlock:
-    """A block's payload in GPU memory (``data``, uint8), with its header."""
+    """A block's payload in GPU memory: ``size`` bytes at ``offset`` of
+    ``data`` (uint8, possibly shared with other blocks), with its header."""
 
     key: bytes
     start: int
     header: Header
     data: mx.array
+    offset: int
+    size: int
     head: bytes  # the value's bytes before the payload (prefix, header, padding), for a host copy
     tokens: np.ndarray  # its tokens on the host: every hit compares them with the prompt's
 
     @property
     def nbytes(self) -> int:
-        return self.data.nbytes
+        return self.size
 
     def to_stored(self) -> Stored:
         """The block as host bytes (for the rare layouts gathered block by block)."""
-        buf = np.concatenate([np.frombuffer(self.head, np.uint8), np.array(self.data)])
+        payload = np.array(self.data[self.offset : self.offset + self.size])
+        buf = np.concatenate([np.frombuffer(self.head, np.uint8), payload])
         return Stored(self.key, self.start, memoryview(buf), self.header, checked=True)
 
 
