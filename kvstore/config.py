@@ -35,6 +35,9 @@ class StoreConfig:
     ``None`` keeps the engine's dtype. ``rotate_keys`` rotates keys before
     quantizing them (``kvstore.rotation``; ``None``: at 4 bits or fewer),
     ``rotate_values`` values (``None``: at 4 bits or fewer too).
+    ``full_attention_bits`` (as ``kv_bits``; ``"same"``: ``kv_bits``) keeps the
+    full-attention layers of a model that also has sliding-window layers
+    (Gemma 3's global ones) another way, e.g. ``None``: dense.
     Entries remember their own settings, so
     a store reopened with other settings reads old entries correctly.
     ``namespace`` salts every key: tenants never share or see blocks.
@@ -63,6 +66,9 @@ class StoreConfig:
     kv_group_size: int = 64
     rotate_keys: Optional[bool] = None  # None: at 4 bits or fewer (``rotate_*_at_or_below``)
     rotate_values: Optional[bool] = None
+    # Gemma 3-like models' full-attention layers: "same" as kv_bits, or bits of their own (None: dense); on
+    # Gemma 3 270M q8 meets its targets with them dense (docs/benchmarks.md, Gemma 3 on the CPU)
+    full_attention_bits: Union[KvBits, str] = "same"
     namespace: Optional[str] = None  # salts every key: tenants never share or see blocks
     readonly: bool = False
     fetch_policy: str = "auto"  # "auto", "always" or "never"

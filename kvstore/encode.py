@@ -31,6 +31,7 @@ def encode(job, node: Node, codec: Codec, compress_rows: int) -> Block:
     block's bytes, and the views go with the ``Block`` right after."""
     s, e = node.start, node.end
     out: list[Optional[Layer]] = []
+    windowed = any(isinstance(l, KVLayer) and l.window is not None for l in job.layers)
     for li, l in enumerate(job.layers):
         if isinstance(l, KVLayer):
             # a sliding-window layer may hold only the block's last rows
@@ -38,7 +39,7 @@ def encode(job, node: Node, codec: Codec, compress_rows: int) -> Block:
             if first is None:
                 out.append(None)
                 continue
-            k, v = _compressed_rows(job, li, l, first, e, codec, compress_rows)
+            k, v = _compressed_rows(job, li, l, first, e, codec.for_layer(l.window, windowed), compress_rows)
             out.append(KVLayer(k, v, first, l.window))
         else:
             out.append(StateLayer([None if a is None else mx.contiguous(a) for a in l.arrays])

@@ -98,7 +98,8 @@ class PrefixStore:
         self.config = cfg = config
         self.block_size = cfg.block_size
         self.codec = Codec.from_bits(cfg.kv_bits, cfg.kv_group_size, cfg.rotate_keys, cfg.rotate_values,
-                                     cfg.rotate_keys_at_or_below, cfg.rotate_values_at_or_below)
+                                     cfg.rotate_keys_at_or_below, cfg.rotate_values_at_or_below,
+                                     cfg.full_attention_bits)
         self.namespace = cfg.namespace
         self.readonly = cfg.readonly
         self._counters = Counters()

@@ -68,6 +68,15 @@ SETTINGS: dict[str, dict[str, Any]] = {
     "q4 rotK+rotV": dict(kv_bits=4, rotate_keys=True, rotate_values=True),
     "q4 g32 rotK+rotV": dict(kv_bits=4, kv_group_size=32, rotate_keys=True, rotate_values=True),
     "K8/V4 rotV": dict(kv_bits=(8, 4), rotate_keys=False, rotate_values=True),
+    # "(full dense)": the full-attention layers of a model with sliding-window layers (Gemma 3's global
+    # ones) kept in the engine's dtype, the windowed ones as named; on a model without windows, as named
+    "q8 (full dense)": dict(kv_bits=8, full_attention_bits=None),
+    "q8 rotK+rotV (full dense)": dict(kv_bits=8, rotate_keys=True, rotate_values=True, full_attention_bits=None),
+    "q4 g32 rotK+rotV (full dense)": dict(kv_bits=4, kv_group_size=32, rotate_keys=True, rotate_values=True,
+                                          full_attention_bits=None),
+    # "(full q8)": those layers at 8 bits, with the named group and rotation
+    "q4 g32 rotK+rotV (full q8)": dict(kv_bits=4, kv_group_size=32, rotate_keys=True, rotate_values=True,
+                                       full_attention_bits=8),
 }
 
 # (distribution, file inside it) of installed packages; "python" is the interpreter's own LICENSE.txt
@@ -290,7 +299,8 @@ def table(res: dict) -> str:
              f"forward pass: {res['continuation_tokens']:,} continuation positions per row. Greedy: "
              f"{res['greedy_tokens']} tokens after the prefix, all identical (share of texts) and identical prefix "
              f"(mean fraction). 'rotK' / 'rotV': keys / values rotated (Hadamard with seeded signs) before "
-             f"quantizing; group 64 unless 'g32'.\n")
+             f"quantizing; group 64 unless 'g32'; '(full dense)': full-attention layers of a model with "
+             f"sliding-window layers kept dense ('(full q8)': at 8 bits).\n")
     L.append("| entries | K / V rel. error | max abs logit err | mean KL | p99 KL | max KL | top-1 agree "
              "| perplexity (cold) | ppl delta | greedy identical | greedy identical prefix |")
     L.append("|---|---|---|---|---|---|---|---|---|---|---|")
@@ -331,11 +341,12 @@ def summary(res: dict) -> list[str]:
     what rotating keys changed, read off the rows."""
     rows, out = res["rows"], []
     verdict = lambda ok: "**met**" if ok else "**not met**"  # noqa: E731
-    if "q8" in rows:
-        r = rows["q8"]
-        out.append(f"q8 entries: top-1 agreement {r['top1_agree']:.2%} (target >= 99.5%: "
-                   f"{verdict(r['top1_agree'] >= 0.995)}), perplexity {r['ppl_delta_pct']:+.3f}% "
-                   f"(target within 0.1%: {verdict(abs(r['ppl_delta_pct']) <= 0.1)}).")
+    for name in ("q8", "q8 (full dense)", "q8 rotK+rotV (full dense)"):
+        if name in rows:
+            r = rows[name]
+            out.append(f"{name} entries: top-1 agreement {r['top1_agree']:.2%} (target >= 99.5%: "
+                       f"{verdict(r['top1_agree'] >= 0.995)}), perplexity {r['ppl_delta_pct']:+.3f}% "
+                       f"(target within 0.1%: {verdict(abs(r['ppl_delta_pct']) <= 0.1)}).")
     four = [n for n in rows if all(b is not None and b <= 4 for b in _bits(n))]
     if four:
         by_ppl = min(four, key=lambda n: abs(rows[n]["ppl_delta_pct"]))
