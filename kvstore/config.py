@@ -120,8 +120,9 @@ class StoreConfig:
     prior_ssd_cold_gbps: Optional[float] = None
     prior_cold_share: float = 0.75
     unprobed_cold_gbps: float = 0.5
-    # Bytes each probe moves: past the latency of a disk request and a few caches' sizes, a few ms of
-    # memory bandwidth and tens of ms of disk, once per machine and store.
+    # Bytes each memory probe moves (the cold-read probe reads 4x this, a few requests per thread): past the
+    # latency of a disk request and a few caches' sizes, a few ms of memory bandwidth and tens of ms of disk,
+    # once per machine and store.
     probe_bytes: int = 16 << 20
 
     def __post_init__(self):

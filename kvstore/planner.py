@@ -117,7 +117,7 @@ class Planner:
             elif cfg.prior_ssd_cold_gbps:
                 rate = cfg.prior_ssd_cold_gbps * gb
             else:
-                read = probe.direct_read_rate(self.disk.tier.path / "data.mdb", cfg.probe_bytes) \
+                read = probe.direct_read_rate(self.disk.tier.path / "data.mdb", 4 * cfg.probe_bytes) \
                     if self.disk is not None else None
                 rate = cfg.prior_cold_share * (probe.in_series(read, arrays) if read else cfg.unprobed_cold_gbps * gb)
             self.cost.assume(state, rate)
