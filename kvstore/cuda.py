@@ -202,12 +202,11 @@ def upload(rt: Runtime, dst: int, src: memoryview) -> None:
     """Host bytes to device address ``dst``: from pinned memory in one copy
     on the copy engine; from pageable memory through alternating pinned
     buffers, each copy into one overlapping the transfer of the other."""
-    pinned = is_pinned(src)
+    if is_pinned(src):
+        upload_pinned(rt, [(dst, src)])
+        return
     src = np.frombuffer(src, np.uint8)
     with _staging(rt) as (stream, bufs):
-        if pinned:
-            rt.copy(dst, src.ctypes.data, len(src), stream)  # (the staging context waits for it)
-            return
         pending = [False, False]
         for j, off in enumerate(range(0, len(src), STAGE)):
             k = j % 2

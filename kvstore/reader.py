@@ -74,7 +74,7 @@ class Reader:
         ``found``: blocks just read from the remote, served as they are.
         Called with ``path`` pinned."""
         self.wait_promotions([p.key for p in path])
-        items: list = self.table.ram_blocks(path)
+        items: list = self.table.in_memory(path)
         from_ram = [b is not None for b in items]
         if found:
             items = [it if it is not None else found.get(p.key) for p, it in zip(path, items)]

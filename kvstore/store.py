@@ -8,8 +8,8 @@ The data flow, threads included::
                                 --> remote write-behind queue --> remote thread: Redis / Valkey
     fetch (engine thread)   tokens --hash--> BlockTable.walk (+ Disk.discover where it ends)
                                 --> Discovery.find (remote, what the local tiers lack)
-                                --> Planner.plan (what is worth loading) --> Reader.load:
-                                RAM / LMDB pages / remote bytes --check, gather--> layers
+                                --> Planner.plan (what is worth loading) --> Reader.read:
+                                device copies / RAM / LMDB pages / remote bytes --check, gather--> layers
     promote thread          blocks served from disk --copy--> BlockTable.promote (RAM)
 
 The ``BlockTable`` owns every block's state (index, RAM, disk LRU, pins) and
@@ -306,10 +306,10 @@ class PrefixStore:
     def trim_device(self, n_bytes: int) -> None:
         """Drop device-tier copies until at most ``n_bytes`` of GPU memory are
         held (for an engine that needs the memory; the blocks stay in RAM or
-        on disk). ``set`` a budget with ``device_budget_gb``."""
+        on disk). The budget stays: ``device_budget_gb``."""
         self._check_open()
         _count(n_bytes, "n_bytes")
-        self._table.set_device_budget(self._table.device_budget, int(n_bytes))
+        self._table.trim_device(int(n_bytes))
 
     def trim_disk(self, n_bytes: int) -> int:
         """Evict least recently used disk blocks (leaves first) until the disk

@@ -99,7 +99,7 @@ class BlockTable(DiskSide):
         """A block's bytes in RAM (a dict read: no lock needed)."""
         return self._ram.get(key)
 
-    def ram_blocks(self, path: Sequence[Node]) -> list:
+    def in_memory(self, path: Sequence[Node]) -> list:
         """Per block, its device copy, else its RAM bytes, else ``None``."""
         with self._lock:
             return [self._dev.get(p.key) or self._ram.get(p.key) for p in path]
@@ -120,10 +120,10 @@ class BlockTable(DiskSide):
                 if b is not None and self._index.get(b.key) is not None:
                     self._dev.add(b, pinned)
 
-    def set_device_budget(self, budget: int, keep_bytes: Optional[int] = None) -> None:
+    def trim_device(self, keep_bytes: int) -> None:
+        """Drop device copies, least recently used first, until at most ``keep_bytes`` are held."""
         with self._lock:
-            self._dev.budget = budget
-            self._dev.shrink(min(budget, self._dev.nbytes if keep_bytes is None else keep_bytes))
+            self._dev.shrink(keep_bytes)
 
     def plan_view(self, path: Sequence[Node], found: Mapping[bytes, Stored]) -> PlanView:
         with self._lock:
