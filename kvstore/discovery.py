@@ -26,7 +26,7 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import replace
-from typing import Optional
+from typing import Callable, NamedTuple, Optional
 
 import numpy as np
 
@@ -34,6 +34,7 @@ from .wire import Stored
 from .config import StoreConfig
 from .counters import Counters
 from .errors import BlockDecodeError
+from .gather import HostFill, start
 from .hashing import KeyChain, chain_key
 from .index import Node
 from .lookup import Match, shared_prefix
@@ -44,6 +45,14 @@ from .writer import Job
 
 log = logging.getLogger("kvstore")
 
+class Found(NamedTuple):
+    """Blocks a fetch found on the remote, by key, and the hit's arrays with
+    them placed (``None``: ``gather`` places them)."""
+
+    blocks: dict = {}
+    fill: Optional[HostFill] = None
+
+
 class Discovery:
     def __init__(self, remote: Remote, table: BlockTable, counters: Counters, config: StoreConfig,
                  keep_on_disk: bool):
@@ -53,13 +62,15 @@ class Discovery:
         self.max_probe = config.remote_probe_blocks
         self.keep_on_disk = keep_on_disk
 
-    def find(self, root: Node, chain: KeyChain, n: int, match: Match, copies: list) -> dict[bytes, Stored]:
+    def find(self, root: Node, chain: KeyChain, n: int, match: Match, copies: list,
+             quantized: Optional[tuple[int, int]] = None) -> Found:
         """Index the blocks of ``chain.tokens[:n]`` the remote holds beyond
-        ``match``; returns them by key, checked, for the read path to serve,
-        and adds to ``copies`` the writer jobs of their disk copies (for the
-        caller to submit once the hit is served: they would only compete with it).
-        Never raises; a down remote costs at most one timeout (then the
-        breaker skips it)."""
+        ``match``; returns them by key, checked, for the read path to serve
+        (with the hit's arrays already filled with them where it can: see
+        ``gather.start``), and adds to ``copies`` the writer jobs of their disk
+        copies (for the caller to submit once the hit is served: they would
+        only compete with it). Never raises; a down remote costs at most one
+        timeout (then the breaker skips it)."""
         tier = self.remote.tier
         bs = chain.block_size
         first, full = len(match.full.nodes), n // bs
@@ -68,10 +79,10 @@ class Discovery:
         near = (chain.parent(full), chain.tokens[full * bs : n]) if last == full and n > full * bs else None
         if not self.remote.breaker.allow():
             self.counters.count("remote_bypassed")
-            return {}
+            return Found()
         got = self.remote.call(tier.probe, root.key, keys, near)
         if got is None:
-            return {}
+            return Found()
         self.counters.count("remote_lookups")
         raw, children = got
         run = self._run(root, chain, first, raw)
@@ -84,26 +95,45 @@ class Discovery:
         part = self._best_child(children, near[1]) if near is not None and children else None
         wanted = [r.key for r in run] + ([part[0]] if part else [])
         if not wanted:
-            return {}
+            return Found()
         sizes = [r.nbytes for r in run] + ([0] if part else [])
-        entries = self.remote.call(tier.entries, wanted, sizes) or []
         got_blocks: list[tuple[BlockRecord, Stored, bytes]] = []
-        for rec, (_, buf) in zip(run, entries):
-            block = self._decode(rec, buf)
-            if block is None:
-                break
-            got_blocks.append((rec, block, buf))
-        if part and len(got_blocks) == len(run) and len(entries) == len(wanted):
-            leaf = self._partial(root, chain, stop, n, near[0], part, entries[-1])
+        rows = min(n, (first + len(run)) * bs + (part[1] if part else 0))  # the hit's length if all is good
+        last, fill = self.remote.call(self._read, run, tier.entries(wanted, sizes), got_blocks,
+                                      lambda first: start(first, rows, quantized)) or (None, None)
+        if part and len(got_blocks) == len(run) and last is not None:
+            leaf = self._partial(root, chain, stop, n, near[0], part, last)
             if leaf is not None:
                 got_blocks.append(leaf)
         if not got_blocks:
-            return {}
+            return Found()
         self.counters.count("remote_blocks_read", len(got_blocks))
         self.counters.count("remote_bytes_read", sum(len(b) for _, _, b in got_blocks))
-        return self._keep(match.full.last, got_blocks, chain, copies)
+        return Found(self._keep(match.full.last, got_blocks, chain, copies), fill)
 
     # ---------------------------------------------------------------- steps
+
+    def _read(self, run: list[BlockRecord], entries, got: list,
+              start_fill: Callable[[Stored], Optional[HostFill]]) -> tuple[Optional[tuple], Optional[HostFill]]:
+        """Check each block of ``run`` as its round trip comes in (the next
+        one is read meanwhile) into ``got``, up to the first bad one, placing
+        it in the hit's arrays (``start_fill(first block)``) as it is checked.
+        Returns the entry read after the run (the partial child's), if any,
+        and the fill."""
+        fill = None
+        i = 0
+        for chunk in entries:
+            for entry in chunk:
+                if i == len(run):
+                    return entry, fill
+                block = self._open(run[i], entry[1])
+                if block is not None and i == 0:
+                    fill = start_fill(block)
+                if block is None or not self._intact(run[i], block, fill):
+                    return None, fill
+                got.append((run[i], block, entry[1]))
+                i += 1
+        return None, fill
 
     def _run(self, root: Node, chain: KeyChain, first: int, raw: list) -> list[BlockRecord]:
         """The leading run of probed full blocks whose records fit the prompt."""
@@ -148,10 +178,11 @@ class Discovery:
         if why:
             self._refuse(key, why)
             return None
-        block = self._decode(rec, buf)
-        return None if block is None else (rec, block, buf)
+        block = self._open(rec, buf)
+        return None if block is None or not self._intact(rec, block, None) else (rec, block, buf)
 
-    def _decode(self, rec: BlockRecord, buf) -> Optional[Stored]:
+    def _open(self, rec: BlockRecord, buf) -> Optional[Stored]:
+        """``buf`` as the block of ``rec`` (header and tokens checked)."""
         if buf is None:
             return None  # evicted by the server since its record was read
         if not isinstance(buf, bytes):
@@ -162,14 +193,19 @@ class Discovery:
         except BlockDecodeError as e:
             self._refuse(rec.key, str(e))
             return None
-        if not block.intact():
-            self._refuse(rec.key, "payload checksum mismatch")
-            return None
-        block.checked = True
         if not np.array_equal(block.tokens, rec.tokens):
             self._refuse(rec.key, "payload tokens differ from its record")
             return None
         return block
+
+    def _intact(self, rec: BlockRecord, block: Stored, fill: Optional[HostFill]) -> bool:
+        """Whether ``block``'s payload passes its checksum, taken as it is
+        placed in ``fill`` where it fits there (one pass over the bytes)."""
+        if not (fill is not None and fill.place(block, rec.start)) and not block.intact():
+            self._refuse(rec.key, "payload checksum mismatch")
+            return False
+        block.checked = True
+        return True
 
     def _refuse(self, key: bytes, why: str) -> None:
         self.counters.count("remote_bad")

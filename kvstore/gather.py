@@ -94,10 +94,12 @@ def _fast_spec(items: Sequence[Stored], quantized: Optional[tuple[int, int]]) ->
 
 
 def gather(items: Sequence, length: int, quantized: Optional[tuple[int, int]] = None,
-           keep_on_device: bool = False) -> Gathered:
+           keep_on_device: bool = False, fill: Optional[HostFill] = None) -> Gathered:
     """One tensor per layer (``Quantized`` when the engine asks for the stored
     settings) for rows ``[0, length)`` of consecutive blocks from position 0
-    (``Stored`` bytes, or ``DeviceBlock``s already in GPU memory)."""
+    (``Stored`` bytes, or ``DeviceBlock``s already in GPU memory). ``fill``:
+    destinations some of these blocks were placed in already (used when
+    they are this hit's)."""
     spans = []  # per block used: (first row, rows used)
     pos = 0
     for it in items:
@@ -114,7 +116,7 @@ def gather(items: Sequence, length: int, quantized: Optional[tuple[int, int]] = 
     if cuda.runtime() is not None:
         parts, bad, kept = _fill_device(items, spans, spec, length, keep_on_device)
     else:
-        parts, bad = _fill_host(items, spans, spec, length)
+        parts, bad = _fill_host(items, spans, spec, length, fill)
     if bad is not None:
         return Gathered([], 0, bad)
     tensors: list[list] = []
@@ -174,14 +176,31 @@ def _zeros(spec, length: int) -> list:
     return each(layer, len(spec))
 
 
-def _fill_host(items, spans, spec, length):
-    dests = _zeros(spec, length)
-    views = [[[_np(a) for a in t] for t in layer] for layer in dests]  # writable: the arrays' own memory
+class HostFill:
+    """The destination arrays of a host-memory hit, filled block by block. A
+    remote hit starts one as its first block arrives (``start``) and places
+    each block as it comes in, while the next is on the wire; ``gather``
+    then moves only what was not placed."""
 
-    def move(i: int) -> bool:
-        item, (s, n) = items[i], spans[i]
+    def __init__(self, spec: tuple, length: int):
+        self.spec = spec
+        self.length = length
+        self.dests = _zeros(spec, length)
+        self.views = [[[_np(a) for a in t] for t in layer] for layer in self.dests]  # writable: the arrays' memory
+        self.placed: dict[int, object] = {}  # first row -> the item whose rows are there
+
+    def place(self, item: Stored, start: int) -> bool:
+        """Move ``item``'s rows to ``start``; False (nothing kept) when they
+        do not fit or its checksum fails."""
+        rows = min(item.header.ntokens, self.length - start)
+        if rows <= 0 or _spec(item) != self.spec or not self.move(item, start, rows):
+            return False
+        self.placed[start] = item
+        return True
+
+    def move(self, item: Stored, s: int, n: int) -> bool:
         payload = item.payload
-        placed = [(dst, a) for lv, la in zip(views, _stored_arrays(item)) for tv, ta in zip(lv, la)
+        placed = [(dst, a) for lv, la in zip(self.views, _stored_arrays(item)) for tv, ta in zip(lv, la)
                   for dst, a in zip(tv, ta)]
         # the checksum is taken array by array as each is copied, while its bytes are in the cache
         # (one read of the mapped pages instead of two), where the arrays lie in the payload's order
@@ -201,9 +220,22 @@ def _fill_host(items, spans, spec, length):
             return h.intdigest() == item.header.checksum  # a bad block's rows are never served
         return True
 
-    ok = each(move, len(items))
-    bad = next((i for i, good in enumerate(ok) if not good), None)
-    return dests, bad
+
+def start(first: Stored, length: int, quantized: Optional[tuple[int, int]]) -> Optional[HostFill]:
+    """A fill for a hit of ``length`` rows of blocks laid out like ``first``
+    (``None`` where ``gather`` would not fill host arrays: CUDA, other layouts)."""
+    if cuda.runtime() is not None or _fast_spec([first], quantized) is None:
+        return None
+    return HostFill(_spec(first), length)
+
+
+def _fill_host(items, spans, spec, length, fill: Optional[HostFill]):
+    if fill is None or fill.spec != spec or fill.length != length:
+        fill = HostFill(spec, length)
+    todo = [i for i, (s, _) in enumerate(spans) if fill.placed.get(s) is not items[i]]
+    ok = each(lambda k: fill.move(items[todo[k]], *spans[todo[k]]), len(todo))
+    bad = next((i for i, good in zip(todo, ok) if not good), None)
+    return fill.dests, bad
 
 
 # -------------------------------------------------------------------- CUDA

@@ -25,7 +25,7 @@ from .wire import Stored
 from .counters import Counters
 from .disk import Disk
 from .errors import BlockDecodeError
-from .gather import gather
+from .gather import HostFill, gather
 from .index import Node
 from .lookup import servable
 from .table import BlockTable
@@ -68,11 +68,13 @@ class Reader:
         return None
 
     def read(self, path: list[Node], toks: np.ndarray, length: int, quantized: Optional[tuple[int, int]] = None,
-             cold: frozenset = frozenset(), found: Optional[dict[bytes, Stored]] = None) -> Served:
+             cold: frozenset = frozenset(), found: Optional[dict[bytes, Stored]] = None,
+             fill: Optional[HostFill] = None) -> Served:
         """The layers of ``path``'s blocks for ``[0, length)``. ``cold``: keys
         of disk blocks the cost plan found out of the page cache (read ahead);
-        ``found``: blocks just read from the remote, served as they are.
-        Called with ``path`` pinned."""
+        ``found``: blocks just read from the remote, served as they are, and
+        ``fill``, the arrays they were placed in as they came. Called with
+        ``path`` pinned."""
         self.wait_promotions([p.key for p in path])
         items: list = self.table.in_memory(path)
         from_ram = [b is not None for b in items]
@@ -81,7 +83,7 @@ class Reader:
         bad: list[tuple[Node, str]] = []  # dropped after the read transaction: no write inside one
         gone: list[Node] = []
         if all(it is not None for it in items) or self.disk is None:
-            served = self._serve(path, items, from_ram, toks, length, quantized, bad)
+            served = self._serve(path, items, from_ram, toks, length, quantized, bad, fill)
         else:
             ahead: list[Future] = []
             tier = self.disk.tier
@@ -102,7 +104,7 @@ class Reader:
                             if p.offset < 0:
                                 self.table.learn_offset(p, tier.offset_of(got.buf))
                             items[i] = got
-                    served = self._serve(path, items, from_ram, toks, length, quantized, bad)
+                    served = self._serve(path, items, from_ram, toks, length, quantized, bad, fill)
             except Exception as e:
                 self.disk.warn("read", f"kvstore: reading {tier.path} failed: {e}")
                 k = next((i for i, p in enumerate(path) if not from_ram[i] and p.key not in (found or ())), len(path))
@@ -117,7 +119,8 @@ class Reader:
         self._promote_later([p for p, r in zip(path, served.from_ram) if not r])
         return served
 
-    def _serve(self, path, items, from_ram, toks, length, quantized, bad: list) -> Served:
+    def _serve(self, path, items, from_ram, toks, length, quantized, bad: list,
+               fill: Optional[HostFill] = None) -> Served:
         """Cut at the first missing or foreign block, gather, and retry
         shorter when a payload fails its checksum."""
         good = 0
@@ -137,7 +140,7 @@ class Reader:
             path_used = [p for p in path if p.start < length]
             k = len(path_used)
             try:
-                got = gather(items[:k], length, quantized, keep_on_device=self.table.device_budget > 0)
+                got = gather(items[:k], length, quantized, keep_on_device=self.table.device_budget > 0, fill=fill)
             except Exception as e:  # blocks that do not fit together (a reused model key, a bad index record)
                 log.warning("kvstore: stored blocks for this prompt do not fit together (%s); serving a miss", e)
                 return Served([], 0, [], [])

@@ -39,7 +39,7 @@ from .codec import Codec, layer_arrays
 from .config import StoreConfig, gib
 from .cost import CostModel
 from .counters import Counters
-from .discovery import Discovery
+from .discovery import Discovery, Found
 from .disk import Disk
 from .errors import ConfigError, InputError, ReadOnlyError, StoreClosedError
 from .hashing import KeyChain, as_tokens, root_key
@@ -180,22 +180,22 @@ class PrefixStore:
         root = self._root(model_key, register=False)
         chain = KeyChain(root.key, toks, self.block_size)
         match = self._match(root, chain, n)
-        found: dict = {}  # blocks just read from the remote, served as they are
+        found = Found()  # blocks just read from the remote, served as they are
         copies: list = []  # ... and their disk copies, queued once the hit is served
         if self._discovery is not None and match.matched < n:
-            found = self._discovery.find(root, chain, n, match, copies)
-            if found:
+            found = self._discovery.find(root, chain, n, match, copies, quantized)
+            if found.blocks:
                 match = self._match(root, chain, n)
         length = self._table.servable(match.path, match.matched)
         pinned = [p for p in match.path if p.start < length]
         self._table.pin(pinned)
         try:
-            for job in self._table.unwritten_jobs(pinned, skip=found.keys()):
+            for job in self._table.unwritten_jobs(pinned, skip=found.blocks.keys()):
                 job.done.wait()
-            plan = self._planner.plan(root.key, len(toks), pinned, length, found)
+            plan = self._planner.plan(root.key, len(toks), pinned, length, found.blocks)
             path = [p for p in pinned if p.start < plan.length]
             t0 = time.perf_counter()
-            got = self._reader.read(path, toks, plan.length, quantized, plan.cold, found)
+            got = self._reader.read(path, toks, plan.length, quantized, plan.cold, found.blocks, found.fill)
             t_load = time.perf_counter() - t0
         finally:
             self._table.unpin(pinned)
@@ -208,8 +208,8 @@ class PrefixStore:
             self._counters.count("misses")
             return Hit(skipped_tokens=plan.skipped, skip_reason=plan.reason)
         served = [(p, r) for p, r in zip(path, from_ram) if p.start < length]
-        remote_tokens = sum(min(p.end, length) - p.start for p, _ in served if p.key in found)
-        ram_tokens = sum(min(p.end, length) - p.start for p, r in served if r and p.key not in found)
+        remote_tokens = sum(min(p.end, length) - p.start for p, _ in served if p.key in found.blocks)
+        ram_tokens = sum(min(p.end, length) - p.start for p, r in served if r and p.key not in found.blocks)
         hit = Hit(length, layers, ram_tokens=ram_tokens, ssd_tokens=length - ram_tokens - remote_tokens,
                   skipped_tokens=plan.skipped, skip_reason=plan.reason,
                   predicted_s=plan.load_s if length == plan.length else 0.0, remote_tokens=remote_tokens)

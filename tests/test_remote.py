@@ -10,7 +10,6 @@ import subprocess
 import sys
 import time
 
-import mlx.core as mx
 import numpy as np
 import pytest
 
@@ -19,6 +18,7 @@ from kvstore.codec import Block
 from kvstore.counters import Counters
 from kvstore.errors import ConfigError, RemoteConfigError
 from kvstore.hashing import KeyChain, as_tokens, root_key
+from kvstore.layers import Quantized
 from kvstore.record import BlockRecord
 from kvstore.remote_sync import Remote
 from kvstore.config import StoreConfig
@@ -26,7 +26,7 @@ from kvstore.record import Entry
 from kvstore.tiers.remote import PREFIX, RemoteTier
 from kvstore.wire import serialize
 
-from ._helpers import assert_hit_is, kv_layers
+from ._helpers import assert_hit_is, kv_layers, same
 from ._redis import PASSWORD, RedisServer, free_port, need_redis, start_cluster
 
 BS = 64
@@ -211,6 +211,37 @@ def test_redis_acls_fence_tenants_with_the_rule_the_readme_gives(server, host):
 
 
 # ------------------------------------------------------------------ bad values
+
+
+def test_a_hit_read_over_several_round_trips_is_placed_as_it_comes_and_stops_at_a_bad_block(server, host):
+    # one block per round trip: each block is checked and placed in the hit's arrays while the next is read
+    tokens = prompt(300)
+    put(host("a", server.url), tokens)
+    b = host("b", server.url, remote_read_bytes=1)
+    put(b, tokens[:128])  # the first two blocks are local: the arrays hold both kinds
+    hit = b.fetch(MODEL, tokens)
+    assert_hit_is(hit, tokens, 300)
+    assert hit.remote_tokens == 300 - 128 and b.stats()["remote_blocks_read"] == 3
+    # stored quantized and handed over as stored: the same parts as a local hit of those blocks
+    a8, c8 = host("a8", server.url, kv_bits=8), host("c8", server.url, kv_bits=8, remote_read_bytes=1)
+    other = prompt(320, seed=5)
+    put(a8, other, model="q8")
+    remote = c8.fetch("q8", other, quantized=(8, 32))  # (the test model's head dim is 32: groups of 32)
+    local = a8.fetch("q8", other, quantized=(8, 32))
+    assert remote.remote_tokens == 320 and local.ram_tokens == 320
+    assert len(remote.layers) == len(local.layers)
+    for x, y in zip(remote.layers, local.layers):
+        assert isinstance(x.keys, Quantized) and same(x.keys, y.keys) and same(x.values, y.values)
+    # a flipped byte in block 3: blocks 0-2 were placed already; the hit stops before block 3, whose rows
+    # never reach the engine, and the value leaves the server
+    r = server.client()
+    name = block_name(server.url, tokens, 3)
+    payload = bytearray(r.hget(name, "p"))
+    payload[-5] ^= 0x40
+    r.hset(name, "p", bytes(payload))
+    d = host("d", server.url, remote_read_bytes=1)
+    assert_hit_is(d.fetch(MODEL, tokens), tokens, 192)
+    assert d.stats()["remote_bad"] == 1 and not r.exists(name)
 
 
 def test_corrupt_or_foreign_remote_values_are_refused_never_served(server, host, caplog):
@@ -464,11 +495,17 @@ def test_the_remote_tier_writes_reads_and_removes_blocks_as_kept(server):
     tier.connect()
     try:
         tier.put_many([(e.record, e.payload) for e in entries])
-        got = tier.entries([e.key for e in entries])
+        rounds = list(tier.entries([e.key for e in entries]))
+        assert len(rounds) == 1  # sizes unknown: one round trip
+        got = rounds[0]
         assert [bytes(p) for _, p in got] == [bytes(e.payload) for e in entries]  # the same bytes back
         assert [BlockRecord.unpack(e.key, r).tokens.tolist() for e, (r, _) in zip(entries, got)] == \
             [e.record.tokens.tolist() for e in entries]
+        # with sizes, round trips of about read_bytes, in order (the next one read while this one is handled)
+        tier.read_bytes = len(entries[0].payload)
+        rounds = list(tier.entries([e.key for e in entries] * 2, [len(e.payload) for e in entries] * 2))
+        assert [[bytes(p) for _, p in r] for r in rounds] == [[bytes(e.payload)] for e in entries] * 2
         assert tier.remove([entries[1].key, b"\0" * 16]) == [entries[1].key]
-        assert [p is None for _, p in tier.entries([e.key for e in entries])] == [False, True]
+        assert [p is None for r in tier.entries([e.key for e in entries]) for _, p in r] == [False, True]
     finally:
         tier.close()

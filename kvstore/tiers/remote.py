@@ -36,6 +36,7 @@ from __future__ import annotations
 import os
 import re
 import threading
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
 from typing import Iterator, Optional, Sequence
 from urllib.parse import parse_qs, quote, unquote, urlsplit
@@ -164,6 +165,8 @@ class RemoteTier:
         self.reads = None  # short socket timeouts: the engine waits on these
         self.writes = None  # longer ones: large background batches
         self.cluster = False
+        self._pool: Optional[ThreadPoolExecutor] = None  # the read one round trip ahead (``entries``)
+        self._pool_pid = 0
 
     # ---------------------------------------------------------- connection
 
@@ -229,6 +232,9 @@ class RemoteTier:
         return redis.Redis(host=u.host, port=u.port, db=u.db, ssl=u.scheme == "rediss", **common)
 
     def close(self) -> None:
+        pool, self._pool = self._pool, None
+        if pool is not None and self._pool_pid == os.getpid():
+            pool.shutdown(wait=True)
         for c in (self.reads, self.writes):
             if c is not None:
                 try:
@@ -289,14 +295,34 @@ class RemoteTier:
     def forget_child(self, root: bytes, parent: bytes, member: bytes) -> None:
         self.reads.zrem(self.kids_name(root, parent), member)
 
-    def entries(self, keys: Sequence[bytes], sizes: Optional[Sequence[int]] = None) -> list[tuple]:
-        """``(record, payload)`` of each block (each as ``records``), in round
-        trips of about ``read_bytes`` when ``sizes`` are known."""
-        out: list = []
-        for chunk in _chunks(keys, sizes, self.read_bytes):
-            for r in self._each(self.reads, "hmget", [self.key_name(k) for k in chunk], FIELD_RECORD, FIELD_PAYLOAD):
-                out.append(tuple(r) if isinstance(r, list) else (r, r))
-        return out
+    def entries(self, keys: Sequence[bytes], sizes: Optional[Sequence[int]] = None) -> Iterator[list[tuple]]:
+        """``(record, payload)`` of each block (each as ``records``), a round
+        trip of about ``read_bytes`` at a time (when ``sizes`` are known).
+        While the caller handles one round trip's blocks, the next is in
+        flight on a second connection: checking a block overlaps reading
+        the next. A caller that stops early leaves at most that one read."""
+        chunks = list(_chunks(keys, sizes, self.read_bytes))
+        if not chunks:
+            return
+        pool = self._read_ahead()
+        nxt = pool.submit(self._entries, chunks[0])
+        for i in range(len(chunks)):
+            got = nxt.result()
+            if i + 1 < len(chunks):
+                nxt = pool.submit(self._entries, chunks[i + 1])
+            yield got
+
+    def _entries(self, keys: Sequence[bytes]) -> list[tuple]:
+        return [tuple(r) if isinstance(r, list) else (r, r)
+                for r in self._each(self.reads, "hmget", [self.key_name(k) for k in keys], FIELD_RECORD,
+                                    FIELD_PAYLOAD)]
+
+    def _read_ahead(self) -> ThreadPoolExecutor:
+        with self._connecting:
+            if self._pool is None or self._pool_pid != os.getpid():  # (a forked child has no such thread)
+                self._pool = ThreadPoolExecutor(1, thread_name_prefix="kvstore-remote-read")
+                self._pool_pid = os.getpid()
+            return self._pool
 
     def payloads(self, keys: Sequence[bytes], sizes: Optional[Sequence[int]] = None) -> list:
         """Each block's bytes (as ``records``)."""
