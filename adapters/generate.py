@@ -19,6 +19,7 @@ from typing import Any, Iterator, Optional, Sequence, Union
 
 import mlx.core as mx
 import mlx.nn as nn
+import numpy as np
 import xxhash
 from mlx.utils import tree_flatten
 from mlx_lm.generate import generation_stream, maybe_quantize_kv_cache
@@ -26,6 +27,7 @@ from mlx_lm.generate import stream_generate as _mlx_stream_generate
 from mlx_lm.models import cache as C
 
 from kvstore import Hit, PrefixStore
+from kvstore.hashing import as_tokens
 
 from .gguf import gguf_fingerprint, is_gguf
 from .mlx_lm import caches_to_layers, layers_to_caches, layout_signature, model_fingerprint
@@ -139,7 +141,7 @@ def store_cache(store: PrefixStore, key: str, tokens: Sequence[int], cache: Sequ
     n, layers = caches_to_layers(parts if parts is not None else [cache])
     if n == 0:
         return 0
-    return store.put(key, list(tokens[:n]), layers)
+    return store.put(key, tokens[:n], layers)
 
 
 def prefill(model: nn.Module, cache: list, tokens: Sequence[int], start: int, stop: int, *,
@@ -205,6 +207,7 @@ def stream_generate(model: nn.Module, tokenizer, prompt: Union[str, Sequence[int
     tokens = _tokens(tokenizer, prompt)
     if not tokens:
         raise ValueError("empty prompt")
+    ids = as_tokens(tokens)  # the store's form, made once for the fetch and the put (a 32K list: about 1 ms)
     draft = kwargs.get("draft_model")  # speculative decoding: its cache is stored with the main model's
     key = models_key(model, model_path, draft_model=draft)
     if model_path is not None:
@@ -213,7 +216,7 @@ def stream_generate(model: nn.Module, tokenizer, prompt: Union[str, Sequence[int
     # set-up, as loading the model is: the server does it at load, here the first request does (not in ttft_s)
     res.calibrate_s = calibrate_once(store, key, [model] if draft is None else [model, draft])
     t_fetch = time.perf_counter()
-    got = fetch_cache(store, model, key, tokens, max_kv_size=max_kv_size, draft_model=draft, **qkw)
+    got = fetch_cache(store, model, key, ids, max_kv_size=max_kv_size, draft_model=draft, **qkw)
     cache = got.cache
     res.prompt_tokens, res.cached_tokens = len(tokens), got.cached_tokens
     res.ram_tokens, res.ssd_tokens, res.remote_tokens = got.ram_tokens, got.ssd_tokens, got.remote_tokens
@@ -240,7 +243,8 @@ def stream_generate(model: nn.Module, tokenizer, prompt: Union[str, Sequence[int
     finally:
         res.tokens = generated
         res.total_s = time.perf_counter() - t0
-        store_cache(store, key, tokens + generated, cache, parts=_split(cache, model, draft))
+        store_cache(store, key, np.concatenate([ids, as_tokens(generated)]), cache,
+                    parts=_split(cache, model, draft))
 
 
 def generate(model: nn.Module, tokenizer, prompt: Union[str, Sequence[int]], *, store: PrefixStore,
@@ -281,8 +285,45 @@ def calibrate_once(store: PrefixStore, key: str, models: Sequence[nn.Module]) ->
     Without it the first hits of a model were served whatever they cost. A
     few prefills of at most 1K tokens: ~0.5 s for the tiny CPU llama, less
     on a GPU."""
-    if store.fetch_policy != "auto" or store.knows_prefill(key):
+    if store.fetch_policy != "auto":
+        return 0.0
+    store.set_context_ratio(key, context_ratio(models))
+    if store.knows_prefill(key):
         return 0.0
     t = time.perf_counter()
     calibrate(store, key, models)
     return time.perf_counter() - t
+
+
+_TERMS: dict[int, tuple[int, int]] = {}  # id(model) -> _shape_terms, while the model lives
+
+
+def context_ratio(models: Sequence[nn.Module]) -> float:
+    """Multiply-adds of attention per token of context (scores and weighted
+    sum, over full-attention layers: a sliding window's cost stops growing)
+    over multiply-adds per token through the weights, for ``models`` run
+    together; 0.0 where the model's shape cannot be read."""
+    weights = attention = 0
+    for m in models:
+        if id(m) not in _TERMS:
+            _TERMS[id(m)] = _shape_terms(m)
+            weakref.finalize(m, _TERMS.pop, id(m), None)
+        w, a = _TERMS[id(m)]
+        weights, attention = weights + w, attention + a
+    return attention / weights if weights and attention else 0.0
+
+
+def _shape_terms(model: nn.Module) -> tuple[int, int]:
+    args = getattr(model, "args", None)
+    heads = getattr(args, "num_attention_heads", None)
+    if not heads:
+        return 0, 0
+    head_dim = getattr(args, "head_dim", None) or getattr(args, "hidden_size", 0) // heads
+    full = sum(1 for c in C.make_prompt_cache(model) if type(c) is C.KVCache)
+    weights = 0
+    for _, mod in tree_flatten(model.leaf_modules(), is_leaf=lambda x: isinstance(x, nn.Module)):
+        if isinstance(mod, nn.QuantizedLinear):
+            weights += mod.weight.shape[0] * mod.weight.shape[1] * 32 // mod.bits
+        elif isinstance(mod, nn.Linear):
+            weights += mod.weight.size
+    return weights, full * heads * head_dim * 2

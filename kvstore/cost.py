@@ -13,6 +13,11 @@ Prefill of tokens ``[s, e)`` after a cached prefix of ``s`` is modelled as
 ``a + b (e - s) + c (e^2 - s^2) / 2``: a fixed part, a per-token part, and
 attention whose cost grows with the context (each new token attends to all
 before it). The three are fitted by least squares to recent observations.
+The context term barely shows in prefills of a few hundred tokens (2% of an
+8B model's 1K prefill, a quarter of its 32K one), so where the adapter tells
+the model's shape (``context_ratio``: attention FLOPs per token of context
+over weight FLOPs per token) ``c`` is tied to ``b`` by it and only ``a`` and
+``b`` are fitted: short calibration prefills then predict long ones.
 Until a tier's rate is measured, a prior stands in for it (``probe``: timed
 once per machine, erring toward declining); the adapters time a few prefills
 of a model before its first fetch (``calibrate``). A measurement replaces a
@@ -64,30 +69,34 @@ class PrefillModel:
         return self.a + self.b * (stop - start) + self.c * (stop * stop - start * start) / 2
 
     @classmethod
-    def fit(cls, obs: Sequence[tuple[int, int, float]]) -> "PrefillModel":
-        """Least squares over ``(start, stop, seconds)``, every coefficient >= 0.
-        Observations over twice what that fit predicts are dropped and the
-        rest refit: a process's first request at a new length compiles kernels
-        (one such request, 10x slow, doubled an 8B model's predicted 32K prefill
-        on the H100 and made loading a cold SSD look faster than recomputing)."""
-        m = cls._fit(obs)
+    def fit(cls, obs: Sequence[tuple[int, int, float]], ratio: Optional[float] = None) -> "PrefillModel":
+        """Least squares over ``(start, stop, seconds)``, every coefficient >= 0
+        (with ``ratio``, ``c = ratio * b``). Observations over twice what that
+        fit predicts are dropped and the rest refit: a process's first request
+        at a new length compiles kernels (one such request, 10x slow, doubled
+        an 8B model's predicted 32K prefill on the H100 and made loading a cold
+        SSD look faster than recomputing)."""
+        m = cls._fit(obs, ratio)
         keep = [o for o in obs if o[2] <= 2 * m.seconds(o[0], o[1])]
-        return cls._fit(keep) if _MIN_OBS <= len(keep) < len(obs) else m
+        return cls._fit(keep, ratio) if _MIN_OBS <= len(keep) < len(obs) else m
 
     @classmethod
-    def _fit(cls, obs: Sequence[tuple[int, int, float]]) -> "PrefillModel":
-        X = np.array([[1.0, e - s, (e * e - s * s) / 2] for s, e, _ in obs])
+    def _fit(cls, obs: Sequence[tuple[int, int, float]], ratio: Optional[float]) -> "PrefillModel":
+        quad = np.array([(e * e - s * s) / 2 for s, e, _ in obs])
+        lin = np.array([e - s for s, e, _ in obs], dtype=float)
+        X = np.stack([np.ones(len(obs)), lin, quad], axis=1) if ratio is None \
+            else np.stack([np.ones(len(obs)), lin + ratio * quad], axis=1)
         y = np.array([t for _, _, t in obs])
-        cols = [0, 1, 2]
+        cols = list(range(X.shape[1]))
         while True:  # drop coefficients that come out negative and refit (a tiny NNLS)
             coef, *_ = np.linalg.lstsq(X[:, cols], y, rcond=None)
             if (coef >= 0).all() or len(cols) == 1:
                 break
             cols = [c for c, v in zip(cols, coef) if v >= 0] or [1]
-        full = [0.0, 0.0, 0.0]
+        full = [0.0] * X.shape[1]
         for c, v in zip(cols, coef):
             full[c] = max(0.0, float(v))
-        return cls(*full)
+        return cls(*full) if ratio is None else cls(full[0], full[1], ratio * full[1])
 
 
 @dataclass
@@ -130,6 +139,7 @@ class CostModel:
     dirty: bool = False  # observed since last saved
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
     _models: dict[str, PrefillModel] = field(default_factory=dict, repr=False)
+    _ratios: dict[str, float] = field(default_factory=dict, repr=False)  # model -> context_ratio (not kept)
 
     def __post_init__(self):
         self.set_policy(self.policy)
@@ -169,6 +179,17 @@ class CostModel:
             self._models.pop(model, None)
             self.dirty = True
 
+    def set_context_ratio(self, model: str, ratio: float) -> None:
+        """The model's attention FLOPs per token of context over its weight
+        FLOPs per token: ties the prefill model's context term to its
+        per-token one (``PrefillModel.fit``)."""
+        if not (ratio > 0 and math.isfinite(ratio)):
+            return
+        with self._lock:
+            if self._ratios.get(model) != ratio:
+                self._ratios[model] = float(ratio)
+                self._models.pop(model, None)
+
     def assume(self, state: str, bytes_per_s: float) -> None:
         """A prior for ``state`` until its rate is measured."""
         with self._lock:
@@ -188,7 +209,7 @@ class CostModel:
                 return None
             m = self._models.get(model)
             if m is None:
-                m = self._models[model] = PrefillModel.fit(list(obs))
+                m = self._models[model] = PrefillModel.fit(list(obs), self._ratios.get(model))
             return m
 
     # ------------------------------------------------------------- deciding

@@ -7,7 +7,8 @@ The data flow, threads included::
                                 --> Feed --> commit thread: Disk.write (LMDB) --> BlockTable.written
                                 --> remote write-behind queue --> remote thread: Redis / Valkey
     fetch (engine thread)   tokens --hash--> BlockTable.walk (+ Disk.discover where it ends)
-                                --> Discovery.find (remote, what the local tiers lack)
+                                --> Discovery.find (remote, what the local tiers lack: round trips read
+                                    one ahead, each block checked and placed in the hit's arrays as it comes)
                                 --> Planner.plan (what is worth loading) --> Reader.read:
                                 device copies / RAM / LMDB pages / remote bytes --check, gather--> layers
     promote thread          blocks served from disk --copy--> BlockTable.promote (RAM)
@@ -129,6 +130,8 @@ class PrefixStore:
         if self._disk is not None:
             self._disk.load_index()
         self._planner.start()  # measured rates saved earlier, else priors (``probe``)
+        if not cfg.readonly:
+            self._writer.start()  # here, not in the first put: starting a thread is most of what it would cost
         _OPEN.add(self)
 
     # ------------------------------------------------------------ public API
@@ -136,10 +139,9 @@ class PrefixStore:
     def put(self, model_key: Union[str, bytes], tokens, layers: Sequence[Layer]) -> int:
         """Keep the KV of ``tokens``: the blocks not stored yet are queued.
 
-        ``layers`` holds, per model layer, a ``KVLayer`` whose rows end at
-        ``len(tokens)`` or a ``StateLayer`` taken after the last token.
-        Returns the number of new blocks. Raises ``LayoutError`` for arrays
-        that do not fit the tokens; storage faults are logged, never raised.
+        ``layers`` holds, per model layer, a ``KVLayer`` whose rows end at ``len(tokens)`` or a
+        ``StateLayer`` taken after the last token. Returns the number of new blocks. Raises
+        ``LayoutError`` for arrays that do not fit the tokens; storage faults are logged, never raised.
         """
         self._check_open(write=True)
         toks = as_tokens(tokens)
@@ -147,9 +149,8 @@ class PrefixStore:
         layers = captured_layers(layers, n)  # the values of now, whatever the caller changes later
         if n == 0:
             return 0
-        # Evaluate here: mlx streams are per thread, so the background thread
-        # cannot evaluate a lazy graph built on the caller's (a no-op when the
-        # engine already evaluated its cache, as it does after every step).
+        # Evaluate here: mlx streams are per thread, so the background thread cannot evaluate a lazy graph
+        # built on the caller's (a no-op when the engine evaluated its cache, as it does after every step).
         mx.eval([a for l in layers for a in layer_arrays(l)])
         has_state = any(isinstance(l, StateLayer) for l in layers)
         late = [l for l in layers if isinstance(l, KVLayer) and l.start > 0]  # layers lacking early rows
@@ -221,27 +222,29 @@ class PrefixStore:
         return hit
 
     def knows_prefill(self, model_key: Union[str, bytes]) -> bool:
-        """Whether prefills of this model have been observed (here or by an
-        earlier run on this machine)."""
+        """Whether prefills of this model have been observed (here or by an earlier run on this machine)."""
         return self._cost.prefill_model(root_key(model_key, self.namespace).hex()) is not None
 
     def observe_request(self, model_key: Union[str, bytes], tokens: int, hit: Optional[Hit], seconds: float) -> None:
-        """An engine's request of ``tokens`` took ``seconds`` from its fetch to
-        its first token, after ``hit`` (``None`` or empty: a cold prefill).
-        Adapters report this after each request; it is what
+        """An engine's request of ``tokens`` took ``seconds`` from its fetch to its first token, after
+        ``hit`` (``None`` or empty: a cold prefill). Adapters report this after each request; it is what
         ``fetch_policy="auto"`` learns prefill and the real cost of a hit from."""
         self._planner.observe_request(root_key(model_key, self.namespace).hex(), tokens, hit.length if hit else 0,
                                     hit.source_bytes if hit else {}, seconds)
 
     def observe_prefill(self, model_key: Union[str, bytes], start: int, stop: int, seconds: float) -> None:
-        """The engine computed tokens ``[start, stop)`` after a cached prefix of
-        ``start`` in ``seconds`` (the adapters report this after each request):
-        what ``fetch_policy="auto"`` weighs loading against."""
+        """The engine computed tokens ``[start, stop)`` after a cached prefix of ``start`` in ``seconds``
+        (the adapters report this after each request): what ``fetch_policy="auto"`` weighs loading against."""
         self._cost.observe_prefill(root_key(model_key, self.namespace).hex(), start, stop, seconds)
 
+    def set_context_ratio(self, model_key: Union[str, bytes], ratio: float) -> None:
+        """The model's attention FLOPs per token of context over its weight FLOPs per token (the adapters
+        tell it): lets ``fetch_policy="auto"`` predict long prefills from short ones."""
+        self._cost.set_context_ratio(root_key(model_key, self.namespace).hex(), ratio)
+
     def contains(self, model_key: Union[str, bytes], tokens) -> int:
-        """Length ``fetch`` would serve from the local tiers, without loading
-        anything (ignores blocks found bad on load; never asks the remote)."""
+        """Length ``fetch`` would serve from the local tiers, loading nothing (ignores blocks found bad on
+        load; never asks the remote)."""
         self._check_open()
         toks = as_tokens(tokens)
         root = self._root(model_key, register=False)
@@ -297,24 +300,22 @@ class PrefixStore:
         self._table.set_ram_budget(gib(budget_gb, "budget_gb"))
 
     def trim_ram(self, n_bytes: int) -> None:
-        """Evict RAM blocks until at most ``n_bytes`` are held (the budget
-        stays; blocks with an SSD copy remain servable from there)."""
+        """Evict RAM blocks until at most ``n_bytes`` are held (the budget stays; blocks with an SSD copy
+        remain servable from there)."""
         self._check_open()
         _count(n_bytes, "n_bytes")
         self._table.trim_ram(int(n_bytes))
 
     def trim_device(self, n_bytes: int) -> None:
-        """Drop device-tier copies until at most ``n_bytes`` of GPU memory are
-        held (for an engine that needs the memory; the blocks stay in RAM or
-        on disk). The budget stays: ``device_budget_gb``."""
+        """Drop device-tier copies until at most ``n_bytes`` of GPU memory are held (for an engine that
+        needs the memory; the blocks stay in RAM or on disk). The budget stays: ``device_budget_gb``."""
         self._check_open()
         _count(n_bytes, "n_bytes")
         self._table.trim_device(int(n_bytes))
 
     def trim_disk(self, n_bytes: int) -> int:
-        """Evict least recently used disk blocks (leaves first) until the disk
-        tier uses at most ``n_bytes``; returns how many blocks left. The disk
-        budget stays. A RAM-only or read-only store has nothing to trim."""
+        """Evict least recently used disk blocks (leaves first) until the disk tier uses at most
+        ``n_bytes``; returns how many blocks left (the budget stays; nothing in a RAM-only or read-only store)."""
         self._check_open()
         _count(n_bytes, "n_bytes")
         if self._disk is None or self.readonly:
@@ -322,8 +323,8 @@ class PrefixStore:
         return self._disk.evict_to(int(n_bytes))
 
     def flush(self, timeout: Optional[float] = None) -> None:
-        """Wait until every queued block is encoded and written (and its
-        remote copy sent or skipped), and blocks served from disk are in RAM."""
+        """Wait until every queued block is encoded and written (its remote copy sent or skipped), and
+        blocks served from disk are in RAM."""
         deadline = None if timeout is None else time.monotonic() + timeout
         self._writer.flush(timeout)
         self._reader.settle()
@@ -360,8 +361,8 @@ class PrefixStore:
         return self._table.leaves
 
     def clear(self) -> None:
-        """Drop everything, in RAM and on disk (a shared remote tier is left
-        alone: ``kvstore clear --remote URL`` acts there)."""
+        """Drop everything, in RAM and on disk (a shared remote tier is left alone: ``kvstore clear
+        --remote URL`` acts there)."""
         self._check_open(write=True)
         self.flush()
         self._table.clear()

@@ -41,6 +41,30 @@ def test_a_slow_first_request_does_not_skew_the_prefill_model():
     assert fit.seconds(0, 32768) == pytest.approx(truth.seconds(0, 32768), rel=0.05)
 
 
+def test_with_the_models_shape_short_calibration_prefills_predict_long_ones():
+    """An 8B llama's shape (attention multiply-adds per token of context over
+    weight multiply-adds per token: 32 layers x 32 heads x 128 x 2 / 7.5e9)
+    ties the context term to the per-token one: prefills of at most 1K tokens,
+    where attention is 2% of the time and noise hides it, then predict a 32K
+    prefill; the free three-term fit misses it."""
+    ratio = 32 * 32 * 128 * 2 / 7.5e9
+    truth = PrefillModel(0.004, 32e-6, ratio * 32e-6)  # about an 8B prefill on an H200: 32K in 1.6 s
+    noise = (1.03, 0.98, 1.02, 0.97)
+    obs = [(s, e, truth.seconds(s, e) * f) for (s, e), f in zip(((0, 128), (0, 512), (0, 1024), (512, 1024)), noise)]
+    tied, free = PrefillModel.fit(obs, ratio), PrefillModel.fit(obs)
+    assert tied.c == pytest.approx(ratio * tied.b)
+    assert tied.seconds(0, 32768) == pytest.approx(truth.seconds(0, 32768), rel=0.08)
+    assert abs(free.seconds(0, 32768) / truth.seconds(0, 32768) - 1) > 0.15
+    # what the store is told goes into the model it plans with (and a bad ratio is ignored)
+    cost = CostModel()
+    for o in obs:
+        cost.observe_prefill("m", *o)
+    cost.set_context_ratio("m", float("nan"))
+    assert cost.prefill_model("m").c == free.c
+    cost.set_context_ratio("m", ratio)
+    assert cost.prefill_model("m").seconds(0, 32768) == pytest.approx(tied.seconds(0, 32768))
+
+
 def test_prefill_fit_never_goes_negative():
     """Noisy observations that a plain least-squares fit would explain with a
     negative term still give a model that never predicts negative time."""
@@ -293,6 +317,12 @@ def test_the_first_request_through_generate_declines_a_losing_ssd_hit_and_serves
         r = generate(model, tokenizer, p, store=s, max_tokens=1)
         assert r.cached_tokens == 0 and s.stats()["tokens_skipped_cost"] == 255
         assert r.calibrate_s > 0 and 0 < r.ttft_s
+        # the model's shape ties the context term to the per-token one: multiply-adds of attention per token of
+        # context (2 layers x 1 head x 64 x 2) over those of the weights (2 x 131,072 + the 128 x 1,024 head)
+        a = model.args
+        assert (a.num_hidden_layers, a.num_attention_heads, a.head_dim, a.hidden_size) == (2, 1, 64, 128)
+        fit = next(iter(s.stats()["cost"]["prefill"].values()))
+        assert fit["s_per_token_context"] == pytest.approx(fit["s_per_token"] * 256 / 393_216)
     with PrefixStore(budget_gb=1, **priors) as s:  # RAM only
         store_cache(s, key, p, cache)
         s.flush()

@@ -102,7 +102,14 @@ def _fresh_row(model, tokenizer, key, prompt, cache, path: Path, kind: str, bloc
                     s.flush()
                 if source == "device":  # a first hit leaves device copies (the request timed is the next one)
                     s.fetch(key, prompt[:-1], limit=len(prompt) - 1)
+                priors = s.stats()["cost"]["rates"]
                 t, r = _ttft(model, tokenizer, s, prompt)
+                if policy == "auto" and rep == 0:  # what auto weighed: its priors and (calibrated) prefill model
+                    fit = next(iter(s.stats()["cost"]["prefill"].values()), {})
+                    out["weighed"] = {"rates_gbps": {k: round(v["gb_per_s"], 2) for k, v in priors.items()},
+                                      "prefill_predicted_ms": round(1e3 * (fit.get("a_s", 0) + fit.get(
+                                          "s_per_token", 0) * len(prompt) + fit.get("s_per_token_context", 0)
+                                          * len(prompt) ** 2 / 2), 1)}
                 out[policy]["ttft"].append(t)
                 out[policy]["cached"].append(r.cached_tokens)
                 out[policy]["calibrate"].append(r.calibrate_s)
@@ -116,6 +123,7 @@ def _fresh_row(model, tokenizer, key, prompt, cache, path: Path, kind: str, bloc
         row[f"{policy}_cached_tokens"] = statistics.median(o["cached"])
         row[f"{policy}_open_ms"] = round(statistics.median(o["open"]) * 1e3, 1)
     row["auto_calibrate_ms"] = round(statistics.median(out["auto"]["calibrate"]) * 1e3, 1)
+    row["auto_weighed"] = out.get("weighed", {})
     return row
 
 

@@ -3,6 +3,7 @@
 # (../shared/gpu/README.md: unpack.sh 1, then unpack.sh 2). Nothing is pip-installed there, so the
 # repository runs from its root with kvstore/adapters and kvstore/tools linked in.
 #   bash tools/gpu_bench.sh routes OUT     # mlx's host<->device routes vs the copy engine (1 GiB)
+#   bash tools/gpu_bench.sh pinned OUT     # page-locked memory: alloc / free per GiB, a free beside GPU work
 #   bash tools/gpu_bench.sh write OUT      # where the writer's time goes (tools/write_profile.py)
 #   bash tools/gpu_bench.sh tests OUT      # the store's tests that need no Redis or hypothesis, on CUDA
 #   TOKENS="2048 8192 32768" bash tools/gpu_bench.sh ssd OUT   # tools/ssd_bench.py, Llama-3-8B KV shape
@@ -17,6 +18,7 @@ case $1 in
   tests) python3 -m pytest -q -p no:cacheprovider tests/test_gather.py tests/test_store.py tests/test_adapter_store.py \
            tests/test_restart.py tests/test_device_tier.py tests/test_cuda_staging.py 2>&1 | tail -15 ;;
   write) python3 -m kvstore.tools.write_profile --tokens "${TOKENS:-8192}" --kv ${KVS:-fp16 q8 q4} --out "$2" ;;
+  pinned) python3 -m kvstore.tools.pinned_costs --gib 1 4 --out "$2/pinned.json" ;;
   routes) python3 -m kvstore.tools.gpu_routes --mib 1024 --repeats 3 --out "$2/routes.json" ;;
   ssd) for n in ${TOKENS:-8192 32768}; do
          python3 -m kvstore.tools.ssd_bench --tokens "$n" --kv ${KVS:-fp16 q8 q4} --repeats 3 --dir /tmp --out "$2/ssd-$n"
