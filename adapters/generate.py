@@ -257,14 +257,18 @@ def generate(model: nn.Module, tokenizer, prompt: Union[str, Sequence[int]], *, 
 
 
 def calibrate(store: PrefixStore, key: str, models: Sequence[nn.Module],
-              sizes: Sequence[tuple[int, int]] = ((0, 128), (0, 512), (0, 1024), (512, 1024))) -> None:
+              sizes: Sequence[tuple[int, int]] = ((0, 128), (0, 512), (0, 1024), (512, 1024)),
+              longer: Sequence[int] = (4096, 8192), budget_s: float = 0.4) -> None:
     """Time a few prefills of random tokens (``(cached, total)`` each) and
     report them to the store, so ``fetch_policy="auto"`` has a prefill model
     for ``key`` before the first real request (engines whose prefills the
-    adapter cannot time, like mlx-lm's server, call this once)."""
-    vocab = 1000
-    for start, stop in sizes:
-        tokens = mx.random.randint(0, vocab, (stop,), key=mx.random.key(stop))  # the caller's seed left alone
+    adapter cannot time, like mlx-lm's server, call this once). Then each of
+    ``longer`` whose prefill the last one predicts under ``budget_s``: a GPU
+    runs 1K tokens far below its throughput (an 8B model on the H200 took
+    half the time per token it takes at 8K), so where long prefills are
+    cheap enough to time, they are what the model is fitted to."""
+    def timed(start: int, stop: int) -> float:
+        tokens = mx.random.randint(0, 1000, (stop,), key=mx.random.key(stop))  # the caller's seed left alone
         seconds = 0.0
         for m in models:
             cache = C.make_prompt_cache(m)
@@ -276,6 +280,16 @@ def calibrate(store: PrefixStore, key: str, models: Sequence[nn.Module],
             mx.eval([c.state for c in cache])
             seconds += time.perf_counter() - t
         store.observe_prefill(key, start, stop, seconds)
+        return seconds
+
+    last = max(((stop, timed(start, stop)) for start, stop in sizes if start == 0), default=None)
+    for start, stop in sizes:
+        if start:
+            timed(start, stop)
+    for n in longer:
+        if last is None or last[1] * n / last[0] > budget_s:
+            break
+        last = (n, timed(0, n))
 
 
 def calibrate_once(store: PrefixStore, key: str, models: Sequence[nn.Module]) -> float:

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import sys
 import threading
+import weakref
 from collections import deque
 
 import numpy as np
@@ -30,6 +31,7 @@ _MIN = 1 << 20  # smaller buffers come and go through numpy's own cache
 _lock = threading.Lock()
 _waiting: "deque[np.ndarray]" = deque()
 _waiting_bytes = 0
+_reserved: dict[int, int] = {}  # id(owner) -> bytes it asked to keep (``reserve``)
 
 
 def take(n: int) -> np.ndarray:
@@ -63,5 +65,34 @@ def give_back(view) -> None:
             return
         _waiting.append(raw)
         _waiting_bytes += raw.nbytes
-        while _waiting_bytes > _KEEP:
-            _waiting_bytes -= _waiting.popleft().nbytes
+        _trim()
+
+
+def reserve(owner: object, nbytes: int) -> None:
+    """Keep up to ``nbytes`` of handed-back buffers for ``owner`` (0: none
+    more). On CUDA the buffers are page-locked: making one takes about 0.4 s
+    per GiB, and freeing one holds up the whole GPU, the engine's kernels
+    included, for about 0.1 s per GiB (H200, ``tools/pinned_costs.py``). So a
+    store keeps what its RAM tier lets go of, up to its budget, for its next
+    blocks, and frees it when it closes, not while the engine waits."""
+    with _lock:
+        if nbytes > 0:
+            if id(owner) not in _reserved:
+                weakref.finalize(owner, _release, id(owner))  # (an owner never closed)
+            _reserved[id(owner)] = int(nbytes)
+        else:
+            _reserved.pop(id(owner), None)
+        _trim()
+
+
+def _release(owner_id: int) -> None:
+    with _lock:
+        _reserved.pop(owner_id, None)
+        _trim()
+
+
+def _trim() -> None:
+    global _waiting_bytes
+    keep = max(_KEEP, sum(_reserved.values()) if cuda.runtime() is not None else 0)
+    while _waiting_bytes > keep:
+        _waiting_bytes -= _waiting.popleft().nbytes

@@ -286,8 +286,15 @@ class BlockTable(DiskSide):
 
     def set_ram_budget(self, budget: int) -> None:
         with self._lock:
-            self._ram.budget = budget
+            self._ram.set_budget(budget)
             self._make_room(0)
+
+    def close(self) -> None:
+        """Let go of the RAM tier's blocks now (a store closing), not in a
+        garbage collection during some later request (``buffers.reserve``)."""
+        with self._lock:
+            self._make_room(self._ram.budget)
+            self._ram.set_budget(0)
 
     def trim_ram(self, keep_bytes: int) -> None:
         with self._lock:

@@ -252,11 +252,11 @@ def test_where_no_thread_can_start_a_put_is_written_in_the_callers_thread(ssd, m
     error raised into the engine and nothing left pending."""
     from kvstore.hashing import root_key
 
-    s = ssd(budget_gb=0)
     def start(self):
         raise RuntimeError("can't create new thread at interpreter shutdown")
 
     monkeypatch.setattr(threading.Thread, "start", start)
+    s = ssd(budget_gb=0)  # (opening starts the writer thread where it can)
     p = toks(4 * BS)
     assert put(s, p) == 4
     assert s.stats()["ssd_blocks"] == 4 and s._writer.pending_bytes == 0

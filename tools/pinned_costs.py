@@ -44,7 +44,7 @@ def run(gibs: list[float], repeats: int) -> dict:
     for gib in gibs:
         n = int(gib * (1 << 30))
         row: dict = {"gib": gib, "alloc_s": [], "touch_s": [], "free_idle_s": [], "forward_alone_s": [],
-                     "forward_during_free_s": [], "free_during_forward_s": []}
+                     "forward_during_free_s": [], "free_during_forward_s": [], "forward_during_alloc_s": []}
         for _ in range(repeats):
             t = time.perf_counter()
             a = rt.pinned(n)
@@ -71,6 +71,16 @@ def run(gibs: list[float], repeats: int) -> dict:
             row["forward_during_free_s"].append(_forward(mx, x, w, 200))
             th.join()
             row["free_during_forward_s"].append(freed[0])
+            made: list = []
+
+            def alloc():
+                time.sleep(0.002)
+                made.append(rt.pinned(n))
+            th = threading.Thread(target=alloc)
+            th.start()
+            row["forward_during_alloc_s"].append(_forward(mx, x, w, 200))
+            th.join()
+            made.clear()
         for k in [k for k in row if k.endswith("_s")]:
             times = row.pop(k)
             row[k[:-2] + "_ms"] = [round(v * 1e3, 2) for v in times]

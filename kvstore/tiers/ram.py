@@ -21,9 +21,15 @@ from ..wire import Stored
 
 class RamTier:
     def __init__(self, budget_bytes: int):
-        self.budget = int(budget_bytes)
         self.nbytes = 0
         self._blocks: "OrderedDict[bytes, Stored]" = OrderedDict()
+        self.set_budget(budget_bytes)
+
+    def set_budget(self, budget_bytes: int) -> None:
+        """The budget; the buffers blocks leave behind are kept for reuse up
+        to it (``buffers.reserve``: on CUDA, making and freeing them is slow)."""
+        self.budget = int(budget_bytes)
+        buffers.reserve(self, self.budget)
 
     def __len__(self) -> int:
         return len(self._blocks)
