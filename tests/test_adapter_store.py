@@ -123,8 +123,10 @@ def test_quantized_entries_stay_close_to_cold(tiny, tmp_path, bits, record_prope
     print(f"{kind} bits={bits}: max abs logit error {err:.4f}, top-1 agrees {top1}")
     assert got.cached_tokens > 300
     assert err < {8: 0.1, 4: 1.0}[bits if isinstance(bits, int) else 4]
-    if bits == 8:
-        assert top1
+    if bits == 8:  # the same next token, unless cold's own top two are closer than the error (a random
+        # model's near tie: on CUDA, gemma3_text's top token flipped at an error of 0.06)
+        second, first = sorted(cold.reshape(-1).tolist())[-2:]
+        assert top1 or first - second < err
 
 
 def test_engine_running_a_quantized_kv_cache_gets_quantized_caches(tmp_path):
