@@ -7,7 +7,9 @@
 #   bash tools/gpu_bench.sh write OUT      # where the writer's time goes (tools/write_profile.py)
 #   bash tools/gpu_bench.sh tests OUT      # the store's tests that need no Redis or hypothesis, on CUDA
 #   TOKENS="2048 8192 32768" bash tools/gpu_bench.sh ssd OUT   # tools/ssd_bench.py, Llama-3-8B KV shape
-#   LENGTHS="2048 8192" bash tools/gpu_bench.sh cost OUT   # cost_bench TTFT table on an 8B-shaped llama
+#   bash tools/gpu_bench.sh model OUT      # the 8B-shaped random llama the next two use (/tmp/llama-8b, ~4 min)
+#   LENGTHS="2048 8192" bash tools/gpu_bench.sh cost OUT   # cost_bench TTFT table on it (--fresh: FRESH=1)
+#   bash tools/gpu_bench.sh ramhit OUT     # where a RAM hit's time goes, after a hit / a cold prefill
 set -euo pipefail
 source /tmp/site/env.sh
 ln -sfn ../adapters kvstore/adapters
@@ -23,9 +25,11 @@ case $1 in
   ssd) for n in ${TOKENS:-8192 32768}; do
          python3 -m kvstore.tools.ssd_bench --tokens "$n" --kv ${KVS:-fp16 q8 q4} --repeats 3 --dir /tmp --out "$2/ssd-$n"
        done ;;
-  cost) python3 -c "from kvstore.adapters.tiny_models import make_tiny_model as m; m('llama', '$M', hidden_size=4096,
+  model) python3 -c "from kvstore.adapters.tiny_models import make_tiny_model as m; m('llama', '$M', hidden_size=4096,
 num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8, intermediate_size=14336, head_dim=128,
-max_position_embeddings=65536)"
+max_position_embeddings=65536)" ;;
+  ramhit) python3 -m kvstore.tools.ram_hit_profile --model "$M" --tokens "${TOKENS:-32768}" --out "$2/ram_hit.json" ;;
+  cost) [[ -f $M/config.json ]] || bash "$0" model "$2"
         python3 -m kvstore.tools.cost_bench --model "$M" --lengths ${LENGTHS:-2048 8192 32768} --kv ${KVS:-fp16 q8 q4} \
-          --repeats "${REPEATS:-3}" --out "$2" ;;
+          --repeats "${REPEATS:-3}" ${FRESH:+--fresh} --out "$2" ;;
 esac
