@@ -185,7 +185,7 @@ class Discovery:
         """``buf`` as the block of ``rec`` (header and tokens checked)."""
         if buf is None:
             return None  # evicted by the server since its record was read
-        if not isinstance(buf, bytes):
+        if not isinstance(buf, (bytes, memoryview)):
             self._refuse(rec.key, f"not a kvstore block ({buf})")
             return None
         try:

@@ -26,9 +26,9 @@ the store's namespace in clear text, so Redis ACL key patterns can fence
 tenants sharing one server; the block keys themselves are salted by the
 namespace already (``hashing.root_key``).
 
-The tier only keeps, finds and counts. It never decides when to
-call the server; ``remote_sync.Remote`` guards every call with timeouts and a
-breaker, so nothing here has to be careful about a slow or absent server.
+The tier only keeps, finds and counts; payload reads are parsed by ``resp`` (each lands once, in a reused
+buffer). It never decides when to call the server; ``remote_sync.Remote`` guards every call with timeouts
+and a breaker, so nothing here has to be careful about a slow or absent server.
 """
 
 from __future__ import annotations
@@ -46,6 +46,7 @@ import numpy as np
 
 from ..errors import RemoteConfigError
 from ..record import BlockRecord
+from .resp import pipelined
 
 PREFIX = b"kvstore:v1:"  # v1: block bytes of wire format 2 and records of record.RECORD_VERSION 1
 FIELD_PAYLOAD, FIELD_RECORD, FIELD_ROOT = b"p", b"r", b"m"
@@ -56,8 +57,8 @@ _SAFE_NS = re.compile(r"[A-Za-z0-9_.@-]{1,64}")
 
 
 def namespace_tag(namespace: Optional[str]) -> str:
-    """The namespace as it appears in key names ("-" for none; a digest for
-    names with characters Redis patterns or hashtags would misread)."""
+    """The namespace as it appears in key names ("-" for none; a digest for names with characters Redis
+    patterns or hashtags would misread)."""
     if namespace is None:
         return "-"
     if _SAFE_NS.fullmatch(namespace):
@@ -263,14 +264,13 @@ class RemoteTier:
         return [k for k, n in zip(keys, self._each(self.reads, "unlink", [self.key_name(k) for k in keys])) if n]
 
     def records(self, keys: Sequence[bytes]) -> list:
-        """Each block's packed record: bytes, ``None`` when absent, or the
-        exception the server returned for that key (a foreign value)."""
+        """Each block's packed record: bytes, ``None`` when absent, or the exception the server returned for that
+        key (a foreign value)."""
         return self._each(self.reads, "hget", [self.key_name(k) for k in keys], FIELD_RECORD)
 
     def probe(self, root: bytes, keys: Sequence[bytes], near: Optional[tuple[bytes, np.ndarray]] = None):
-        """One round trip: the records of ``keys`` (as ``records``) and, with
-        ``near=(parent, tokens)``, the children of ``parent`` nearest to
-        ``tokens`` (as ``neighbours``; ``None`` without ``near``)."""
+        """One round trip: the records of ``keys`` (as ``records``) and, with ``near=(parent, tokens)``, the
+        children of ``parent`` nearest to ``tokens`` (as ``neighbours``; ``None`` without ``near``)."""
         pipe = self.reads.pipeline(transaction=False)
         for k in keys:
             pipe.hget(self.key_name(k), FIELD_RECORD)
@@ -280,9 +280,8 @@ class RemoteTier:
         return res[: len(keys)], None if near is None else _children(res[len(keys):])
 
     def neighbours(self, root: bytes, parent: bytes, tokens: np.ndarray) -> list[tuple[bytes, np.ndarray, bytes]]:
-        """``(key, tokens, member)`` of the stored children of ``parent`` that
-        sort next to ``tokens``: the one sharing the longest prefix with them
-        is among these."""
+        """``(key, tokens, member)`` of the stored children of ``parent`` that sort next to ``tokens``: the one
+        sharing the longest prefix with them is among these."""
         pipe = self.reads.pipeline(transaction=False)
         self._near(pipe, root, parent, tokens)
         return _children(_per_key(pipe.execute(raise_on_error=False)))
@@ -296,11 +295,9 @@ class RemoteTier:
         self.reads.zrem(self.kids_name(root, parent), member)
 
     def entries(self, keys: Sequence[bytes], sizes: Optional[Sequence[int]] = None) -> Iterator[list[tuple]]:
-        """``(record, payload)`` of each block (each as ``records``), a round
-        trip of about ``read_bytes`` at a time (when ``sizes`` are known).
-        While the caller handles one round trip's blocks, the next is in
-        flight on a second connection: checking a block overlaps reading
-        the next. A caller that stops early leaves at most that one read."""
+        """``(record, payload)`` of each block (each as ``records``), a round trip of about ``read_bytes`` at a
+        time (when ``sizes`` are known). While the caller handles one round trip's blocks, the next is in flight
+        on a second connection. A caller that stops early leaves at most that one read."""
         chunks = list(_chunks(keys, sizes, self.read_bytes))
         if not chunks:
             return
@@ -314,8 +311,14 @@ class RemoteTier:
 
     def _entries(self, keys: Sequence[bytes]) -> list[tuple]:
         return [tuple(r) if isinstance(r, list) else (r, r)
-                for r in self._each(self.reads, "hmget", [self.key_name(k) for k in keys], FIELD_RECORD,
-                                    FIELD_PAYLOAD)]
+                for r in self._read_each("hmget", [self.key_name(k) for k in keys], FIELD_RECORD, FIELD_PAYLOAD)]
+
+    def _read_each(self, command: str, names: Sequence[bytes], *args) -> list:
+        """``_each`` on ``reads`` for replies holding payloads: each lands once, in a reused buffer
+        (``resp``). A cluster's routing stays redis-py's."""
+        if self.cluster or getattr(self.reads, "connection_pool", None) is None:
+            return self._each(self.reads, command, names, *args)
+        return _per_key(pipelined(self.reads.connection_pool, [(command.upper(), n, *args) for n in names]))
 
     def _read_ahead(self) -> ThreadPoolExecutor:
         with self._connecting:
@@ -327,11 +330,10 @@ class RemoteTier:
     def payloads(self, keys: Sequence[bytes], sizes: Optional[Sequence[int]] = None) -> list:
         """Each block's bytes (as ``records``)."""
         return [p for chunk in _chunks(keys, sizes, self.read_bytes)
-                for p in self._each(self.reads, "hget", [self.key_name(k) for k in chunk], FIELD_PAYLOAD)]
+                for p in self._read_each("hget", [self.key_name(k) for k in chunk], FIELD_PAYLOAD)]
 
     def put_many(self, items: Sequence[tuple[BlockRecord, object]]) -> None:
-        """Write ``(record, payload)`` blocks, and list each under its parent,
-        in one pipeline."""
+        """Write ``(record, payload)`` blocks, and list each under its parent, in one pipeline."""
         pipe = self.writes.pipeline(transaction=False)
         for rec, payload in items:
             pipe.hset(self.key_name(rec.key), mapping={FIELD_PAYLOAD: payload, FIELD_RECORD: replace(rec, offset=-1).pack(),
@@ -343,8 +345,8 @@ class RemoteTier:
         self.writes.hsetnx(self.models_name(), root, msgpack.packb(info, use_bin_type=True))
 
     def _each(self, client, command: str, names: Sequence[bytes], *args) -> list:
-        """One command per key, pipelined in one round trip; per-key errors
-        (a value of another type) come back as exception objects."""
+        """One command per key, pipelined in one round trip; per-key errors (a value of another type) come back
+        as exception objects."""
         pipe = client.pipeline(transaction=False)
         for name in names:
             getattr(pipe, command)(name, *args)
@@ -360,8 +362,7 @@ class RemoteTier:
         return [c.info(section)]
 
     def scan(self, namespace: Optional[str] = "*", batch: int = 500) -> Iterator[tuple[bytes, str, bytes, int]]:
-        """Every block ``(name, namespace tag, root, payload bytes)`` of one
-        namespace (``"*"``: all), read in pipelined batches."""
+        """Every block ``(name, namespace tag, root, payload bytes)`` of one namespace (``"*"``: all), in batches."""
         ns = b"*" if namespace == "*" else namespace_tag(namespace).encode()
         names: list[bytes] = []
 
