@@ -32,6 +32,7 @@ _lock = threading.Lock()
 _waiting: "deque[np.ndarray]" = deque()
 _waiting_bytes = 0
 _reserved: dict[int, int] = {}  # id(owner) -> bytes it asked to keep (``reserve``)
+_released: "deque[int]" = deque()  # owners gone without saying so (``_release``)
 
 
 def take(n: int) -> np.ndarray:
@@ -76,6 +77,7 @@ def reserve(owner: object, nbytes: int) -> None:
     store keeps what its RAM tier lets go of, up to its budget, for its next
     blocks, and frees it when it closes, not while the engine waits."""
     with _lock:
+        _trim()  # (first: an owner gone may have had this one's id)
         if nbytes > 0:
             if id(owner) not in _reserved:
                 weakref.finalize(owner, _release, id(owner))  # (an owner never closed)
@@ -86,13 +88,15 @@ def reserve(owner: object, nbytes: int) -> None:
 
 
 def _release(owner_id: int) -> None:
-    with _lock:
-        _reserved.pop(owner_id, None)
-        _trim()
+    """An owner gone without ``reserve(owner, 0)``. Called by a finalizer, which may run in a garbage
+    collection on a thread holding ``_lock``: it only notes the id (the next ``_trim`` drops it)."""
+    _released.append(owner_id)
 
 
 def _trim() -> None:
     global _waiting_bytes
+    while _released:
+        _reserved.pop(_released.popleft(), None)
     keep = max(_KEEP, sum(_reserved.values()) if cuda.runtime() is not None else 0)
     while _waiting_bytes > keep:
         _waiting_bytes -= _waiting.popleft().nbytes

@@ -72,3 +72,19 @@ def test_a_block_serialized_into_a_reused_buffer_is_the_block_serialized_into_fr
     reused = serialize(block, b"k" * 16)
     assert buffers._waiting_bytes == 0  # it went into the poisoned buffer
     assert bytes(reused) == fresh
+
+
+def test_an_owner_collected_while_the_pool_is_locked_neither_deadlocks_nor_keeps_its_reservation():
+    """A store never closed is collected whenever the garbage collector runs, which may be inside the
+    pool's own lock on the same thread: its reservation is dropped at the next use, not by taking the lock."""
+    class Owner:
+        pass
+
+    owner = Owner()
+    key = id(owner)
+    buffers.reserve(owner, 1 << 30)
+    assert buffers._reserved[key] == 1 << 30
+    with buffers._lock:
+        del owner  # its finalizer runs here, on this thread, with the (non-reentrant) lock held
+    buffers.reserve(Owner(), 0)  # the next use of the pool
+    assert key not in buffers._reserved
