@@ -35,9 +35,11 @@ _reserved: dict[int, int] = {}  # id(owner) -> bytes it asked to keep (``reserve
 _released: "deque[int]" = deque()  # owners gone without saying so (``_release``)
 
 
-def take(n: int) -> np.ndarray:
+def take(n: int, new_pinned: bool = True) -> np.ndarray:
     """A writable uint8 array of at least ``n`` bytes (from a handed-back
-    buffer no longer referred to, when one fits)."""
+    buffer no longer referred to, when one fits). ``new_pinned=False``: on
+    CUDA, a new buffer is pageable, for a caller the GPU must not wait on
+    (making page-locked memory holds up its kernels: ``reserve``)."""
     global _waiting_bytes
     if n >= _MIN:
         with _lock:
@@ -48,7 +50,7 @@ def take(n: int) -> np.ndarray:
                     del _waiting[i]
                     _waiting_bytes -= raw.nbytes
                     return raw
-    rt = cuda.runtime() if n >= _MIN else None
+    rt = cuda.runtime() if n >= _MIN and new_pinned else None
     return rt.pinned(n) if rt is not None else np.empty(n, np.uint8)
 
 

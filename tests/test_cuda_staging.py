@@ -72,15 +72,16 @@ def test_staging_buffers_are_reused_not_made_per_thread_or_call():
 
 
 class _HostLib:
-    """``cudaHostAlloc``/``cudaFreeHost`` on the C heap, counting frees."""
+    """``cudaHostAlloc``/``cudaFreeHost`` on the C heap, counting both."""
 
     def __init__(self):
         self._libc = ctypes.CDLL(None)
         self._libc.malloc.restype = ctypes.c_void_p
         self._libc.free.argtypes = [ctypes.c_void_p]
-        self.freed = 0
+        self.freed = self.made = 0
 
     def cudaHostAlloc(self, ptr, nbytes, flags):
+        self.made += 1
         ctypes.cast(ptr, ctypes.POINTER(ctypes.c_void_p))[0] = self._libc.malloc(nbytes)
         return 0
 
@@ -133,3 +134,22 @@ def test_pinned_memory_moves_in_place_and_is_freed_with_its_last_view():
     assert rt.lib.freed == 1  # ``back``; ``buf`` is still under view_ro
     del view_ro
     assert rt.lib.freed == 2
+
+
+def test_a_remote_read_never_makes_page_locked_memory_but_reuses_what_the_ram_tier_left(monkeypatch):
+    """Making page-locked memory holds up the whole GPU, so a payload read while the engine runs
+    (``tiers/resp``) takes a handed-back page-locked buffer when one is free and a pageable one
+    otherwise; the RAM tier's own blocks are still made page-locked."""
+    from kvstore import buffers
+
+    _drain_pool()
+    rt = PinnedHostRuntime()
+    monkeypatch.setattr(cuda, "runtime", lambda: rt)
+    n = 3 << 20
+    assert not cuda.is_pinned(buffers.take(n, new_pinned=False)) and rt.lib.made == 0
+    block = buffers.take(n)  # a RAM-tier block
+    assert cuda.is_pinned(block) and rt.lib.made == 1
+    buffers.give_back(block)
+    del block
+    again = buffers.take(n, new_pinned=False)
+    assert cuda.is_pinned(again) and rt.lib.made == 1  # the same memory, reused

@@ -4,8 +4,9 @@ redis-py's parser (hiredis) makes a ``bytes`` of each value: fresh memory,
 page-faulted in as it is filled, then copied into. Here a large value is
 read by the kernel straight into a buffer from ``kvstore.buffers`` -- one
 the RAM tier let go of, already in memory (on CUDA, page-locked, so a hit
-uploads it on the copy engine with no staging) -- which then holds the
-block. Only what ``RemoteTier`` reads comes through here: RESP2 replies to
+uploads it on the copy engine with no staging; where none is free, a
+pageable one: making page-locked memory would stall the GPU mid-request)
+-- which then holds the block. Only what ``RemoteTier`` reads comes through here: RESP2 replies to
 HGET/HMGET in RESP2 or RESP3 (bulk strings, nulls, arrays, errors;
 integers and simple strings for completeness). The connection is redis-py's (connected,
 authenticated, TLS); a reply that cannot be parsed leaves it disconnected.
@@ -97,7 +98,7 @@ class Replies:
             out: Any = bytes(self.buf[self.lo : self.lo + n])
             self.lo += n
         else:
-            view = memoryview(buffers.take(n))[:n]
+            view = memoryview(buffers.take(n, new_pinned=False))[:n]  # (read while the engine may be running)
             have = min(n, self.hi - self.lo)
             view[:have] = self.buf[self.lo : self.lo + have]
             self.lo += have
