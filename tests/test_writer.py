@@ -84,11 +84,11 @@ def test_a_transaction_copies_the_first_block_before_the_writer_has_encoded_the_
     real_encode, real_store = writer.encode, LmdbTier.store
 
     def encode(job, node, *a):
-        events.append(f"encode {node.start // BS}")
-        if node.start // BS == 4:  # the last block comes after the transaction has had time to take the first
+        if node.start // BS == 4:  # the last block waits (5 s at most) for the transaction to take the first
             deadline = __import__("time").monotonic() + 5
             while "copy 0" not in events and __import__("time").monotonic() < deadline:
                 threading.Event().wait(0.01)
+        events.append(f"encode {node.start // BS}")  # (after the wait: a transaction that waits for all fails)
         return real_encode(job, node, *a)
 
     def store(self, entries, nbytes=None):
