@@ -79,7 +79,7 @@ def reserve(owner: object, nbytes: int) -> None:
     store keeps what its RAM tier lets go of, up to its budget, for its next
     blocks, and frees it when it closes, not while the engine waits."""
     with _lock:
-        _trim()  # (first: an owner gone may have had this one's id)
+        _drain()  # (first: an owner gone may have had this one's id)
         if nbytes > 0:
             if id(owner) not in _reserved:
                 weakref.finalize(owner, _release, id(owner))  # (an owner never closed)
@@ -91,14 +91,18 @@ def reserve(owner: object, nbytes: int) -> None:
 
 def _release(owner_id: int) -> None:
     """An owner gone without ``reserve(owner, 0)``. Called by a finalizer, which may run in a garbage
-    collection on a thread holding ``_lock``: it only notes the id (the next ``_trim`` drops it)."""
+    collection on a thread holding ``_lock``: it only notes the id (the next ``_drain`` drops it)."""
     _released.append(owner_id)
+
+
+def _drain() -> None:
+    while _released:
+        _reserved.pop(_released.popleft(), None)
 
 
 def _trim() -> None:
     global _waiting_bytes
-    while _released:
-        _reserved.pop(_released.popleft(), None)
+    _drain()
     keep = max(_KEEP, sum(_reserved.values()) if cuda.runtime() is not None else 0)
     while _waiting_bytes > keep:
         _waiting_bytes -= _waiting.popleft().nbytes

@@ -224,9 +224,8 @@ class HostFill:
 def start(first: Stored, length: int, quantized: Optional[tuple[int, int]]) -> Optional[HostFill]:
     """A fill for a hit of ``length`` rows of blocks laid out like ``first``
     (``None`` where ``gather`` would not fill host arrays: CUDA, other layouts)."""
-    if cuda.runtime() is not None or _fast_spec([first], quantized) is None:
-        return None
-    return HostFill(_spec(first), length)
+    spec = None if cuda.runtime() is not None else _fast_spec([first], quantized)
+    return None if spec is None else HostFill(spec, length)
 
 
 def _fill_host(items, spans, spec, length, fill: Optional[HostFill]):

@@ -43,6 +43,7 @@ from mlx_lm import load
 
 from kvstore import PrefixStore
 from kvstore.adapters.generate import generate, model_key
+from kvstore.cost import PrefillModel
 from kvstore.tools.bench.common import drop_page_cache
 
 SOURCES = ("ram", "ssd_cached", "ssd_cold")
@@ -102,14 +103,15 @@ def _fresh_row(model, tokenizer, key, prompt, cache, path: Path, kind: str, bloc
                     s.flush()
                 if source == "device":  # a first hit leaves device copies (the request timed is the next one)
                     s.fetch(key, prompt[:-1], limit=len(prompt) - 1)
-                priors = s.stats()["cost"]["rates"]
+                weigh = policy == "auto" and rep == 0  # what auto weighed: priors, (calibrated) prefill model
+                priors = s.stats()["cost"]["rates"] if weigh else {}
                 t, r = _ttft(model, tokenizer, s, prompt)
-                if policy == "auto" and rep == 0:  # what auto weighed: its priors and (calibrated) prefill model
+                if weigh:
                     fit = next(iter(s.stats()["cost"]["prefill"].values()), {})
+                    pm = PrefillModel(fit.get("a_s", 0.0), fit.get("s_per_token", 0.0),
+                                      fit.get("s_per_token_context", 0.0))
                     out["weighed"] = {"rates_gbps": {k: round(v["gb_per_s"], 2) for k, v in priors.items()},
-                                      "prefill_predicted_ms": round(1e3 * (fit.get("a_s", 0) + fit.get(
-                                          "s_per_token", 0) * len(prompt) + fit.get("s_per_token_context", 0)
-                                          * len(prompt) ** 2 / 2), 1)}
+                                      "prefill_predicted_ms": round(1e3 * pm.seconds(0, len(prompt)), 1)}
                 out[policy]["ttft"].append(t)
                 out[policy]["cached"].append(r.cached_tokens)
                 out[policy]["calibrate"].append(r.calibrate_s)

@@ -28,7 +28,8 @@ case $1 in
   model) python3 -c "from kvstore.adapters.tiny_models import make_tiny_model as m; m('llama', '$M', hidden_size=4096,
 num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8, intermediate_size=14336, head_dim=128,
 max_position_embeddings=65536)" ;;
-  ramhit) python3 -m kvstore.tools.ram_hit_profile --model "$M" --tokens "${TOKENS:-32768}" --out "$2/ram_hit.json" ;;
+  ramhit) [[ -f $M/config.json ]] || bash "$0" model "$2"
+          python3 -m kvstore.tools.ram_hit_profile --model "$M" --tokens "${TOKENS:-32768}" --out "$2/ram_hit.json" ;;
   cost) [[ -f $M/config.json ]] || bash "$0" model "$2"
         python3 -m kvstore.tools.cost_bench --model "$M" --lengths ${LENGTHS:-2048 8192 32768} --kv ${KVS:-fp16 q8 q4} \
           --repeats "${REPEATS:-3}" ${FRESH:+--fresh} --out "$2" ;;

@@ -18,6 +18,8 @@ import threading
 import time
 from pathlib import Path
 
+from kvstore.tools.bench.common import write_json
+
 
 def _forward(mx, x, w, steps: int) -> float:
     t = time.perf_counter()
@@ -97,9 +99,7 @@ def main(argv=None) -> int:
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args(argv)
     res = run(args.gib, args.repeats)
-    if args.out is not None:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps(res, indent=1))
+    write_json(args.out, res)
     return 0
 
 

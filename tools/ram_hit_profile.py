@@ -18,6 +18,8 @@ import statistics
 import time
 from pathlib import Path
 
+from kvstore.tools.bench.common import write_json
+
 
 def run(model_path: str, tokens: int, repeats: int) -> dict:
     import mlx.core as mx
@@ -97,9 +99,7 @@ def main(argv=None) -> int:
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args(argv)
     res = run(args.model, args.tokens, args.repeats)
-    if args.out is not None:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps(res, indent=1))
+    write_json(args.out, res)
     return 0
 
 

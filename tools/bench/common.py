@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import json
 import os
 import platform
 import shutil
@@ -25,6 +26,13 @@ MiB = 1 << 20
 
 def log(msg: str) -> None:
     print(f"[bench {time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
+
+
+def write_json(path: Optional[Path], obj) -> None:
+    """``obj`` as indented JSON at ``path`` (its folder made), where a path is given."""
+    if path is not None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(obj, indent=1))
 
 
 def med(ts) -> float:
