@@ -20,7 +20,7 @@ import os
 import queue
 import threading
 from contextlib import contextmanager
-from typing import Iterator, Optional
+from typing import Callable, Iterator, Optional
 
 import mlx.core as mx
 import numpy as np
@@ -52,6 +52,8 @@ class Runtime:
         lib.cudaStreamSynchronize.argtypes = [ctypes.c_void_p]
         lib.cudaMemcpyAsync.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int,
                                         ctypes.c_void_p]
+        lib.cudaMemcpy2DAsync.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p, ctypes.c_size_t,
+                                          ctypes.c_size_t, ctypes.c_size_t, ctypes.c_int, ctypes.c_void_p]
         lib.cudaHostAlloc.argtypes = [ctypes.POINTER(ctypes.c_void_p), ctypes.c_size_t, ctypes.c_uint]
         lib.cudaFreeHost.argtypes = [ctypes.c_void_p]
         lib.cudaStreamCreateWithFlags.argtypes = [ctypes.POINTER(ctypes.c_void_p), ctypes.c_uint]
@@ -85,6 +87,13 @@ class Runtime:
         on ``stream`` when the host side is pinned, else it returns when done)."""
         if nbytes > 0:
             self._check(self.lib.cudaMemcpyAsync(dst, src, nbytes, 4, stream), "cudaMemcpyAsync")  # Default
+
+    def copy2d(self, dst: int, dpitch: int, src: int, spitch: int, width: int, height: int, stream=None) -> None:
+        """Copy ``height`` lines of ``width`` bytes, ``spitch`` apart at ``src``
+        to ``dpitch`` apart at ``dst`` (one strided copy on the copy engine)."""
+        if width > 0 and height > 0:
+            err = self.lib.cudaMemcpy2DAsync(dst, dpitch, src, spitch, width, height, 4, stream)
+            self._check(err, "cudaMemcpy2DAsync")
 
     def total_memory(self) -> int:
         """Bytes of the GPU's memory."""
@@ -198,6 +207,31 @@ def _staging(rt: Runtime) -> Iterator[tuple]:
             _stages.put(st)
 
 
+LANDING = 1 << 30  # bytes of GPU memory a hit's host blocks land in at most at once (held for the process)
+_landing: "queue.SimpleQueue" = queue.SimpleQueue()  # landing buffers not in use
+
+
+@contextmanager
+def landing(nbytes: int) -> Iterator[tuple[mx.array, int]]:
+    """A GPU buffer of at least ``nbytes`` (uint8) for the copy engine to
+    write into, and its address. mlx keeps what its kernels make in device
+    memory and moves a buffer into managed memory, with a copy, the first
+    time its address is taken (~34 ms per GiB on an H200), so landing
+    buffers are made once and reused, as many as hits ran at once."""
+    try:
+        buf, addr = _landing.get_nowait()
+    except queue.Empty:
+        buf = addr = None
+    if buf is None or buf.size < nbytes:
+        buf = mx.zeros((max(nbytes, min(LANDING, 256 << 20)),), mx.uint8)
+        mx.eval(buf)
+        addr = address(buf)
+    try:
+        yield buf, addr
+    finally:
+        _landing.put((buf, addr))
+
+
 def upload(rt: Runtime, dst: int, src: memoryview) -> None:
     """Host bytes to device address ``dst``: from pinned memory in one copy
     on the copy engine; from pageable memory through alternating pinned
@@ -224,10 +258,36 @@ def upload_pinned(rt: Runtime, moves: list[tuple[int, memoryview]]) -> None:
     """Pinned host bytes to device addresses, ``(dst, src)`` each: all queued
     on one stream back to back, then one wait (the copy engine never idles
     between blocks, as it would behind a wait per block)."""
-    with _staging(rt) as (stream, _):
+    with one_stream(rt) as stream:
         for dst, src in moves:
             a = np.frombuffer(src, np.uint8)
             rt.copy(dst, a.ctypes.data, len(a), stream)
+
+
+@contextmanager
+def one_stream(rt: Runtime) -> Iterator[object]:
+    """A stream from the pool; everything queued on it is done when the block ends."""
+    with _staging(rt) as (stream, _):
+        yield stream
+
+
+def upload_lines(rt: Runtime, src: memoryview, pitch: int, send: Callable[[int, int, int, object], None]) -> None:
+    """Pageable host lines of ``pitch`` bytes (``src``) through alternating
+    pinned buffers: ``send(address, first, count, stream)`` queues the copy
+    of lines ``[first, first + count)``, staged at ``address``, on ``stream``."""
+    src = np.frombuffer(src, np.uint8)
+    per = max(1, STAGE // pitch)
+    with _staging(rt) as (stream, bufs):
+        pending = [False, False]
+        for j, first in enumerate(range(0, len(src) // pitch, per)):
+            k = j % 2
+            if pending[k]:
+                rt.sync(stream)
+                pending = [False, False]
+            part = src[first * pitch : (first + per) * pitch]
+            np.copyto(bufs[k][: len(part)], part)
+            send(bufs[k].ctypes.data, first, len(part) // pitch, stream)
+            pending[k] = True
 
 
 def download(rt: Runtime, dst: np.ndarray, src: int, hasher=None) -> None:

@@ -11,11 +11,13 @@ checksum verified by the thread that moves it:
 - **host memory** (the CPU, Apple silicon): each block's rows are copied from
   the mapped pages straight into the final per-layer arrays;
 - **CUDA** (mlx keeps arrays in managed memory and has no host->device copy):
-  each block's bytes go through a pinned staging buffer to one device buffer
-  on the copy engine (``kvstore.cuda``), and the layers are cut out of it on
-  the GPU. Blocks of one layout are a ``[blocks, bytes]`` matrix whose column
-  ranges are one layer's arrays, so one strided view per layer and part
-  replaces a concatenation of per-block pieces.
+  dense layers go straight into the final arrays by strided copies on the
+  copy engine (``kvstore.rowcopy``); other layouts (quantized) go, block by
+  block, to one device buffer, and the layers are cut out of it on the GPU.
+  Blocks of one layout are a ``[blocks, bytes]`` matrix whose column ranges
+  are one layer's arrays, so one strided view per layer and part replaces a
+  concatenation of per-block pieces. Pageable bytes (LMDB's pages) go through
+  pinned staging buffers (``kvstore.cuda``).
 
 Quantized parts are assembled per layer before anything is dequantized.
 Anything else (state snapshots, sliding windows, mixed settings, an engine
@@ -31,7 +33,7 @@ import mlx.core as mx
 import numpy as np
 import xxhash
 
-from . import cuda
+from . import cuda, rowcopy
 from .assemble import assemble
 from .codec import Block
 from .errors import BlockDecodeError
@@ -113,7 +115,12 @@ def gather(items: Sequence, length: int, quantized: Optional[tuple[int, int]] = 
     if spec is None:
         return _slow(items, length, quantized)
     kept: list = []
-    if cuda.runtime() is not None:
+    kind = rowcopy.dense(items, spec) if cuda.runtime() is not None else None
+    if kind is not None:
+        parts, bad, kept = rowcopy.gather(items, spans, kind, _DTYPE[kind[0]], length, keep_on_device)
+    elif any(isinstance(it, DeviceBlock) and it.arrays is not None for it in items):
+        return _slow(items, length, quantized)  # (a host block laid out otherwise beside them)
+    elif cuda.runtime() is not None:
         parts, bad, kept = _fill_device(items, spans, spec, length, keep_on_device)
     else:
         parts, bad = _fill_host(items, spans, spec, length, fill)
@@ -322,8 +329,8 @@ def _fill_device(items, spans, spec, length, keep_on_device: bool = False):
             if not on_device[i]:
                 b, o = where[i]
                 it = items[i]
-                kept[i] = DeviceBlock(it.key, it.start, it.header, devs[b], o, _payload_size(it),
-                                      bytes(it.buf[: it.header.payload_start]), it.tokens.copy())
+                kept[i] = DeviceBlock(it.key, it.start, it.header, _payload_size(it),
+                                      bytes(it.buf[: it.header.payload_start]), it.tokens.copy(), devs[b], o)
     mx.eval([a for lp in out for tp in lp for a in tp])
     return out, bad, kept
 

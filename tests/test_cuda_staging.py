@@ -31,6 +31,10 @@ class HostRuntime:
     def copy(self, dst: int, src: int, nbytes: int, stream=None) -> None:
         ctypes.memmove(dst, src, nbytes)
 
+    def copy2d(self, dst: int, dpitch: int, src: int, spitch: int, width: int, height: int, stream=None) -> None:
+        for i in range(height):
+            ctypes.memmove(dst + i * dpitch, src + i * spitch, width)
+
     def sync(self, stream=None) -> None:
         pass
 
@@ -104,6 +108,10 @@ class PinnedHostRuntime(HostRuntime):
     def copy(self, dst, src, nbytes, stream=None):
         self.copies += 1
         super().copy(dst, src, nbytes, stream)
+
+    def copy2d(self, dst, dpitch, src, spitch, width, height, stream=None):
+        self.copies += 1
+        super().copy2d(dst, dpitch, src, spitch, width, height, stream)
 
 
 def test_pinned_memory_moves_in_place_and_is_freed_with_its_last_view():

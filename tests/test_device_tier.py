@@ -11,9 +11,12 @@ off (the RAM tier is the device's memory there)."""
 
 from __future__ import annotations
 
+import lmdb
 import pytest
 
 from kvstore import PrefixStore, cuda
+
+from kvstore.hashing import KeyChain, as_tokens, root_key
 
 from ._helpers import BS, M, assert_hit_is, kv_layers, toks
 from .test_cuda_staging import PinnedHostRuntime, _drain_pool
@@ -84,6 +87,72 @@ def test_trim_device_frees_the_copies_and_hits_go_on_from_ram(on_gpu):
         assert_hit_is(hit, p, 3 * BS) and hit.ram_tokens == 3 * BS
         s.clear()  # blocks that leave the store leave the device with them
         assert s.stats()["device_blocks"] == 0
+
+
+@pytest.mark.parametrize("landing", [1 << 30, 1], ids=["landed-at-once", "landed-block-by-block"])
+def test_a_hit_of_blocks_two_hits_kept_is_copied_into_one_set_of_arrays_then_served_as_views(on_gpu, monkeypatch,
+                                                                                              landing):
+    """Blocks kept by one hit, beside blocks only in RAM: the next hit copies
+    both into its own arrays (device to device, host to device) and keeps
+    all of them there, so the hit after it copies nothing."""
+    monkeypatch.setattr(cuda, "LANDING", landing)
+    p = toks(4 * BS)
+    with _store(device_budget_gb=0.01) as s:
+        s.put(M, p, kv_layers(p, heads=2, dim=64))
+        s.flush()
+        assert_hit_is(s.fetch(M, p[: 2 * BS] + [7]), p, 2 * BS, heads=2, dim=64)
+        assert s.stats()["device_blocks"] == 2
+        hit = s.fetch(M, p)
+        assert_hit_is(hit, p, 4 * BS, heads=2, dim=64)
+        assert s.stats()["device_blocks"] == 4
+        rt = cuda.runtime()
+        moved = getattr(rt, "copies", None)
+        assert_hit_is(s.fetch(M, p), p, 4 * BS, heads=2, dim=64)
+        assert moved is None or rt.copies == moved
+        for d in list(s._table._dev._blocks.values()):  # a kept block's bytes, read back, are the stored ones
+            assert bytes(d.to_stored().buf) == bytes(s._table.held(d.key).buf)
+
+
+def test_blocks_from_disk_are_checked_staged_and_kept_and_a_bad_one_is_never_served(on_gpu, tmp_path):
+    p = toks(4 * BS)
+    with _store(device_budget_gb=0.01, ssd_path=tmp_path / "s") as s:
+        s.put(M, p, kv_layers(p, heads=2, dim=64))
+    _flip_last_byte(tmp_path / "s", KeyChain(root_key(M), as_tokens(p), BS).key(2))
+    with _store(device_budget_gb=0.01, ssd_path=tmp_path / "s") as s:
+        hit = s.fetch(M, p)
+        assert_hit_is(hit, p, 2 * BS, heads=2, dim=64)
+        assert hit.ssd_tokens == 2 * BS and s.stats()["corrupt_blocks"] == 1
+        assert s.stats()["device_blocks"] == 2
+        assert_hit_is(s.fetch(M, p), p, 2 * BS, heads=2, dim=64)
+
+
+def test_a_hit_served_without_the_device_tier_owns_its_arrays(on_gpu, monkeypatch):
+    """Blocks land in a buffer the next hit reuses: what a hit hands over
+    is copied out of it, so a later hit of other blocks changes nothing."""
+    monkeypatch.setattr(cuda, "LANDING", 3 * 2 * 2 * 2 * BS * 64 * 2)  # three blocks at a time: a hit lands in rounds
+    a, b = toks(4 * BS), toks(4 * BS, start=5000)
+    with _store(device_budget_gb=0) as s:
+        for p in (a, b):
+            s.put(M, p, kv_layers(p, heads=2, dim=64))
+        s.flush()
+        first = s.fetch(M, a)
+        assert_hit_is(s.fetch(M, b), b, 4 * BS, heads=2, dim=64)
+        assert_hit_is(first, a, 4 * BS, heads=2, dim=64)
+        assert s.stats()["device_blocks"] == 0
+
+
+def _flip_last_byte(path, key: bytes) -> None:
+    """Corrupt a block's value where it lies in the file (a large value is read at its recorded offset)."""
+    env = lmdb.open(str(path), max_dbs=8, subdir=True, readonly=True)
+    with env.begin(db=env.open_db(b"blocks", create=False)) as txn:
+        value = bytes(txn.get(key))
+    env.close()
+    data = (path / "data.mdb").read_bytes()
+    at = data.index(value) + len(value) - 1
+    assert data.find(value, at) == -1
+    with open(path / "data.mdb", "r+b") as f:
+        f.seek(at)
+        f.write(bytes([data[at] ^ 1]))
 
 
 def test_without_cuda_there_is_no_device_tier():

@@ -4,8 +4,9 @@ A long RAM hit took about 140 ms to its first token in some requests and
 about 350 ms in others of the same benchmark. This serves one stored prompt
 from RAM (``fetch_cache`` and the first token, as ``generate`` does) after
 three kinds of request: another hit, a cold prefill of another prompt, and
-mlx's buffer cache emptied; and times, inside each fetch, the copy-engine
-upload and everything else. Run on the device machine::
+mlx's buffer cache emptied; and times, inside each fetch, the blocks'
+landing in GPU memory (copy engine, then copied out on the GPU) and
+everything else. Run on the device machine::
 
     python3 -m kvstore.tools.ram_hit_profile --model /tmp/llama-8b --tokens 32768 --out OUT/ram_hit.json
 """
@@ -26,7 +27,7 @@ def run(model_path: str, tokens: int, repeats: int) -> dict:
     import numpy as np
     from mlx_lm import load
 
-    from kvstore import PrefixStore, cuda
+    from kvstore import PrefixStore, rowcopy
     from kvstore.adapters.generate import fetch_cache, model_key, prefill, store_cache
     from mlx_lm.models import cache as C
 
@@ -35,17 +36,15 @@ def run(model_path: str, tokens: int, repeats: int) -> dict:
     rng = np.random.default_rng(0)
     prompt = rng.integers(0, 1000, tokens).tolist()
     other = rng.integers(0, 1000, tokens).tolist()
-    uploads: list[float] = []
-    rt = cuda.runtime()
-    if rt is not None:
-        real = cuda.upload_pinned
+    uploads: list[float] = []  # per hit, the time its blocks took to land in GPU memory (copy engine + copy out)
+    real = rowcopy._land
 
-        def timed_upload(r, moves):
-            t = time.perf_counter()
-            real(r, moves)
-            rt.sync(None)
-            uploads.append(time.perf_counter() - t)
-        cuda.upload_pinned = timed_upload
+    def timed_land(*a):
+        t = time.perf_counter()
+        bad = real(*a)
+        uploads.append(time.perf_counter() - t)
+        return bad
+    rowcopy._land = timed_land
 
     def cold(p) -> float:
         cache = C.make_prompt_cache(model)
@@ -57,9 +56,11 @@ def run(model_path: str, tokens: int, repeats: int) -> dict:
     def hit(store) -> dict:
         uploads.clear()
         before = {"active_gb": mx.get_active_memory() / 1e9, "cache_gb": mx.get_cache_memory() / 1e9}
+        mx.reset_peak_memory()
         t = time.perf_counter()
         got = fetch_cache(store, model, key, prompt)
         t_fetch = time.perf_counter() - t
+        before["fetch_peak_gb"] = mx.get_peak_memory() / 1e9  # what the fetch held at most (cache and all)
         logits = model(mx.array(prompt[got.cached_tokens:])[None], cache=got.cache)
         mx.eval(mx.argmax(logits[:, -1, :]))
         total = time.perf_counter() - t

@@ -1,18 +1,18 @@
 """Device tier: hot blocks kept in GPU memory (CUDA), in LRU order under a
 byte budget.
 
-A block is held as its payload bytes in GPU memory, laid out exactly as on
-disk, so a hit cuts each layer's arrays out of them on the GPU: no host copy
-and no transfer, one device-side copy when the layers are assembled
-(``gather``). Blocks come here from a hit that just moved them to the GPU:
-the buffer that hit uploaded them into is kept as it is (no copy), so the
-blocks of one hit share it, lie side by side, and the next hit cuts a run of
-them with one strided view per array, as from the host. The memory of a
-shared buffer is freed once its last block leaves (the budget counts each
-block's own bytes). A block is always also in RAM or on disk: the tier is a
-cache over them, and any block may leave it. On Apple silicon and CPUs memory is one: the RAM tier is the
-device tier there and this one stays empty (budget 0). The ``BlockTable``
-owns it.
+A hit that just moved blocks to the GPU leaves them here as they are, with
+no copy: a dense hit's per-layer arrays (``HitArrays``, built by
+``kvstore.rowcopy``), each block the rows it holds there; any other layout's
+upload buffer, each block its payload bytes laid out as on disk, from which
+the next hit cuts its layers on the GPU (``gather``). A later hit of the same
+blocks at the same rows gets views of the arrays, so the engine's own
+first write is the only device-side copy. Blocks of one hit share its memory,
+which is freed once its last block leaves (the budget counts each block's
+own bytes). A block is always also in RAM or on disk: the tier is a cache
+over them, and any block may leave it. On Apple silicon and CPUs memory is
+one: the RAM tier is the device tier there and this one stays empty (budget
+0). The ``BlockTable`` owns it.
 """
 
 from __future__ import annotations
@@ -28,19 +28,34 @@ from ..header import Header
 from ..wire import Stored
 
 
+@dataclass(eq=False)
+class HitArrays:
+    """The arrays a dense hit built in GPU memory: per layer, keys then
+    values, each ``[1, heads, rows, dim]``, rows of several blocks."""
+
+    tensors: list[mx.array]
+
+    @property
+    def rows(self) -> int:
+        return self.tensors[0].shape[2]
+
+
 @dataclass
 class DeviceBlock:
-    """A block's payload in GPU memory: ``size`` bytes at ``offset`` of
-    ``data`` (uint8, possibly shared with other blocks), with its header."""
+    """A block in GPU memory, with its header: rows ``[row, row + ntokens)``
+    of ``arrays``, or ``size`` payload bytes at ``offset`` of ``data`` (uint8);
+    either possibly shared with other blocks."""
 
     key: bytes
     start: int
     header: Header
-    data: mx.array
-    offset: int
     size: int
     head: bytes  # the value's bytes before the payload (prefix, header, padding), for a host copy
     tokens: np.ndarray  # its tokens on the host: every hit compares them with the prompt's
+    data: Optional[mx.array] = None
+    offset: int = 0
+    arrays: Optional[HitArrays] = None
+    row: int = 0
 
     @property
     def nbytes(self) -> int:
@@ -48,7 +63,18 @@ class DeviceBlock:
 
     def to_stored(self) -> Stored:
         """The block as host bytes (for the rare layouts gathered block by block)."""
-        payload = np.array(self.data[self.offset : self.offset + self.size])
+        if self.arrays is None:
+            payload = np.array(self.data[self.offset : self.offset + self.size])
+        else:
+            payload = np.zeros(self.size, np.uint8)
+            tok = self.header.tokens
+            payload[tok.offset : tok.offset + tok.nbytes] = self.tokens.astype(tok.np_dtype).view(np.uint8)
+            n = self.header.ntokens
+            arrays = [a for e in self.header.layers for t in (e.keys, e.values) for a in t.arrays]
+            for i, a in enumerate(arrays):
+                x = self.arrays.tensors[i][..., self.row : self.row + n, :]
+                x = np.array(x.view(mx.uint16) if x.dtype == mx.bfloat16 else x)
+                payload[a.offset : a.offset + a.nbytes] = x.reshape(-1).view(np.uint8)
         buf = np.concatenate([np.frombuffer(self.head, np.uint8), payload])
         return Stored(self.key, self.start, memoryview(buf), self.header, checked=True)
 

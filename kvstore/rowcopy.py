@@ -1,0 +1,164 @@
+"""A dense hit moved into its per-layer GPU arrays (CUDA).
+
+A block of plain attention layers holds, after its tokens, each layer's keys
+then values as ``[1, heads, rows, dim]`` arrays one after the other: a run of
+(layer, tensor, head) *lines* of ``rows * dim`` elements, evenly spaced. The
+arrays the engine gets, ``[1, heads, length, dim]`` per layer and tensor, are
+the same lines at a longer pitch. So each block goes to where its rows belong
+in every tensor with one strided copy (``cudaMemcpy2DAsync``) on the copy
+engine, and each tensor is one plain copy on the GPU from there.
+
+That copy is there because of where the copy engine can write. mlx keeps
+what its kernels make in device memory, and the first time an array's
+address is taken it moves the array into managed memory with a copy, which
+cost about as much as the transfer (docs/benchmarks.md, "The hot path at the
+bus"). So blocks land in a buffer kept for that (``cuda.landing``), as many
+at a time as it holds, and the arrays handed over are new ones made from it
+on the GPU, whose addresses nobody takes.
+
+The device tier keeps those arrays (``HitArrays``): a later hit of the same
+blocks at the same rows gets views of them, no copy; blocks held there for
+other hits are sliced from theirs on the GPU.
+"""
+
+from __future__ import annotations
+
+from typing import Optional, Sequence
+
+import mlx.core as mx
+import numpy as np
+
+from . import cuda
+from .spread import each
+from .tiers.device import DeviceBlock, HitArrays
+
+
+def dense(items: Sequence, spec: tuple) -> Optional[tuple[str, int, int]]:
+    """``(dtype, heads, dim)`` where every layer holds its keys and values as
+    one plain array each, all alike, and each block's arrays lie one after
+    the other (its lines evenly spaced); else ``None``."""
+    kinds = {arrays for layer in spec for _, _, arrays in layer}
+    if len(kinds) != 1 or any(q is not None or r is not None for layer in spec for q, r, _ in layer):
+        return None
+    (kind,) = kinds
+    if len(kind) != 1:
+        return None
+    for it in items:
+        if isinstance(it, DeviceBlock):
+            if it.arrays is None:  # (kept by the block-buffer path)
+                return None
+            continue
+        offsets = [a.offset for a in _arrays(it)]
+        size = it.header.layers[0].keys.arrays[0].nbytes
+        if size // kind[0][1] > cuda.STAGE or offsets != list(range(offsets[0], offsets[0] + len(offsets) * size, size)):
+            return None
+    return kind[0]
+
+
+def _arrays(item) -> list:
+    return [a for e in item.header.layers for t in (e.keys, e.values) for a in t.arrays]
+
+
+def gather(items: Sequence, spans: Sequence[tuple[int, int]], kind: tuple[str, int, int], dtype: mx.Dtype,
+           length: int, keep: bool) -> tuple[list, Optional[int], list]:
+    """Per layer, per tensor, ``[array]`` of rows ``[0, length)``; the index of
+    the first block whose checksum failed (``None``: all good); and with
+    ``keep``, per block a ``DeviceBlock`` of its rows in those arrays."""
+    _, heads, dim = kind
+    tensors = 2 * len(items[0].header.layers)
+    on = items[0].arrays if isinstance(items[0], DeviceBlock) else None
+    if on is not None and all(isinstance(it, DeviceBlock) and it.arrays is on and it.row == s
+                              for it, (s, _) in zip(items, spans)):
+        return _layers(on.tensors, length), None, [None] * len(items)  # kept as they are: no copy
+    line = dim * dtype.size  # bytes of one row of one head
+    pieces: list[list[mx.array]] = [[] for _ in range(tensors)]
+    i = 0
+    while i < len(items):
+        j = i + 1
+        if isinstance(items[i], DeviceBlock):  # rows already in GPU memory: sliced there
+            while (j < len(items) and isinstance(items[j], DeviceBlock) and items[j].arrays is items[i].arrays
+                   and items[j].row == items[j - 1].row + items[j - 1].header.ntokens):
+                j += 1
+            a, b = items[i].row, items[j - 1].row + items[j - 1].header.ntokens
+            for p, x in zip(pieces, items[i].arrays.tensors):
+                p.append(x[..., a:b, :])
+        else:  # host blocks, as many as the landing buffer holds
+            rows = items[i].header.ntokens
+            while (j < len(items) and not isinstance(items[j], DeviceBlock)
+                   and (rows + items[j].header.ntokens) * tensors * heads * line <= cuda.LANDING):
+                rows += items[j].header.ntokens
+                j += 1
+            bad = _land(items[i:j], [s - spans[i][0] for s, _ in spans[i:j]], rows, tensors * heads, line, dtype,
+                        pieces)
+            if bad is not None:
+                return [], i + bad, []
+        i = j
+    out = HitArrays([p[0] if len(p) == 1 else mx.concatenate(p, axis=2) for p in pieces])
+    mx.eval(out.tensors)
+    kept: list = [None] * len(items)
+    fresh = any(not isinstance(it, DeviceBlock) for it in items) or max(map(len, pieces)) > 1
+    if keep and fresh:  # the next hit of these blocks gets views of these arrays
+        for i, it in enumerate(items):
+            s = spans[i][0]
+            if isinstance(it, DeviceBlock):
+                kept[i] = DeviceBlock(it.key, it.start, it.header, it.size, it.head, it.tokens, arrays=out, row=s)
+            else:
+                kept[i] = DeviceBlock(it.key, it.start, it.header, len(it.payload),
+                                      bytes(it.buf[: it.header.payload_start]), it.tokens.copy(), arrays=out, row=s)
+    return _layers(out.tensors, length), None, kept
+
+
+def _land(items: Sequence, starts: Sequence[int], rows: int, nlines: int, line: int, dtype: mx.Dtype,
+          pieces: list) -> Optional[int]:
+    """Host blocks to a landing buffer by strided copies, then copied out on
+    the GPU, one new array per tensor appended to ``pieces``; the index of a
+    block whose checksum failed, if any (nothing appended then)."""
+    rt = cuda.runtime()
+    pitch = rows * line
+    with cuda.landing(nlines * pitch) as (buf, base):
+
+        def send(src: int, spitch: int, first: int, count: int, row: int, stream) -> None:
+            rt.copy2d(base + first * pitch + row * line, pitch, src, spitch, spitch, count, stream)
+
+        def pinned(it) -> bool:
+            return it.checked and cuda.is_pinned(it.buf)
+
+        queued = [k for k, it in enumerate(items) if pinned(it)]  # one stream, back to back
+        staged = [k for k, it in enumerate(items) if not pinned(it)]  # checked and staged on the other threads
+
+        def move(k: int) -> bool:
+            if k == 0:
+                with cuda.one_stream(rt) as stream:
+                    for q in queued:
+                        it = items[q]
+                        width = it.header.ntokens * line
+                        src = np.frombuffer(it.payload, np.uint8).ctypes.data + _arrays(it)[0].offset
+                        send(src, width, 0, nlines, starts[q], stream)
+                return True
+            it = items[staged[k - 1]]
+            if not it.intact():
+                return False
+            width = it.header.ntokens * line
+            off = _arrays(it)[0].offset
+            cuda.upload_lines(rt, it.payload[off : off + nlines * width], width,
+                              lambda a, f, c, st: send(a, width, f, c, starts[staged[k - 1]], st))
+            return True
+
+        ok = each(move, len(staged) + 1)[1:]
+        bad = next((k for k, good in zip(staged, ok) if not good), None)
+        if bad is not None:
+            return bad
+        heads = nlines // len(pieces)
+        landed = buf[: nlines * pitch].view(dtype).reshape(nlines, rows, line // dtype.size)
+        new = [mx.array(landed[t * heads : (t + 1) * heads])[None] for t in range(len(pieces))]
+        mx.eval(new)  # copied out before the buffer is used again
+    for p, x in zip(pieces, new):
+        p.append(x)
+    return None
+
+
+def _layers(tensors: list[mx.array], length: int) -> list:
+    """Per layer, ``[[keys], [values]]``: rows ``[0, length)`` of ``tensors`` (views)."""
+    cut = [x if x.shape[2] == length else x[..., :length, :] for x in tensors]
+    mx.eval(cut)
+    return [[[cut[2 * li]], [cut[2 * li + 1]]] for li in range(len(cut) // 2)]
