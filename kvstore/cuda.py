@@ -1,16 +1,20 @@
 """The CUDA runtime calls mlx does not expose, for moving KV between host and GPU.
 
-mlx's CUDA backend keeps every array in managed memory (``cudaMallocManaged``)
-and has no host->device copy of its own: a host-filled array reaches the GPU
-by page faults when a kernel first reads it (~2 GB/s on an H100), and a
-device-resident one comes back to the host the same way. The copy engine is
-what moves bytes fast: ``cudaMemcpyAsync`` from pinned host memory into a
-device-resident mlx buffer ran at 47 GB/s there (``tools/gpu_routes.py``);
-``cudaMemPrefetchAsync`` of managed pages only reached 2.2 GB/s, so it serves
-background moves (promotion) alone. This module finds the runtime mlx already
-loaded (the library mapped into the process, so the context is mlx's own) and
-calls it through ctypes; ``runtime()`` is ``None`` wherever there is no CUDA
-(the CPU, Apple silicon), and callers then do nothing.
+mlx's CUDA backend has no host->device copy of its own. What its kernels
+make lives in device memory until its address is first taken (the buffer
+protocol, as ``np.asarray`` uses it): mlx then moves it into managed memory
+(``cudaMallocManaged``) with a copy, about 34 ms per GiB on an H200, and the
+host sees it there; a host-filled array reaches the GPU by page faults when a
+kernel first reads it (~2 GB/s on an H100). The copy engine is what moves
+bytes fast: ``cudaMemcpyAsync`` from pinned host memory into an mlx buffer
+ran at 47-51 GB/s (``tools/gpu_routes.py``, ``tools/ram_hit_profile.py``), so
+hits land in a buffer whose address was taken once and is reused
+(``landing``); ``cudaMemPrefetchAsync`` of managed pages only reached 2.2
+GB/s, so it serves background moves (promotion) alone. This module finds the
+runtime mlx already loaded (the library mapped into the process, so the
+context is mlx's own) and calls it through ctypes; ``runtime()`` is ``None``
+wherever there is no CUDA (the CPU, Apple silicon), and callers then do
+nothing.
 """
 
 from __future__ import annotations
@@ -322,7 +326,8 @@ def download(rt: Runtime, dst: np.ndarray, src: int, hasher=None) -> None:
 
 
 def address(a: mx.array) -> int:
-    """Where an evaluated array's data starts (host view of managed memory; no copy)."""
+    """Where an evaluated array's data starts: in managed memory, where mlx
+    moves a device buffer the first time (see the module docstring)."""
     return np.asarray(a).__array_interface__["data"][0] if a.size else 0
 
 

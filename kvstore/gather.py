@@ -43,7 +43,6 @@ from .spread import each, spread
 from .tiers.device import DeviceBlock
 from .wire import Stored
 
-_DEVICE_BUF = 1 << 30  # bytes per device buffer blocks are copied into
 _DTYPE = {"float16": mx.float16, "bfloat16": mx.bfloat16, "float32": mx.float32, "uint32": mx.uint32}
 
 
@@ -248,91 +247,105 @@ def _fill_host(items, spans, spec, length, fill: Optional[HostFill]):
 
 
 def _fill_device(items, spans, spec, length, keep_on_device: bool = False):
-    rt = cuda.runtime()
-    sizes: list[int] = []  # device buffers of at most _DEVICE_BUF bytes (mlx shapes are 32-bit)
-    where: list[tuple[int, int]] = []  # per block: (buffer, offset); a device block is a buffer of its own
-    on_device = [isinstance(it, DeviceBlock) for it in items]
-    for item, dev in zip(items, on_device):
-        if dev:
-            where.append((-1, 0))
+    """Blocks of other layouts (quantized) to per-layer GPU arrays: host
+    blocks land as many at a time as a landing buffer holds (``cuda.landing``:
+    an array mlx made fresh would be moved into managed memory, with a copy,
+    the first time its address is taken), and each run of blocks is cut into
+    its layers there, on the GPU; blocks in the device tier are cut from its
+    buffers. The device tier keeps a device copy of what landed."""
+    pieces: list[list[list[list[mx.array]]]] = [[[[] for _ in t[2]] for t in layer] for layer in spec]
+    kept: list = [None] * len(items)
+    i = 0
+    while i < len(items):
+        j = i + 1
+        if isinstance(items[i], DeviceBlock):
+            while j < len(items) and isinstance(items[j], DeviceBlock) and items[j].data is items[i].data:
+                j += 1
+            _cut(items[i:j], spans[i:j], items[i].data, [it.offset for it in items[i:j]], pieces, False)
+            i = j
             continue
-        size = -(-len(item.payload) // 64) * 64
-        if not sizes or sizes[-1] + size > _DEVICE_BUF:
-            sizes.append(0)
-        where.append((len(sizes) - 1, sizes[-1]))
-        sizes[-1] += size
-    devs = [mx.zeros((n,), mx.uint8) for n in sizes]  # written on the GPU: their pages live there
-    if devs:
-        mx.eval(devs)
-        mx.synchronize()
-    bases = [cuda.address(d) for d in devs]
-    # RAM blocks (pinned, checked) go on one stream back to back (task 0); LMDB's pages are checked and
-    # staged block by block on the other threads meanwhile
-    pinned = [not dev and it.checked and cuda.is_pinned(it.buf) for it, dev in zip(items, on_device)]
-    rest = [i for i in range(len(items)) if not pinned[i] and not on_device[i]]
+        offsets, size = [0], -(-len(items[i].payload) // 64) * 64
+        while j < len(items) and not isinstance(items[j], DeviceBlock):
+            n = -(-len(items[j].payload) // 64) * 64
+            if size + n > cuda.LANDING:
+                break
+            offsets.append(size)
+            size += n
+            j += 1
+        with cuda.landing(size) as (buf, base):
+            bad = _land(items[i:j], offsets, base)
+            stop = j if bad is None else i + bad
+            data = mx.array(buf[:size]) if keep_on_device else buf[:size]  # the device tier's: a copy of its own
+            new = _cut(items[i:stop], spans[i:stop], data, offsets, pieces, not keep_on_device)
+            mx.eval(new + [data])  # done with the landing buffer before it is used again
+        if bad is not None:
+            return [], i + bad, []
+        if keep_on_device:
+            for k in range(i, j):
+                it = items[k]
+                kept[k] = DeviceBlock(it.key, it.start, it.header, len(it.payload),
+                                      bytes(it.buf[: it.header.payload_start]), it.tokens.copy(), data, offsets[k - i])
+        i = j
+    out = [[[p[0] if len(p) == 1 else mx.concatenate(p, axis=2) for p in tp] for tp in lp] for lp in pieces]
+    mx.eval([a for lp in out for tp in lp for a in tp])
+    return out, None, kept
+
+
+def _land(items: Sequence[Stored], offsets: Sequence[int], base: int) -> Optional[int]:
+    """Host blocks to GPU address ``base`` + their offsets: RAM's (page-locked,
+    checked) on one stream back to back (task 0), LMDB's pages checked and
+    staged block by block on the other threads meanwhile. The index of the
+    first block whose checksum failed, if any."""
+    rt = cuda.runtime()
+    pinned = [it.checked and cuda.is_pinned(it.buf) for it in items]
+    rest = [k for k in range(len(items)) if not pinned[k]]
 
     def move(k: int) -> bool:
         if k == 0:
-            cuda.upload_pinned(rt, [(bases[where[i][0]] + where[i][1], it.payload)
-                                    for i, it in enumerate(items) if pinned[i]])
+            cuda.upload_pinned(rt, [(base + o, it.payload) for it, o, p in zip(items, offsets, pinned) if p])
             return True
         item = items[rest[k - 1]]
         if not item.intact():
             return False
-        b, off = where[rest[k - 1]]
-        cuda.upload(rt, bases[b] + off, item.payload)
+        cuda.upload(rt, base + offsets[rest[k - 1]], item.payload)
         return True
 
-    ok = [True] * len(items)
-    for i, good in zip(rest, each(move, len(rest) + 1)[1:]):
-        ok[i] = good
-    shared: dict[int, int] = {}  # id of a device-tier buffer -> its index in devs
-    for i, dev in enumerate(on_device):
-        if dev:
-            data = items[i].data
-            if id(data) not in shared:
-                shared[id(data)] = len(devs)
-                devs.append(data)
-            where[i] = (shared[id(data)], items[i].offset)
-    views = [{name: d.view(dt) for name, dt in _DTYPE.items()} for d in devs]
-    bad = next((i for i, good in enumerate(ok) if not good), None)
-    end = len(items) if bad is None else bad
-    # runs of consecutive blocks of one byte layout, each cut as a strided matrix
-    pieces: list[list[list[list[mx.array]]]] = [[[[] for _ in t[2]] for t in layer] for layer in spec]
+    ok = each(move, len(rest) + 1)[1:]
+    return next((k for k, good in zip(rest, ok) if not good), None)
+
+
+def _cut(items: Sequence, spans: Sequence[tuple[int, int]], data: mx.array, offsets: Sequence[int], pieces: list,
+         own: bool) -> list[mx.array]:
+    """Each run of consecutive blocks of one byte layout in ``data`` (uint8,
+    a block at each offset) cut into its layers as a strided matrix, per
+    array appended to ``pieces`` (a copy on the GPU where ``own``); returns
+    the pieces appended."""
+    views = {name: data.view(dt) for name, dt in _DTYPE.items()}
+    new: list[mx.array] = []
     i = 0
-    while i < end:
+    while i < len(items):
         item = items[i]
         j = i + 1
         size = _payload_size(item)
-        while (j < end and _payload_size(items[j]) == size and size % 64 == 0
-               and items[j].header.layers == item.header.layers and where[j][0] == where[i][0]
-               and where[j][1] - where[j - 1][1] == size):
+        while (j < len(items) and _payload_size(items[j]) == size and size % 64 == 0
+               and items[j].header.layers == item.header.layers and offsets[j] - offsets[j - 1] == size):
             j += 1
         m = j - i
-        rows = sum(spans[k][1] for k in range(i, j))
+        rows = sum(n for _, n in spans[i:j])
         stride = -(-size // 64) * 64
         for lp, la in zip(pieces, _stored_arrays(item)):
             for tp, ta in zip(lp, la):
                 for p, a in zip(tp, ta):
                     isz = a.np_dtype.itemsize
-                    b, o = where[i]
-                    flat = views[b][a.dtype][o // isz : (o + m * stride) // isz]
+                    o = offsets[i]
+                    flat = views[a.dtype][o // isz : (o + m * stride) // isz]
                     x = flat.reshape(m, stride // isz)[:, a.offset // isz : (a.offset + a.nbytes) // isz]
                     _, h, r, w = a.shape
-                    x = x.reshape(m, h, r, w).transpose(1, 0, 2, 3).reshape(1, h, m * r, w)
-                    p.append(x[..., :rows, :])
+                    x = x.reshape(m, h, r, w).transpose(1, 0, 2, 3).reshape(1, h, m * r, w)[..., :rows, :]
+                    p.append(mx.array(x) if own else x)
+                    new.append(p[-1])
         i = j
-    out = [[[p[0] if len(p) == 1 else mx.concatenate(p, axis=2) for p in tp] for tp in lp] for lp in pieces]
-    kept: list = [None] * len(items)
-    if keep_on_device:  # the buffers just uploaded into, kept as they are (no copy)
-        for i in range(end):
-            if not on_device[i]:
-                b, o = where[i]
-                it = items[i]
-                kept[i] = DeviceBlock(it.key, it.start, it.header, _payload_size(it),
-                                      bytes(it.buf[: it.header.payload_start]), it.tokens.copy(), devs[b], o)
-    mx.eval([a for lp in out for tp in lp for a in tp])
-    return out, bad, kept
+    return new
 
 
 def _payload_size(item) -> int:

@@ -12,13 +12,15 @@ off (the RAM tier is the device's memory there)."""
 from __future__ import annotations
 
 import lmdb
+import numpy as np
 import pytest
 
 from kvstore import PrefixStore, cuda
 
 from kvstore.hashing import KeyChain, as_tokens, root_key
+from kvstore.layers import Quantized
 
-from ._helpers import BS, M, assert_hit_is, kv_layers, toks
+from ._helpers import BS, M, assert_hit_is, bits_of, kv_layers, toks
 from .test_cuda_staging import PinnedHostRuntime, _drain_pool
 
 
@@ -126,19 +128,63 @@ def test_blocks_from_disk_are_checked_staged_and_kept_and_a_bad_one_is_never_ser
         assert_hit_is(s.fetch(M, p), p, 2 * BS, heads=2, dim=64)
 
 
-def test_a_hit_served_without_the_device_tier_owns_its_arrays(on_gpu, monkeypatch):
+@pytest.mark.parametrize("bits", [None, 8])
+def test_a_hit_served_without_the_device_tier_owns_its_arrays(on_gpu, monkeypatch, bits):
     """Blocks land in a buffer the next hit reuses: what a hit hands over
     is copied out of it, so a later hit of other blocks changes nothing."""
-    monkeypatch.setattr(cuda, "LANDING", 3 * 2 * 2 * 2 * BS * 64 * 2)  # three blocks at a time: a hit lands in rounds
-    a, b = toks(4 * BS), toks(4 * BS, start=5000)
-    with _store(device_budget_gb=0) as s:
+    # dense: three blocks at a time; quantized, handed over as stored: a one-block hit, cut to views there
+    monkeypatch.setattr(cuda, "LANDING", 3 * 2 * 2 * 2 * BS * 64 * 2)
+    n = 4 * BS if bits is None else BS
+    a, b = toks(n), toks(n, start=5000)
+    q = None if bits is None else (bits, 32)
+    with _store(device_budget_gb=0, kv_bits=bits, kv_group_size=32) as s:
         for p in (a, b):
             s.put(M, p, kv_layers(p, heads=2, dim=64))
         s.flush()
-        first = s.fetch(M, a)
-        assert_hit_is(s.fetch(M, b), b, 4 * BS, heads=2, dim=64)
-        assert_hit_is(first, a, 4 * BS, heads=2, dim=64)
+        first = s.fetch(M, a, quantized=q)
+        before = [np.array(bits_of(x)) for x in _arrays_of(first)]
+        assert s.fetch(M, b, quantized=q).length == n
+        assert all(np.array_equal(x, bits_of(y)) for x, y in zip(before, _arrays_of(first)))
+        if bits is None:
+            assert_hit_is(first, a, n, heads=2, dim=64)
         assert s.stats()["device_blocks"] == 0
+
+
+@pytest.mark.parametrize("bits", [8, 4])
+def test_quantized_blocks_on_the_gpu_path_give_what_the_host_path_gives(on_gpu, tmp_path, monkeypatch, bits):
+    """Quantized blocks land block by block and their layers are cut on the
+    GPU: from RAM, from the device tier, from disk and handed over quantized,
+    the same arrays as the host path's, bit for bit."""
+    monkeypatch.setattr(cuda, "LANDING", 2 * (1 << 20) // 1024)  # a few blocks at a time
+    p = toks(4 * BS)
+    rt = cuda.runtime()
+
+    def on_host(fetch):
+        monkeypatch.setattr(cuda, "runtime", lambda: None)
+        try:
+            return fetch()
+        finally:
+            monkeypatch.setattr(cuda, "runtime", lambda: rt)
+
+    def same_hit(a, b) -> bool:
+        return a.length == b.length and all(np.array_equal(bits_of(x), bits_of(y))
+                                            for x, y in zip(_arrays_of(a), _arrays_of(b)))
+
+    kw = dict(device_budget_gb=0.01, ssd_path=tmp_path / "s", kv_bits=bits, kv_group_size=32)
+    with _store(**kw) as s:
+        s.put(M, p, kv_layers(p, heads=2, dim=64))
+        s.flush()
+        ref, qref = on_host(lambda: s.fetch(M, p)), on_host(lambda: s.fetch(M, p, quantized=(bits, 32)))
+        assert same_hit(s.fetch(M, p), ref)  # from RAM
+        assert s.stats()["device_blocks"] == 4
+        assert same_hit(s.fetch(M, p), ref)  # from the device tier
+        assert same_hit(s.fetch(M, p, quantized=(bits, 32)), qref)
+    with _store(**kw) as s:
+        assert same_hit(s.fetch(M, p), ref)  # from disk
+
+
+def _arrays_of(hit) -> list:
+    return [x for l in hit.layers for t in (l.keys, l.values) for x in (t.arrays() if isinstance(t, Quantized) else [t])]
 
 
 def _flip_last_byte(path, key: bytes) -> None:
