@@ -4,6 +4,7 @@
 # repository runs from its root with kvstore/adapters and kvstore/tools linked in.
 #   bash tools/gpu_bench.sh routes OUT     # mlx's host<->device routes vs the copy engine (1 GiB)
 #   bash tools/gpu_bench.sh pinned OUT     # page-locked memory: alloc / free per GiB, a free beside GPU work
+#   bash tools/gpu_bench.sh address OUT    # what taking a fresh mlx array's address costs (the move to managed memory)
 #   bash tools/gpu_bench.sh write OUT      # where the writer's time goes (tools/write_profile.py)
 #   bash tools/gpu_bench.sh tests OUT      # the store's tests that need no Redis or hypothesis, on CUDA
 #   TOKENS="2048 8192 32768" bash tools/gpu_bench.sh ssd OUT   # tools/ssd_bench.py, Llama-3-8B KV shape
@@ -21,6 +22,7 @@ case $1 in
            tests/test_restart.py tests/test_device_tier.py tests/test_cuda_staging.py 2>&1 | tail -15 ;;
   write) python3 -m kvstore.tools.write_profile --tokens "${TOKENS:-8192}" --kv ${KVS:-fp16 q8 q4} --out "$2" ;;
   pinned) python3 -m kvstore.tools.pinned_costs --gib 1 4 --out "$2/pinned.json" ;;
+  address) python3 -m kvstore.tools.address_cost --gib 4 --out "$2/address.json" ;;
   routes) python3 -m kvstore.tools.gpu_routes --mib 1024 --repeats 3 --out "$2/routes.json" ;;
   ssd) for n in ${TOKENS:-8192 32768}; do
          python3 -m kvstore.tools.ssd_bench --tokens "$n" --kv ${KVS:-fp16 q8 q4} --repeats 3 --dir /tmp --out "$2/ssd-$n"
