@@ -25,6 +25,7 @@ asking for other quantization) is decoded block by block for ``assemble``.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from functools import lru_cache
 from typing import Optional, Sequence
 
 import mlx.core as mx
@@ -64,9 +65,15 @@ class Gathered:
 def _spec(item: Stored) -> Optional[tuple]:
     """Per layer, the settings and per-array (dtype, heads, width) of a block
     of full-row attention layers; ``None`` when the fast path cannot take it."""
+    return _layout(item.header.ntokens, item.header.layers)
+
+
+@lru_cache(maxsize=64)
+def _layout(n: int, layers: tuple) -> Optional[tuple]:
+    # once per byte layout, not per block (blocks of a hit share one): walking a layer table in Python costs
+    # several times what hashing it does, and a remote hit asks as each block is placed and again for the hit
     out = []
-    n = item.header.ntokens
-    for e in item.header.layers:
+    for e in layers:
         if not isinstance(e, KVSpec) or e.window is not None or e.row_offset != 0:
             return None
         ts = []
