@@ -193,7 +193,8 @@ class HostFill:
         self.spec = spec
         self.length = length
         self.dests = _zeros(spec, length)
-        self.views = [[[_np(a) for a in t] for t in layer] for layer in self.dests]  # writable: the arrays' memory
+        # writable, the arrays' memory, as [heads, rows, width]
+        self.views = [[[_np(a)[0] for a in t] for t in layer] for layer in self.dests]
         self.placed: dict[int, object] = {}  # first row -> the item whose rows are there
 
     def place(self, item: Stored, start: int) -> bool:
@@ -221,7 +222,11 @@ class HostFill:
             if h is not None and end > pos:  # every payload byte hashed once, in order
                 h.update(payload[pos:end])
                 pos = end
-            np.copyto(dst[0, :, s : s + n], a.view(payload)[0, :, :n])
+            _, heads, rows, width = a.shape
+            t = a.np_dtype
+            # one call per array (not a view, a reshape and two slices): a block has hundreds of them
+            dst[:, s : s + n] = np.ndarray((heads, n, width), t, payload, a.offset,
+                                           (rows * width * t.itemsize, width * t.itemsize, t.itemsize))
         if h is not None:
             h.update(payload[pos:])
             return h.intdigest() == item.header.checksum  # a bad block's rows are never served
