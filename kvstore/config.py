@@ -102,13 +102,15 @@ class StoreConfig:
     # A disk block with this share of its pages in the page cache is planned as cached.
     cached_share: float = 0.9
     # Remote tier: copies waiting to be sent at most; bytes and blocks per pipelined write; seconds close()
-    # gives the queue; blocks probed in one fetch; payload bytes per pipelined read.
+    # gives the queue; blocks probed in one fetch; payload bytes per read round trip (the next one is queued
+    # on the server as this one's replies arrive, so the first block comes in after one such round trip's
+    # worth is made and sent: small ones let a hit start placing blocks sooner).
     remote_queue_bytes: int = 256 << 20
     remote_batch_bytes: int = 32 << 20
     remote_batch_blocks: int = 64
     remote_close_wait: float = 10.0
     remote_probe_blocks: int = 1024
-    remote_read_bytes: int = 64 << 20
+    remote_read_bytes: int = 16 << 20
     # fetch_policy="auto" before a load rate is measured (``probe``): the prior of each state in GB/s
     # (None: probed at open, once per machine and store). A served hit that loses costs more than cold, a
     # declined one at most cold, so the cold-SSD prior errs low: the probe reads on one thread (the store

@@ -9,10 +9,10 @@ came after it on the host that stored it. When the chain breaks earlier (the
 prompt diverges from what is stored), one more round trip asks the same of
 the block where it broke. The run of blocks whose records fit the prompt --
 same root, parent, position and tokens -- and the best partial child are read
-last (payloads, in round trips of about 64 MiB). Every payload is decoded as
-a local one is (header, checksum, key binding) and its tokens compared
-again: a corrupt, foreign or colliding value is refused and dropped from the
-server, never served.
+last (payloads, streamed: each block is handed over as it comes in, see
+``tiers/resp``). Every payload is decoded as a local one is (header,
+checksum, key binding) and its tokens compared again: a corrupt, foreign or
+colliding value is refused and dropped from the server, never served.
 
 What was read joins the index below where the walk stopped, goes into RAM
 as far as it fits, and is handed to the read path as it is (the hit never
@@ -115,24 +115,23 @@ class Discovery:
 
     def _read(self, run: list[BlockRecord], entries, got: list,
               start_fill: Callable[[Stored], Optional[HostFill]]) -> tuple[Optional[tuple], Optional[HostFill]]:
-        """Check each block of ``run`` as its round trip comes in (the next
-        one is read meanwhile) into ``got``, up to the first bad one, placing
-        it in the hit's arrays (``start_fill(first block)``) as it is checked.
+        """Check each block of ``run`` as it comes in (the next ones are read
+        meanwhile) into ``got``, up to the first bad one, placing it in the
+        hit's arrays (``start_fill(first block)``) as it is checked.
         Returns the entry read after the run (the partial child's), if any,
         and the fill."""
         fill = None
         i = 0
-        for chunk in entries:
-            for entry in chunk:
-                if i == len(run):
-                    return entry, fill
-                block = self._open(run[i], entry[1])
-                if block is not None and i == 0:
-                    fill = start_fill(block)
-                if block is None or not self._intact(run[i], block, fill):
-                    return None, fill
-                got.append((run[i], block, entry[1]))
-                i += 1
+        for entry in entries:
+            if i == len(run):
+                return entry, fill
+            block = self._open(run[i], entry[1])
+            if block is not None and i == 0:
+                fill = start_fill(block)
+            if block is None or not self._intact(run[i], block, fill):
+                return None, fill
+            got.append((run[i], block, entry[1]))
+            i += 1
         return None, fill
 
     def _run(self, root: Node, chain: KeyChain, first: int, raw: list) -> list[BlockRecord]:

@@ -27,6 +27,7 @@ asking for other quantization) is decoded block by block for ``assemble``.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from functools import lru_cache
 from typing import Optional, Sequence
 
 import mlx.core as mx
@@ -65,9 +66,15 @@ class Gathered:
 def _spec(item: Stored) -> Optional[tuple]:
     """Per layer, the settings and per-array (dtype, heads, width) of a block
     of full-row attention layers; ``None`` when the fast path cannot take it."""
+    return _layout(item.header.ntokens, item.header.layers)
+
+
+@lru_cache(maxsize=64)
+def _layout(n: int, layers: tuple) -> Optional[tuple]:
+    # once per byte layout, not per block (blocks of a hit share one): walking a layer table in Python costs
+    # several times what hashing it does, and a remote hit asks as each block is placed and again for the hit
     out = []
-    n = item.header.ntokens
-    for e in item.header.layers:
+    for e in layers:
         if not isinstance(e, KVSpec) or e.window is not None or e.row_offset != 0:
             return None
         ts = []
@@ -192,7 +199,8 @@ class HostFill:
         self.spec = spec
         self.length = length
         self.dests = _zeros(spec, length)
-        self.views = [[[_np(a) for a in t] for t in layer] for layer in self.dests]  # writable: the arrays' memory
+        # writable, the arrays' memory, as [heads, rows, width]
+        self.views = [[[_np(a)[0] for a in t] for t in layer] for layer in self.dests]
         self.placed: dict[int, object] = {}  # first row -> the item whose rows are there
 
     def place(self, item: Stored, start: int) -> bool:
@@ -220,7 +228,11 @@ class HostFill:
             if h is not None and end > pos:  # every payload byte hashed once, in order
                 h.update(payload[pos:end])
                 pos = end
-            np.copyto(dst[0, :, s : s + n], a.view(payload)[0, :, :n])
+            _, heads, rows, width = a.shape
+            t = a.np_dtype
+            # one call per array (not a view, a reshape and two slices): a block has hundreds of them
+            dst[:, s : s + n] = np.ndarray((heads, n, width), t, payload, a.offset,
+                                           (rows * width * t.itemsize, width * t.itemsize, t.itemsize))
         if h is not None:
             h.update(payload[pos:])
             return h.intdigest() == item.header.checksum  # a bad block's rows are never served

@@ -7,8 +7,8 @@ The data flow, threads included::
                                 --> Feed --> commit thread: Disk.write (LMDB) --> BlockTable.written
                                 --> remote write-behind queue --> remote thread: Redis / Valkey
     fetch (engine thread)   tokens --hash--> BlockTable.walk (+ Disk.discover where it ends)
-                                --> Discovery.find (remote, what the local tiers lack: round trips read
-                                    one ahead, each block checked and placed in the hit's arrays as it comes)
+                                --> Discovery.find (remote, what the local tiers lack: streamed, each
+                                    block checked and placed in the hit's arrays as it comes)
                                 --> Planner.plan (what is worth loading) --> Reader.read:
                                 device copies / RAM / LMDB pages / remote bytes --check, gather--> layers
     promote thread          blocks served from disk --copy--> BlockTable.promote (RAM)

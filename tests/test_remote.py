@@ -481,7 +481,9 @@ def test_cli_stats_and_clear_act_on_one_models_remote_blocks(server, host):
     assert bad.returncode == 2 and "credentials" in bad.stderr and "hunter2" not in bad.stderr
 
 
-def test_the_remote_tier_writes_reads_and_removes_blocks_as_kept(server):
+def test_the_remote_tier_writes_reads_and_removes_blocks_as_kept(server, monkeypatch):
+    import kvstore.tiers.remote as remote_module
+
     tokens = prompt(128, seed=40)
     chain = KeyChain(root_key(MODEL), as_tokens(tokens), BS)
     layers = kv_layers(tokens)
@@ -491,21 +493,34 @@ def test_the_remote_tier_writes_reads_and_removes_blocks_as_kept(server):
         rec = BlockRecord(key=chain.key(i), parent=chain.parent(i), root=chain.root, start=i * BS, length=BS,
                           tokens=as_tokens(tokens[i * BS:(i + 1) * BS]), nbytes=0)
         entries.append(Entry(rec, serialize(Block(rec.tokens, rows), rec.key)))
+    keys, sizes = [e.key for e in entries], [len(e.payload) for e in entries]
+    sent = []  # per read, the commands of each round trip
+    streamed = remote_module.streamed
+    monkeypatch.setattr(remote_module, "streamed",
+                        lambda pool, groups: (sent.append([len(g) for g in groups]), streamed(pool, groups))[1])
     tier = RemoteTier(server.url)
     tier.connect()
     try:
         tier.put_many([(e.record, e.payload) for e in entries])
-        rounds = list(tier.entries([e.key for e in entries]))
-        assert len(rounds) == 1  # sizes unknown: one round trip
-        got = rounds[0]
+        got = list(tier.entries(keys))
+        assert sent[-1] == [2]  # sizes unknown: one round trip
         assert [bytes(p) for _, p in got] == [bytes(e.payload) for e in entries]  # the same bytes back
         assert [BlockRecord.unpack(e.key, r).tokens.tolist() for e, (r, _) in zip(entries, got)] == \
             [e.record.tokens.tolist() for e in entries]
-        # with sizes, round trips of about read_bytes, in order (the next one read while this one is handled)
-        tier.read_bytes = len(entries[0].payload)
-        rounds = list(tier.entries([e.key for e in entries] * 2, [len(e.payload) for e in entries] * 2))
-        assert [[bytes(p) for _, p in r] for r in rounds] == [[bytes(e.payload)] for e in entries] * 2
+        # with sizes, round trips of about read_bytes on one connection, in order, each block handed over as
+        # it comes in
+        tier.read_bytes = sizes[0]
+        got = list(tier.entries(keys * 2, sizes * 2))
+        assert sent[-1] == [1, 1, 1, 1]
+        assert [bytes(p) for _, p in got] == [bytes(e.payload) for e in entries] * 2
+        assert tier.payloads(keys * 2, sizes * 2) == [p for _, p in got] and sent[-1] == [1, 1, 1, 1]
+        # a reader that stops early stops the read; its connection's unread replies never reach the next read
+        it = tier.entries(keys * 3, sizes * 3)
+        assert bytes(next(it)[1]) == bytes(entries[0].payload)
+        it.close()
+        assert [bytes(p) for _, p in tier.entries(keys[::-1], sizes[::-1])] == \
+            [bytes(e.payload) for e in entries[::-1]]
         assert tier.remove([entries[1].key, b"\0" * 16]) == [entries[1].key]
-        assert [p is None for r in tier.entries([e.key for e in entries]) for _, p in r] == [False, True]
+        assert [p is None for _, p in tier.entries(keys)] == [False, True]
     finally:
         tier.close()

@@ -46,7 +46,7 @@ import numpy as np
 
 from ..errors import RemoteConfigError
 from ..record import BlockRecord
-from .resp import pipelined
+from .resp import ahead, streamed
 
 PREFIX = b"kvstore:v1:"  # v1: block bytes of wire format 2 and records of record.RECORD_VERSION 1
 FIELD_PAYLOAD, FIELD_RECORD, FIELD_ROOT = b"p", b"r", b"m"
@@ -155,18 +155,18 @@ class RemoteTier:
     name = "remote"
 
     def __init__(self, url: str, namespace: Optional[str] = None, timeout: float = 0.5,
-                 write_timeout: float = 10.0, read_bytes: int = 64 << 20):
+                 write_timeout: float = 10.0, read_bytes: int = 16 << 20):
         self.url = RemoteURL.parse(url)
         self.namespace = namespace
         self.ns = namespace_tag(namespace).encode()
         self.timeout = timeout
         self.write_timeout = write_timeout
-        self.read_bytes = read_bytes  # payload bytes per pipelined read round trip
+        self.read_bytes = read_bytes  # payload bytes per read round trip (``_read_each``)
         self._connecting = threading.Lock()
         self.reads = None  # short socket timeouts: the engine waits on these
         self.writes = None  # longer ones: large background batches
         self.cluster = False
-        self._pool: Optional[ThreadPoolExecutor] = None  # the read one round trip ahead (``entries``)
+        self._pool: Optional[ThreadPoolExecutor] = None  # reads ahead of the caller (``entries``)
         self._pool_pid = 0
 
     # ---------------------------------------------------------- connection
@@ -294,31 +294,26 @@ class RemoteTier:
     def forget_child(self, root: bytes, parent: bytes, member: bytes) -> None:
         self.reads.zrem(self.kids_name(root, parent), member)
 
-    def entries(self, keys: Sequence[bytes], sizes: Optional[Sequence[int]] = None) -> Iterator[list[tuple]]:
-        """``(record, payload)`` of each block (each as ``records``), a round trip of about ``read_bytes`` at a
-        time (when ``sizes`` are known). While the caller handles one round trip's blocks, the next is in flight
-        on a second connection. A caller that stops early leaves at most that one read."""
-        chunks = list(_chunks(keys, sizes, self.read_bytes))
+    def entries(self, keys: Sequence[bytes], sizes: Optional[Sequence[int]] = None) -> Iterator[tuple]:
+        """``(record, payload)`` of each block (each as ``records``), handed over as soon as it is parsed while
+        a second thread reads the next ones (``_read_each``). A caller that stops early stops the read."""
+        replies = ahead(self._read_ahead(), self._read_each("hmget", keys, sizes, FIELD_RECORD, FIELD_PAYLOAD))
+        return (tuple(r) if isinstance(r, list) else (r, r) for r in replies)
+
+    def _read_each(self, command: str, keys: Sequence[bytes], sizes: Optional[Sequence[int]], *args) -> Iterator:
+        """``_each`` of ``keys`` on ``reads`` for replies holding payloads, in round trips of about
+        ``read_bytes`` (when ``sizes`` are known), the next one sent before this one is read; each reply is
+        handed over as it is parsed, and lands once, in a reused buffer (``resp``). A cluster's routing stays
+        redis-py's."""
+        chunks = [[self.key_name(k) for k in c] for c in _chunks(keys, sizes, self.read_bytes)]
         if not chunks:
             return
-        pool = self._read_ahead()
-        nxt = pool.submit(self._entries, chunks[0])
-        for i in range(len(chunks)):
-            got = nxt.result()
-            if i + 1 < len(chunks):
-                nxt = pool.submit(self._entries, chunks[i + 1])
-            yield got
-
-    def _entries(self, keys: Sequence[bytes]) -> list[tuple]:
-        return [tuple(r) if isinstance(r, list) else (r, r)
-                for r in self._read_each("hmget", [self.key_name(k) for k in keys], FIELD_RECORD, FIELD_PAYLOAD)]
-
-    def _read_each(self, command: str, names: Sequence[bytes], *args) -> list:
-        """``_each`` on ``reads`` for replies holding payloads: each lands once, in a reused buffer
-        (``resp``). A cluster's routing stays redis-py's."""
         if self.cluster or getattr(self.reads, "connection_pool", None) is None:
-            return self._each(self.reads, command, names, *args)
-        return _per_key(pipelined(self.reads.connection_pool, [(command.upper(), n, *args) for n in names]))
+            for names in chunks:
+                yield from self._each(self.reads, command, names, *args)
+            return
+        for r in streamed(self.reads.connection_pool, [[(command.upper(), n, *args) for n in c] for c in chunks]):
+            yield _per_key([r])[0]
 
     def _read_ahead(self) -> ThreadPoolExecutor:
         with self._connecting:
@@ -329,8 +324,7 @@ class RemoteTier:
 
     def payloads(self, keys: Sequence[bytes], sizes: Optional[Sequence[int]] = None) -> list:
         """Each block's bytes (as ``records``)."""
-        return [p for chunk in _chunks(keys, sizes, self.read_bytes)
-                for p in self._read_each("hget", [self.key_name(k) for k in chunk], FIELD_PAYLOAD)]
+        return list(self._read_each("hget", keys, sizes, FIELD_PAYLOAD))
 
     def put_many(self, items: Sequence[tuple[BlockRecord, object]]) -> None:
         """Write ``(record, payload)`` blocks, and list each under its parent, in one pipeline."""

@@ -1,4 +1,5 @@
-"""The replies of a pipelined block read, parsed off the socket here.
+"""The replies of a pipelined block read, parsed off the socket here and
+handed over one by one as they come in.
 
 redis-py's parser (hiredis) makes a ``bytes`` of each value: fresh memory,
 page-faulted in as it is filled, then copied into. Here a large value is
@@ -10,37 +11,95 @@ pageable one: making page-locked memory would stall the GPU mid-request)
 HGET/HMGET in RESP2 or RESP3 (bulk strings, nulls, arrays, errors;
 integers and simple strings for completeness). The connection is redis-py's (connected,
 authenticated, TLS); a reply that cannot be parsed leaves it disconnected.
+
+A read streams: a thread reads ahead of the caller (``ahead``) and hands
+over each reply as soon as it is parsed (``streamed``), with the next round
+trip already queued on the server, so a remote hit checks and places one
+block while the next is on the wire and the server is never idle between
+round trips.
 """
 
 from __future__ import annotations
 
-from typing import Any
+import queue
+import threading
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, Generator, Iterator, Sequence
 
 from .. import buffers
 
 _SMALL = 1 << 16  # values up to this size are sliced out of the read buffer
 
 
-def pipelined(pool, commands: list[tuple]) -> list[Any]:
-    """The replies to ``commands``, sent in one round trip on a connection
-    of redis-py's ``pool``."""
+def streamed(pool, groups: Sequence[list[tuple]]) -> Iterator[Any]:
+    """The replies to ``groups`` of commands, on one connection of redis-py's
+    ``pool``, each handed over as soon as it is parsed (the caller works on
+    one while the next is on the wire). A group is sent once the replies of
+    the one before start to arrive: the server then has it queued when it is
+    done with those (never idle between round trips) and holds at most two
+    groups' replies; sent at once, the first reply would wait for the second
+    group's to be made. Closed before the last reply, the connection is
+    dropped: the rest must not be read as the next call's."""
     import redis
 
     try:
         conn = pool.get_connection()
     except TypeError:  # redis-py before 5.3 requires the command's name
-        conn = pool.get_connection(commands[0][0])
+        conn = pool.get_connection(groups[0][0][0])
     try:
-        conn.send_packed_command(conn.pack_commands(commands))
+        conn.send_packed_command(conn.pack_commands(groups[0]))
         sock = getattr(conn, "_sock", None)
         if sock is None:
             raise ConnectionError("redis-py's connection has no socket attribute: an unsupported version")
-        return Replies(sock, redis.ResponseError).read(len(commands))
+        replies = Replies(sock, redis.ResponseError)
+        for i, group in enumerate(groups):
+            if i + 1 < len(groups):
+                replies.wait()
+                conn.send_packed_command(conn.pack_commands(groups[i + 1]))
+            for _ in group:
+                yield replies.next()
+        replies.end()
     except BaseException:
-        conn.disconnect()  # a reply cut or unparsed: its rest must not be read as the next one
+        conn.disconnect()  # a reply cut, unparsed or left unread: its rest must not be read as the next one
         raise
     finally:
         pool.release(conn)
+
+
+_END = object()
+
+
+def ahead(pool: ThreadPoolExecutor, items: Generator) -> Iterator:
+    """``items``, made on ``pool``'s thread and each handed over as soon as
+    it is ready: the caller works on one while the next is read. A caller
+    that stops early stops the thread at its next item (a read left
+    unfinished drops its connection: ``streamed``)."""
+    got: "queue.SimpleQueue" = queue.SimpleQueue()
+    stop = threading.Event()
+
+    def make() -> None:
+        try:
+            for item in items:
+                if stop.is_set():
+                    break
+                got.put((True, item))
+            got.put((True, _END))
+        except BaseException as e:  # raised in the caller's thread
+            got.put((False, e))
+        finally:
+            items.close()
+
+    pool.submit(make)
+    try:
+        while True:
+            ok, item = got.get()
+            if not ok:
+                raise item
+            if item is _END:
+                return
+            yield item
+    finally:
+        stop.set()
 
 
 class ProtocolError(Exception):
@@ -54,12 +113,18 @@ class Replies:
         self.buf = bytearray(_SMALL * 4)
         self.lo = self.hi = 0
 
-    def read(self, n: int) -> list[Any]:
-        """The next ``n`` replies."""
-        out = [self._reply() for _ in range(n)]
+    def wait(self) -> None:
+        """Until some bytes of the next reply are here."""
+        if self.lo == self.hi:
+            self._more()
+
+    def next(self) -> Any:
+        return self._reply()
+
+    def end(self) -> None:
+        """Raise if the server sent more than was asked for."""
         if self.lo != self.hi:
             raise ProtocolError(f"{self.hi - self.lo} bytes after the last reply")
-        return out
 
     def _reply(self) -> Any:
         line = self._line()
