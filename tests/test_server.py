@@ -1,7 +1,6 @@
 """`kvstore serve` is mlx-lm's server on the store: a real process on loopback."""
 
 import json
-import os
 import signal
 import socket
 import subprocess

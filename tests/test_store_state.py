@@ -11,7 +11,6 @@ reopen and budget changes keeps the store's promises.
 
 from __future__ import annotations
 
-import itertools
 import tempfile
 from dataclasses import dataclass
 from typing import Optional

@@ -2,8 +2,6 @@
 
 import hashlib
 import json
-import pathlib
-import sys
 
 import pytest
 

@@ -5,7 +5,6 @@ passes ``kvstore verify``, and still holds every prompt flushed before the kill.
 
 from __future__ import annotations
 
-import os
 import random
 import signal
 import subprocess

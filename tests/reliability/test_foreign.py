@@ -44,7 +44,6 @@ def _expect_open_error(path: Path, *phrases: str) -> str:
         for ph in phrases:
             assert ph in msg, msg
     for cmd in (["verify", str(path)], ["inspect", str(path)], ["verify", str(path), "--repair"]):
-        import subprocess
         p = subprocess.run(D.kvstore_cli() + cmd, capture_output=True, text=True, timeout=60,
                            env=dict(os.environ, COLUMNS="300"))
         assert p.returncode == 2 and str(path) in " ".join((p.stdout + p.stderr).split()) \
@@ -128,7 +127,6 @@ def test_store_of_another_format_version(tmp_path, fmt):
     assert "new ssd_path" in msg
     assert _snapshot(path) == before
     for cmd in re.findall(r"`(kvstore [^`]+)`", msg):  # a command it suggests must do what it says
-        import subprocess
         p = subprocess.run(D.kvstore_cli() + cmd.split()[1:], capture_output=True, text=True, timeout=60)
         assert p.returncode == 0, f"the suggested `{cmd}` fails: {p.stdout}{p.stderr}"
         with PrefixStore(ssd_path=path, block_size=D.BLOCK):
