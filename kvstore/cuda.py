@@ -3,18 +3,17 @@
 mlx's CUDA backend has no host->device copy of its own. What its kernels
 make lives in device memory until its address is first taken (the buffer
 protocol, as ``np.asarray`` uses it): mlx then moves it into managed memory
-(``cudaMallocManaged``) with a copy, about 34 ms per GiB on an H200, and the
-host sees it there; a host-filled array reaches the GPU by page faults when a
-kernel first reads it (~2 GB/s on an H100). The copy engine is what moves
-bytes fast: ``cudaMemcpyAsync`` from pinned host memory into an mlx buffer
-ran at 47-51 GB/s (``tools/gpu_routes.py``, ``tools/ram_hit_profile.py``), so
-hits land in a buffer whose address was taken once and is reused
-(``landing``); ``cudaMemPrefetchAsync`` of managed pages only reached 2.2
-GB/s, so it serves background moves (promotion) alone. This module finds the
-runtime mlx already loaded (the library mapped into the process, so the
-context is mlx's own) and calls it through ctypes; ``runtime()`` is ``None``
-wherever there is no CUDA (the CPU, Apple silicon), and callers then do
-nothing.
+(``cudaMallocManaged``) with a copy, which costs about as much as the
+transfer itself, and the host sees it there; a host-filled array reaches the
+GPU by page faults when a kernel first reads it, far below the bus. The copy
+engine is what moves bytes at the bus (``cudaMemcpyAsync`` from pinned host
+memory), so hits land in a buffer whose address was taken once and is
+reused (``landing``); ``cudaMemPrefetchAsync`` of managed pages is slow too,
+so it serves background moves (promotion) alone. Figures:
+docs/benchmarks.md, "The hot path at the bus". This module finds the runtime
+mlx already loaded (the library mapped into the process, so the context is
+mlx's own) and calls it through ctypes; ``runtime()`` is ``None`` wherever
+there is no CUDA (the CPU, Apple silicon), and callers then do nothing.
 """
 
 from __future__ import annotations
@@ -220,7 +219,7 @@ def landing(nbytes: int) -> Iterator[tuple[mx.array, int]]:
     """A GPU buffer of at least ``nbytes`` (uint8) for the copy engine to
     write into, and its address. mlx keeps what its kernels make in device
     memory and moves a buffer into managed memory, with a copy, the first
-    time its address is taken (~34 ms per GiB on an H200), so landing
+    time its address is taken (as slow as the transfer), so landing
     buffers are made once and reused, as many as hits ran at once."""
     try:
         buf, addr = _landing.get_nowait()

@@ -11,8 +11,8 @@ engine, and each tensor is one plain copy on the GPU from there.
 That copy is there because of where the copy engine can write. mlx keeps
 what its kernels make in device memory, and the first time an array's
 address is taken it moves the array into managed memory with a copy, which
-cost about as much as the transfer (docs/benchmarks.md, "The hot path at the
-bus"). So blocks land in a buffer kept for that (``cuda.landing``), as many
+costs about as much as the transfer (docs/benchmarks.md, "The hot path at
+the bus"). So blocks land in a buffer kept for that (``cuda.landing``), as many
 at a time as it holds, and the arrays handed over are new ones made from it
 on the GPU, whose addresses nobody takes.
 
