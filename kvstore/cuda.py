@@ -226,13 +226,11 @@ def landing(nbytes: int) -> Iterator[tuple[mx.array, int]]:
     except queue.Empty:
         buf = addr = None
     if buf is None or buf.size < nbytes:
-        buf = mx.zeros((max(nbytes, min(LANDING, 256 << 20)),), mx.uint8)
+        buf = mx.zeros((max(nbytes, min(LANDING, 256 << 20 if buf is None else 2 * buf.size)),), mx.uint8)
         mx.eval(buf)
         addr = address(buf)
-    try:
-        yield buf, addr
-    finally:
-        _landing.put((buf, addr))
+    yield buf, addr
+    _landing.put((buf, addr))  # not after an error: a copy could still be landing in it
 
 
 def upload(rt: Runtime, dst: int, src: memoryview) -> None:

@@ -286,12 +286,11 @@ def _fill_device(items, spans, spec, length, keep_on_device: bool = False):
             j += 1
         with cuda.landing(size) as (buf, base):
             bad = _land(items[i:j], offsets, base)
-            stop = j if bad is None else i + bad
+            if bad is not None:
+                return [], i + bad, []
             data = mx.array(buf[:size]) if keep_on_device else buf[:size]  # the device tier's: a copy of its own
-            new = _cut(items[i:stop], spans[i:stop], data, offsets, pieces, not keep_on_device)
+            new = _cut(items[i:j], spans[i:j], data, offsets, pieces, not keep_on_device)
             mx.eval(new + [data])  # done with the landing buffer before it is used again
-        if bad is not None:
-            return [], i + bad, []
         if keep_on_device:
             for k in range(i, j):
                 it = items[k]

@@ -67,8 +67,7 @@ def gather(items: Sequence, spans: Sequence[tuple[int, int]], kind: tuple[str, i
     _, heads, dim = kind
     tensors = 2 * len(items[0].header.layers)
     on = items[0].arrays if isinstance(items[0], DeviceBlock) else None
-    if on is not None and all(isinstance(it, DeviceBlock) and it.arrays is on and it.row == s
-                              for it, (s, _) in zip(items, spans)):
+    if on is not None and all(isinstance(it, DeviceBlock) and it.arrays is on for it in items):
         return _layers(on.tensors, length), None, [None] * len(items)  # kept as they are: no copy
     line = dim * dtype.size  # bytes of one row of one head
     pieces: list[list[mx.array]] = [[] for _ in range(tensors)]
@@ -76,9 +75,8 @@ def gather(items: Sequence, spans: Sequence[tuple[int, int]], kind: tuple[str, i
     while i < len(items):
         j = i + 1
         if isinstance(items[i], DeviceBlock):  # rows already in GPU memory: sliced there
-            while (j < len(items) and isinstance(items[j], DeviceBlock) and items[j].arrays is items[i].arrays
-                   and items[j].row == items[j - 1].row + items[j - 1].header.ntokens):
-                j += 1
+            while j < len(items) and isinstance(items[j], DeviceBlock) and items[j].arrays is items[i].arrays:
+                j += 1  # (a block's row there is its place in the prompt: consecutive blocks, consecutive rows)
             a, b = items[i].row, items[j - 1].row + items[j - 1].header.ntokens
             for p, x in zip(pieces, items[i].arrays.tensors):
                 p.append(x[..., a:b, :])
@@ -96,8 +94,7 @@ def gather(items: Sequence, spans: Sequence[tuple[int, int]], kind: tuple[str, i
     out = HitArrays([p[0] if len(p) == 1 else mx.concatenate(p, axis=2) for p in pieces])
     mx.eval(out.tensors)
     kept: list = [None] * len(items)
-    fresh = any(not isinstance(it, DeviceBlock) for it in items) or max(map(len, pieces)) > 1
-    if keep and fresh:  # the next hit of these blocks gets views of these arrays
+    if keep:  # the next hit of these blocks gets views of these arrays
         for i, it in enumerate(items):
             s = spans[i][0]
             if isinstance(it, DeviceBlock):

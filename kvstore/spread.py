@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import os
 import threading
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor, wait
 from typing import Callable, Sequence, TypeVar
 
 import mlx.core as mx
@@ -87,7 +87,9 @@ def each(fn: Callable[[int], T], n: int) -> list[T]:
     every device."""
     if n < 2 or workers() < 2:
         return [fn(i) for i in range(n)]
-    return list(pool().map(fn, range(n)))
+    futures = [pool().submit(fn, i) for i in range(n)]
+    wait(futures)  # every one finished before an error is raised: callers free what the others still use
+    return [f.result() for f in futures]
 
 
 def spread(work: Sequence[Callable[[], T]]) -> list[T]:

@@ -57,23 +57,44 @@ def test_a_hit_keeps_device_copies_and_the_next_hit_is_cut_from_them(on_gpu):
 
 
 def test_device_copies_stay_under_their_budget_least_recently_used_first(on_gpu):
+    """The budget counts the GPU memory held: a hit's arrays count whole
+    while any of their blocks is kept (none of it is freed before the last
+    one leaves), so b's arrays take the room of all of a's."""
     a, b = toks(2 * BS), toks(2 * BS, start=5000)
     with _store(device_budget_gb=0.01) as s:
         for p in (a, b):
             s.put(M, p, kv_layers(p, heads=2, dim=64))
         s.flush()
         s.fetch(M, a)
-        per_block = s.stats()["device_bytes"] // 2
-    with _store(device_budget_gb=3 * per_block / (1 << 30)) as s:
+        arrays = s.stats()["device_bytes"]
+    with _store(device_budget_gb=1.5 * arrays / (1 << 30)) as s:
         for p in (a, b):
             s.put(M, p, kv_layers(p, heads=2, dim=64))
         s.flush()
         s.fetch(M, a)
-        s.fetch(M, b)  # room for one of a's blocks beside b's two
+        s.fetch(M, b)
         st = s.stats()
-        assert st["device_blocks"] == 3 and st["device_bytes"] <= st["device_budget"]
+        assert st["device_blocks"] == 2 and st["device_bytes"] == arrays <= st["device_budget"]
         assert_hit_is(s.fetch(M, a), a, 2 * BS, heads=2, dim=64)
         assert_hit_is(s.fetch(M, b), b, 2 * BS, heads=2, dim=64)
+
+
+def test_conversations_sharing_a_prefix_are_counted_for_the_memory_they_hold(on_gpu):
+    """Each conversation's hit copies the shared prefix into its own arrays;
+    the older arrays stay while blocks of theirs are kept, and the budget
+    says so: what it counts is what the kept blocks' arrays hold."""
+    shared = toks(3 * BS)
+    prompts = [shared + toks(BS, start=7000 + 1000 * i) for i in range(4)]
+    with _store(device_budget_gb=0.01) as s:
+        for p in prompts:
+            s.put(M, p, kv_layers(p, heads=2, dim=64))
+        s.flush()
+        for p in prompts:
+            assert_hit_is(s.fetch(M, p), p, 4 * BS, heads=2, dim=64)
+            held = {id(d.arrays): sum(t.nbytes for t in d.arrays.tensors) for d in s._table._dev._blocks.values()}
+            st = s.stats()
+            assert st["device_bytes"] == sum(held.values()) <= st["device_budget"]
+        assert len(held) > 1  # the first conversations' own blocks still hold their arrays
 
 
 def test_trim_device_frees_the_copies_and_hits_go_on_from_ram(on_gpu):

@@ -39,3 +39,21 @@ def test_work_runs_on_worker_threads_without_a_cap():
     values, names = _run(6)
     assert values == list(range(6))
     assert names and all(n.startswith("kvstore-spread") for n in names)
+
+
+@pytest.mark.skipif((os.cpu_count() or 1) < 2, reason="needs 2 CPU cores")
+def test_each_raises_only_once_every_task_has_finished():
+    """A caller frees what its tasks use (a landing buffer) when ``each``
+    returns or raises: no task may still be running then."""
+    finished = threading.Event()
+
+    def task(i):
+        if i == 0:
+            raise RuntimeError("a bad block")
+        finished.wait(0.2)  # still running when task 0 has failed
+        finished.set()
+        return i
+
+    with pytest.raises(RuntimeError, match="a bad block"):
+        spread.each(task, 2)
+    assert finished.is_set()

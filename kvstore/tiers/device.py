@@ -8,8 +8,8 @@ upload buffer, each block its payload bytes laid out as on disk, from which
 the next hit cuts its layers on the GPU (``gather``). A later hit of the same
 blocks at the same rows gets views of the arrays, so the engine's own
 first write is the only device-side copy. Blocks of one hit share its memory,
-which is freed once its last block leaves (the budget counts each block's
-own bytes). A block is always also in RAM or on disk: the tier is a cache
+which is freed once its last block leaves, so the budget counts it whole
+while any of them is kept. A block is always also in RAM or on disk: the tier is a cache
 over them, and any block may leave it. On Apple silicon and CPUs memory is
 one: the RAM tier is the device tier there and this one stays empty (budget
 0). The ``BlockTable`` owns it.
@@ -34,10 +34,6 @@ class HitArrays:
     values, each ``[1, heads, rows, dim]``, rows of several blocks."""
 
     tensors: list[mx.array]
-
-    @property
-    def rows(self) -> int:
-        return self.tensors[0].shape[2]
 
 
 @dataclass
@@ -80,10 +76,15 @@ class DeviceBlock:
 
 
 class DeviceTier:
+    """Blocks in GPU memory under a budget of the memory they hold: the
+    arrays (or buffer) a block lies in count whole while any of its blocks
+    is kept, since none of it is freed before the last one leaves."""
+
     def __init__(self, budget_bytes: int):
         self.budget = int(budget_bytes)
         self.nbytes = 0
         self._blocks: "OrderedDict[bytes, DeviceBlock]" = OrderedDict()
+        self._held: dict[int, list] = {}  # id of the memory blocks lie in -> [its bytes, blocks kept in it]
 
     def get(self, key: bytes) -> Optional[DeviceBlock]:
         return self._blocks.get(key)
@@ -91,27 +92,41 @@ class DeviceTier:
     def __len__(self) -> int:
         return len(self._blocks)
 
+    @staticmethod
+    def _memory(block: DeviceBlock) -> tuple[int, int]:
+        if block.arrays is not None:
+            return id(block.arrays), sum(t.nbytes for t in block.arrays.tensors)
+        return id(block.data), block.data.nbytes
+
     def add(self, block: DeviceBlock, pinned: Callable[[bytes], bool]) -> bool:
         """Keep ``block``, evicting the least recently used blocks not
         ``pinned`` to make room; False when it does not fit."""
-        if block.nbytes > self.budget:
+        mem, size = self._memory(block)
+        if size > self.budget:
             return False
         self.pop(block.key)
         for key in list(self._blocks):
-            if self.nbytes + block.nbytes <= self.budget:
+            if self.nbytes + (0 if mem in self._held else size) <= self.budget:
                 break
             if not pinned(key):
                 self.pop(key)
-        if self.nbytes + block.nbytes > self.budget:
+        cost = 0 if mem in self._held else size
+        if self.nbytes + cost > self.budget:
             return False
         self._blocks[block.key] = block
-        self.nbytes += block.nbytes
+        self._held.setdefault(mem, [size, 0])[1] += 1
+        self.nbytes += cost
         return True
 
     def pop(self, key: bytes) -> None:
         block = self._blocks.pop(key, None)
         if block is not None:
-            self.nbytes -= block.nbytes
+            mem, _ = self._memory(block)
+            held = self._held[mem]
+            held[1] -= 1
+            if held[1] == 0:
+                del self._held[mem]
+                self.nbytes -= held[0]
 
     def touch(self, keys: Iterable[bytes]) -> None:
         for key in keys:
