@@ -240,19 +240,7 @@ def upload(rt: Runtime, dst: int, src: memoryview) -> None:
     if is_pinned(src):
         upload_pinned(rt, [(dst, src)])
         return
-    src = np.frombuffer(src, np.uint8)
-    with _staging(rt) as (stream, bufs):
-        pending = [False, False]
-        for j, off in enumerate(range(0, len(src), STAGE)):
-            k = j % 2
-            if pending[k]:
-                rt.sync(stream)  # the transfer that used this buffer is done
-                pending = [False, False]
-            n = min(STAGE, len(src) - off)
-            np.copyto(bufs[k][:n], src[off : off + n])
-            rt.copy(dst + off, bufs[k].ctypes.data, n, stream)
-            pending[k] = True
-        rt.sync(stream)
+    upload_lines(rt, src, 1, lambda at, first, n, stream: rt.copy(dst + first, at, n, stream))  # lines of a byte
 
 
 def upload_pinned(rt: Runtime, moves: list[tuple[int, memoryview]]) -> None:
@@ -283,7 +271,7 @@ def upload_lines(rt: Runtime, src: memoryview, pitch: int, send: Callable[[int, 
         for j, first in enumerate(range(0, len(src) // pitch, per)):
             k = j % 2
             if pending[k]:
-                rt.sync(stream)
+                rt.sync(stream)  # the transfer that used this buffer is done
                 pending = [False, False]
             part = src[first * pitch : (first + per) * pitch]
             np.copyto(bufs[k][: len(part)], part)

@@ -10,14 +10,14 @@ checksum verified by the thread that moves it:
 
 - **host memory** (the CPU, Apple silicon): each block's rows are copied from
   the mapped pages straight into the final per-layer arrays;
-- **CUDA** (mlx keeps arrays in managed memory and has no host->device copy):
-  dense layers go straight into the final arrays by strided copies on the
-  copy engine (``kvstore.rowcopy``); other layouts (quantized) go, block by
-  block, to one device buffer, and the layers are cut out of it on the GPU.
-  Blocks of one layout are a ``[blocks, bytes]`` matrix whose column ranges
-  are one layer's arrays, so one strided view per layer and part replaces a
-  concatenation of per-block pieces. Pageable bytes (LMDB's pages) go through
-  pinned staging buffers (``kvstore.cuda``).
+- **CUDA** (mlx has no host->device copy): blocks land on the copy engine in
+  a reused buffer (``cuda.landing``) and the arrays handed over are copied
+  out of it on the GPU. Dense layers land at their rows of every tensor by
+  strided copies (``kvstore.rowcopy``); other layouts (quantized) land block
+  by block and are cut there: blocks of one layout are a ``[blocks, bytes]``
+  matrix whose column ranges are one layer's arrays, so one strided view per
+  layer and part replaces a concatenation of per-block pieces. Pageable bytes
+  (LMDB's pages) go through pinned staging buffers (``kvstore.cuda``).
 
 Quantized parts are assembled per layer before anything is dequantized.
 Anything else (state snapshots, sliding windows, mixed settings, an engine
@@ -292,10 +292,7 @@ def _fill_device(items, spans, spec, length, keep_on_device: bool = False):
             new = _cut(items[i:j], spans[i:j], data, offsets, pieces, not keep_on_device)
             mx.eval(new + [data])  # done with the landing buffer before it is used again
         if keep_on_device:
-            for k in range(i, j):
-                it = items[k]
-                kept[k] = DeviceBlock(it.key, it.start, it.header, len(it.payload),
-                                      bytes(it.buf[: it.header.payload_start]), it.tokens.copy(), data, offsets[k - i])
+            kept[i:j] = [DeviceBlock.kept(it, data=data, offset=o) for it, o in zip(items[i:j], offsets)]
         i = j
     out = [[[p[0] if len(p) == 1 else mx.concatenate(p, axis=2) for p in tp] for tp in lp] for lp in pieces]
     mx.eval([a for lp in out for tp in lp for a in tp])
@@ -303,26 +300,15 @@ def _fill_device(items, spans, spec, length, keep_on_device: bool = False):
 
 
 def _land(items: Sequence[Stored], offsets: Sequence[int], base: int) -> Optional[int]:
-    """Host blocks to GPU address ``base`` + their offsets: RAM's (page-locked,
-    checked) on one stream back to back (task 0), LMDB's pages checked and
-    staged block by block on the other threads meanwhile. The index of the
-    first block whose checksum failed, if any."""
+    """Host blocks to GPU address ``base`` + their offsets (``rowcopy.move_blocks``);
+    the index of the first block whose checksum failed, if any."""
     rt = cuda.runtime()
-    pinned = [it.checked and cuda.is_pinned(it.buf) for it in items]
-    rest = [k for k in range(len(items)) if not pinned[k]]
 
-    def move(k: int) -> bool:
-        if k == 0:
-            cuda.upload_pinned(rt, [(base + o, it.payload) for it, o, p in zip(items, offsets, pinned) if p])
-            return True
-        item = items[rest[k - 1]]
-        if not item.intact():
-            return False
-        cuda.upload(rt, base + offsets[rest[k - 1]], item.payload)
-        return True
+    def queue(k: int, stream) -> None:
+        a = np.frombuffer(items[k].payload, np.uint8)
+        rt.copy(base + offsets[k], a.ctypes.data, len(a), stream)
 
-    ok = each(move, len(rest) + 1)[1:]
-    return next((k for k, good in zip(rest, ok) if not good), None)
+    return rowcopy.move_blocks(items, queue, lambda k: cuda.upload(rt, base + offsets[k], items[k].payload))
 
 
 def _cut(items: Sequence, spans: Sequence[tuple[int, int]], data: mx.array, offsets: Sequence[int], pieces: list,

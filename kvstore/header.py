@@ -182,6 +182,10 @@ class Header:
     tokens: ArraySpec
     layers: tuple[LayerSpec, ...]
 
+    def kv_arrays(self) -> list[ArraySpec]:
+        """Every array of its attention layers, layer by layer, keys then values."""
+        return [a for e in self.layers for t in (e.keys, e.values) for a in t.arrays]
+
 
 # ------------------------------------------------------------------- reading
 

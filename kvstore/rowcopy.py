@@ -23,7 +23,7 @@ other hits are sliced from theirs on the GPU.
 
 from __future__ import annotations
 
-from typing import Optional, Sequence
+from typing import Callable, Optional, Sequence
 
 import mlx.core as mx
 import numpy as np
@@ -48,15 +48,11 @@ def dense(items: Sequence, spec: tuple) -> Optional[tuple[str, int, int]]:
             if it.arrays is None:  # (kept by the block-buffer path)
                 return None
             continue
-        offsets = [a.offset for a in _arrays(it)]
+        offsets = [a.offset for a in it.header.kv_arrays()]
         size = it.header.layers[0].keys.arrays[0].nbytes
         if size // kind[0][1] > cuda.STAGE or offsets != list(range(offsets[0], offsets[0] + len(offsets) * size, size)):
             return None
     return kind[0]
-
-
-def _arrays(item) -> list:
-    return [a for e in item.header.layers for t in (e.keys, e.values) for a in t.arrays]
 
 
 def gather(items: Sequence, spans: Sequence[tuple[int, int]], kind: tuple[str, int, int], dtype: mx.Dtype,
@@ -95,13 +91,7 @@ def gather(items: Sequence, spans: Sequence[tuple[int, int]], kind: tuple[str, i
     mx.eval(out.tensors)
     kept: list = [None] * len(items)
     if keep:  # the next hit of these blocks gets views of these arrays
-        for i, it in enumerate(items):
-            s = spans[i][0]
-            if isinstance(it, DeviceBlock):
-                kept[i] = DeviceBlock(it.key, it.start, it.header, it.size, it.head, it.tokens, arrays=out, row=s)
-            else:
-                kept[i] = DeviceBlock(it.key, it.start, it.header, len(it.payload),
-                                      bytes(it.buf[: it.header.payload_start]), it.tokens.copy(), arrays=out, row=s)
+        kept = [DeviceBlock.kept(it, arrays=out, row=s) for it, (s, _) in zip(items, spans)]
     return _layers(out.tensors, length), None, kept
 
 
@@ -117,32 +107,18 @@ def _land(items: Sequence, starts: Sequence[int], rows: int, nlines: int, line: 
         def send(src: int, spitch: int, first: int, count: int, row: int, stream) -> None:
             rt.copy2d(base + first * pitch + row * line, pitch, src, spitch, spitch, count, stream)
 
-        def pinned(it) -> bool:
-            return it.checked and cuda.is_pinned(it.buf)
+        def queue(k: int, stream) -> None:
+            it = items[k]
+            src = np.frombuffer(it.payload, np.uint8).ctypes.data + it.header.kv_arrays()[0].offset
+            send(src, it.header.ntokens * line, 0, nlines, starts[k], stream)
 
-        queued = [k for k, it in enumerate(items) if pinned(it)]  # one stream, back to back
-        staged = [k for k, it in enumerate(items) if not pinned(it)]  # checked and staged on the other threads
-
-        def move(k: int) -> bool:
-            if k == 0:
-                with cuda.one_stream(rt) as stream:
-                    for q in queued:
-                        it = items[q]
-                        width = it.header.ntokens * line
-                        src = np.frombuffer(it.payload, np.uint8).ctypes.data + _arrays(it)[0].offset
-                        send(src, width, 0, nlines, starts[q], stream)
-                return True
-            it = items[staged[k - 1]]
-            if not it.intact():
-                return False
-            width = it.header.ntokens * line
-            off = _arrays(it)[0].offset
+        def stage(k: int) -> None:
+            it = items[k]
+            width, off = it.header.ntokens * line, it.header.kv_arrays()[0].offset
             cuda.upload_lines(rt, it.payload[off : off + nlines * width], width,
-                              lambda a, f, c, st: send(a, width, f, c, starts[staged[k - 1]], st))
-            return True
+                              lambda at, first, n, stream: send(at, width, first, n, starts[k], stream))
 
-        ok = each(move, len(staged) + 1)[1:]
-        bad = next((k for k, good in zip(staged, ok) if not good), None)
+        bad = move_blocks(items, queue, stage)
         if bad is not None:
             return bad
         heads = nlines // len(pieces)
@@ -152,6 +128,31 @@ def _land(items: Sequence, starts: Sequence[int], rows: int, nlines: int, line: 
     for p, x in zip(pieces, new):
         p.append(x)
     return None
+
+
+def move_blocks(items: Sequence, queue: Callable[[int, object], None], stage: Callable[[int], None]) -> Optional[int]:
+    """Host blocks to the GPU: RAM's (page-locked, checked) queued on one
+    stream back to back (``queue(k, stream)``, one task: the copy engine
+    never idles between them), LMDB's pages checked and staged block by block
+    on the other threads meanwhile (``stage(k)``). The index of the first
+    block whose checksum failed, if any."""
+    pinned = [it.checked and cuda.is_pinned(it.buf) for it in items]
+    staged = [k for k, p in enumerate(pinned) if not p]
+
+    def move(task: int) -> bool:
+        if task == 0:
+            with cuda.one_stream(cuda.runtime()) as stream:
+                for k in (k for k, p in enumerate(pinned) if p):
+                    queue(k, stream)
+            return True
+        k = staged[task - 1]
+        if not items[k].intact():
+            return False
+        stage(k)
+        return True
+
+    ok = each(move, len(staged) + 1)[1:]
+    return next((k for k, good in zip(staged, ok) if not good), None)
 
 
 def _layers(tensors: list[mx.array], length: int) -> list:

@@ -57,6 +57,15 @@ class DeviceBlock:
     def nbytes(self) -> int:
         return self.size
 
+    @classmethod
+    def kept(cls, item, **where) -> "DeviceBlock":
+        """``item`` (a ``Stored`` block, or a ``DeviceBlock`` kept elsewhere)
+        as it now lies on the GPU: ``data``/``offset`` or ``arrays``/``row``."""
+        if isinstance(item, DeviceBlock):
+            return cls(item.key, item.start, item.header, item.size, item.head, item.tokens, **where)
+        return cls(item.key, item.start, item.header, len(item.payload), bytes(item.buf[: item.header.payload_start]),
+                   item.tokens.copy(), **where)
+
     def to_stored(self) -> Stored:
         """The block as host bytes (for the rare layouts gathered block by block)."""
         if self.arrays is None:
@@ -66,8 +75,7 @@ class DeviceBlock:
             tok = self.header.tokens
             payload[tok.offset : tok.offset + tok.nbytes] = self.tokens.astype(tok.np_dtype).view(np.uint8)
             n = self.header.ntokens
-            arrays = [a for e in self.header.layers for t in (e.keys, e.values) for a in t.arrays]
-            for i, a in enumerate(arrays):
+            for i, a in enumerate(self.header.kv_arrays()):
                 x = self.arrays.tensors[i][..., self.row : self.row + n, :]
                 x = np.array(x.view(mx.uint16) if x.dtype == mx.bfloat16 else x)
                 payload[a.offset : a.offset + a.nbytes] = x.reshape(-1).view(np.uint8)
