@@ -90,5 +90,6 @@ def test_blocks_read_from_ssd_respect_the_ram_budget(ssd):
     s.close()
     s = ssd(budget_gb=2.5 * BLOCK_BYTES / GB)
     assert_hit_is(s.fetch(M, p), p, 40)
+    s.flush()  # promotion runs on a thread of its own; flush waits for it
     st = s.stats()
     assert 0 < st["ram_bytes"] <= st["ram_budget"]
