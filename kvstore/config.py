@@ -92,7 +92,8 @@ class StoreConfig:
     write_seconds: float = 1.0
     # Bytes of queued puts past which a put is done in the caller (None: max(256 MiB, the RAM budget)).
     max_pending_bytes: Optional[int] = None
-    # Rows of a layer quantized at once on the host, then cut into blocks (quantizing works row by row).
+    # Rows of a layer quantized at once, then cut into blocks (quantizing works row by row); on CUDA, rows of
+    # consecutive blocks encoded and laid out together (``encode.encoded``: kernels per run, not per block).
     compress_rows: int = 2048
     # Seconds without disk writes after the device filled up and evicting could not help.
     full_pause_s: float = 30.0
@@ -126,6 +127,9 @@ class StoreConfig:
     # latency of a disk request and a few caches' sizes, a few ms of memory bandwidth and tens of ms of disk,
     # once per machine and store.
     probe_bytes: int = 16 << 20
+    # fetch_policy="auto" serves a hit only where it is predicted to save this share of recomputing: rates
+    # and prefill model are estimates and a hit has costs they do not model (0: any predicted saving).
+    serve_margin: float = 0.05
 
     def __post_init__(self):
         bs = self.block_size
@@ -157,6 +161,9 @@ class StoreConfig:
         for name in ("evict_to", "cached_share", "prior_cold_share"):
             if not 0 < getattr(self, name) <= 1:
                 raise ConfigError(f"{name} must be in (0, 1], got {getattr(self, name)!r}")
+        m = self.serve_margin
+        if isinstance(m, bool) or not isinstance(m, (int, float)) or not 0 <= m < 1:
+            raise ConfigError(f"serve_margin must be in [0, 1), got {m!r}")
 
     @property
     def ram_bytes(self) -> int:

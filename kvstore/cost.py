@@ -18,6 +18,10 @@ The context term barely shows in prefills of a few hundred tokens (2% of an
 the model's shape (``context_ratio``: attention FLOPs per token of context
 over weight FLOPs per token) ``c`` is tied to ``b`` by it and only ``a`` and
 ``b`` are fitted: short calibration prefills then predict long ones.
+A hit is served only where it is predicted to save ``margin`` of
+recomputing: the rates and the model are estimates, and a hit has costs they
+do not model (a process's first hit of a kind sets up buffers and kernels:
+docs/benchmarks.md, cost). Declining a near tie costs at most that share.
 Until a tier's rate is measured, a prior stands in for it (``probe``: timed
 once per machine, erring toward declining); the adapters time a few prefills
 of a model before its first fetch (``calibrate``). A measurement replaces a
@@ -136,6 +140,7 @@ class CostModel:
     rates: dict[str, _Rate] = field(default_factory=dict)
     prefill_obs: dict[str, deque] = field(default_factory=dict)
     fixed_s: float = _FIXED_LOAD_S
+    margin: float = 0.05  # ``StoreConfig.serve_margin``
     dirty: bool = False  # observed since last saved
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
     _models: dict[str, PrefillModel] = field(default_factory=dict, repr=False)
@@ -247,16 +252,19 @@ class CostModel:
         cuts = {0, servable} | {min(int(e), servable) for e in ends}
         if limit_to is not None:
             cuts = {limit_to(c) if c else 0 for c in cuts}
-        best: Optional[Plan] = None
-        for length in sorted(cuts, reverse=True):  # ties go to the longer prefix
-            p = Plan(length, servable, load_s(length), pm.seconds(length, n_prompt))
-            if best is None or p.load_s + p.prefill_s < best.load_s + best.prefill_s:
-                best = p
-        if best.length < servable:
+        plans = [Plan(n, servable, load_s(n), pm.seconds(n, n_prompt)) for n in sorted(cuts, reverse=True)]
+        best = min(plans, key=lambda p: p.load_s + p.prefill_s)  # (the first of equals: the longer prefix)
+        none = plans[-1]  # recompute it all
+        saving = none.prefill_s - (best.load_s + best.prefill_s)
+        if best.length and saving < self.margin * none.prefill_s:
+            best = none
+            best.reason = (f"a predicted saving of {saving * 1e3:.1f} ms, under {self.margin:.0%} of recomputing, "
+                           f"is not worth a hit")
+        elif best.length < servable:
             best.reason = ("recomputing is faster than loading" if best.length == 0 else
                            f"loading past token {best.length} is slower than recomputing")
-            if priors:
-                best.reason += f" (rates assumed, not measured yet: {', '.join(priors)})"
+        if best.length < servable and priors:
+            best.reason += f" (rates assumed, not measured yet: {', '.join(priors)})"
         return best
 
     # --------------------------------------------------------------- saving

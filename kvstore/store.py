@@ -103,7 +103,7 @@ class PrefixStore:
         self.namespace = cfg.namespace
         self.readonly = cfg.readonly
         self._counters = Counters()
-        self._cost = CostModel(cfg.fetch_policy)
+        self._cost = CostModel(cfg.fetch_policy, margin=cfg.serve_margin)
         self._warned: set[str] = set()
         self._registered: set[bytes] = set()
         self._table = BlockTable(cfg.ram_bytes, self._counters, has_disk=cfg.ssd_path is not None,

@@ -102,6 +102,24 @@ def test_a_mixed_path_splits_where_the_slow_tier_starts():
     assert "past token 2000" in plan.reason
 
 
+def test_a_near_tie_is_not_served():
+    """A hit predicted to save under ``margin`` (5%) of recomputing is
+    declined, whole: the rates are estimates and a hit has costs they do not
+    model. Here the first block of an otherwise cold prompt is page-cached and
+    predicted to save 1% (on the H200 such a hit took longer than recomputing
+    it all); half the prompt cached saves half, and is served."""
+    cost = CostModel()
+    _fast_prefill(cost, tok_per_s=1e5)  # 4000 tokens: 40 ms
+    cost.observe_load("ssd_cached", 10 * GB, 1.0)
+    cost.observe_load("ssd_cold", 1 * GB, 20.0)
+    first = ("m", 4000, [0, 100], [100, 3999], [1_000_000, 100_000_000], ["ssd_cached", "ssd_cold"], 3999)
+    plan = cost.plan(*first)
+    assert plan.length == 0 and "not worth a hit" in plan.reason
+    assert replace(cost, margin=0.0).plan(*first).length == 100
+    half = cost.plan("m", 4000, [0, 2000], [2000, 3999], [1_000_000, 100_000_000], ["ssd_cached", "ssd_cold"], 3999)
+    assert half.length == 2000
+
+
 def test_policies_always_and_never_and_unmeasured_rates():
     cost = CostModel("always")
     assert cost.plan("m", 100, [0], [99], [1], ["ssd_cold"], 99).length == 99

@@ -111,6 +111,7 @@ def test_a_bad_argument_gets_its_error_and_loses_nothing(store, what, call, erro
     (dict(disk_budget_gb=-1), "disk_budget_gb"), (dict(ssd_path=""), "ssd_path"), (dict(ssd_path=5), "ssd_path"),
     (dict(namespace=b"tenant"), "namespace"), (dict(namespace=5), "namespace"), (dict(fetch_policy="x"), "fetch_policy"),
     (dict(rotate_keys="yes", kv_bits=4), "rotate_keys"), (dict(readonly="no"), "readonly"),
+    (dict(serve_margin=1.5), "serve_margin"), (dict(serve_margin=-0.1), "serve_margin"),
 ])
 def test_a_setting_out_of_range_is_a_config_error_and_creates_nothing(tmp_path, monkeypatch, kwargs, says):
     monkeypatch.chdir(tmp_path)  # ssd_path="" was the working directory
