@@ -1,17 +1,22 @@
-"""A put's rows cut into blocks and compressed (quantized, rotated) by the
-codec, on the writer thread."""
+"""A put's rows cut into blocks, compressed (quantized, rotated) by the
+codec and serialized, on the writer thread. On CUDA consecutive blocks laid
+out alike are done together (``encoded``): a few large kernels per run of
+blocks, not a few per block per layer."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
+from typing import Callable, Iterator, Optional
 
 import mlx.core as mx
+import numpy as np
 
 from . import cuda
 from .codec import Block, Codec, block_arrays
+from .hashing import narrowest
 from .index import Node
 from .layers import KVLayer, Layer, StateLayer, Tensor, take_rows, tensor_rows
+from .wire import Stored
 
 
 @dataclass
@@ -24,12 +29,73 @@ class Rows:
     values: Tensor
 
 
+def encoded(job, codec: Codec, compress_rows: int, wanted: Callable[[Node], bool],
+            together: Optional[bool] = None) -> Iterator[tuple[Node, Block, Stored]]:
+    """The job's blocks that ``wanted`` still wants (asked just before each is
+    encoded), in order, each with its bytes. ``together`` (default: on CUDA)
+    encodes runs of consecutive blocks laid out alike, up to
+    ``compress_rows`` rows, in one go: each layer's rows compressed at once,
+    every array copied once into the run's payloads, one download per block."""
+    if together is None:
+        together = cuda.runtime() is not None
+    run: list[Node] = []
+    for node in job.nodes:
+        if not wanted(node):
+            yield from _encoded_run(job, run, codec, compress_rows)
+            run = []
+            continue
+        if run and not (together and _extends(job, run, node, compress_rows)):
+            yield from _encoded_run(job, run, codec, compress_rows)
+            run = []
+        run.append(node)
+    yield from _encoded_run(job, run, codec, compress_rows)
+
+
+def _extends(job, run: list[Node], node: Node, compress_rows: int) -> bool:
+    """Whether ``node`` can join ``run``: next to it, as long, within
+    ``compress_rows`` rows, and both laid out as every full block is."""
+    return (node.start == run[-1].end and node.length == run[0].length
+            and node.end - run[0].start <= max(compress_rows, 2 * node.length)
+            and _plain(job, run[0]) and _plain(job, node))
+
+
+def _plain(job, node: Node) -> bool:
+    """Every attention layer holds all of the block's rows, no state is kept
+    with it, and its ids are int32: what every block but a prompt's last (or
+    a sliding window's first) looks like."""
+    return (all(isinstance(l, KVLayer) and l.start <= node.start or isinstance(l, StateLayer)
+                and node.end < len(job.tokens) for l in job.layers)
+            and narrowest(job.tokens[node.start : node.end]).dtype == np.int32)
+
+
+def _encoded_run(job, run: list[Node], codec: Codec, compress_rows: int) -> Iterator[tuple[Node, Block, Stored]]:
+    if len(run) == 1:
+        block = encode(job, run[0], codec, compress_rows)
+        yield run[0], block, Stored.pack(block, run[0].key, run[0].start)
+    elif run:
+        s = run[0].start
+        whole = _encode_rows(job, s, run[-1].end, codec, compress_rows)
+        blocks = [_cut(whole, n.start - s, n.end - s) for n in run]
+        held = Stored.pack_run(whole, blocks, [n.key for n in run], [n.start for n in run])
+        yield from zip(run, blocks, held)
+
+
+def _cut(whole: Block, a: int, b: int) -> Block:
+    """Rows ``[a, b)`` of a run's block (views; laid out as a block of their own)."""
+    return Block(whole.tokens[a:b].copy(),
+                 [None if l is None else KVLayer(take_rows(l.keys, a, b), take_rows(l.values, a, b), l.start + a,
+                                                  l.window) for l in whole.layers])
+
+
 def encode(job, node: Node, codec: Codec, compress_rows: int) -> Block:
     """The block's rows of every layer, compressed. Uncompressed rows stay
     views of the engine's buffers (the job holds those, so mlx never writes
     them in place): ``Stored.pack`` copies them once, straight into the
     block's bytes, and the views go with the ``Block`` right after."""
-    s, e = node.start, node.end
+    return _encode_rows(job, node.start, node.end, codec, compress_rows)
+
+
+def _encode_rows(job, s: int, e: int, codec: Codec, compress_rows: int) -> Block:
     out: list[Optional[Layer]] = []
     windowed = any(isinstance(l, KVLayer) and l.window is not None for l in job.layers)
     for li, l in enumerate(job.layers):

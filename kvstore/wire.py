@@ -4,7 +4,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional, Union
+from typing import Iterator, Optional, Union
 
 import mlx.core as mx
 import msgpack
@@ -104,30 +104,100 @@ def serialize(block: Block, key: bytes = b"") -> memoryview:
 
 
 def _serialize(block: Block, key: bytes) -> tuple[memoryview, Header]:
-    w = _Layout()
-    n = int(len(block.tokens))
-    tok = w.add(mx.array(block.tokens))
-    layers = tuple(w.layer(l, n) for l in block.layers)
-    # the header's size does not depend on the checksum's value (msgpack packs it as a uint64 either way),
-    # so the payload goes straight into its final place: one copy of the KV in all
-    fields = {"key": bytes(key), "n": n, "size": w.size, "sum": _SUM_PLACEHOLDER, "tok": tok.wire(),
-              "L": [None if l is None else l.wire() for l in layers]}
-    start = aligned(PREFIX.size + len(msgpack.packb(fields, use_bin_type=True)))
-    arr = _buffer(start + w.size)
-    out = memoryview(arr)
-    out[:start] = bytes(start)
-    payload = out[start:]
-    fields["sum"] = w.fill(payload)
-    header = msgpack.packb(fields, use_bin_type=True)
-    version = FORMAT_VERSION if w.rotated else 2
-    head = PREFIX.pack(MAGIC, version, 0, len(header), xxhash.xxh3_64_intdigest(header)) + header
-    if aligned(len(head)) != start:  # a checksum below 2**32 packs shorter (1 in 2**32 blocks)
-        start = aligned(len(head))
-        whole = np.concatenate([np.frombuffer(head + bytes(start - len(head)), np.uint8),
-                                np.frombuffer(payload, np.uint8)])
-        return _frozen(whole), Header(bytes(key), n, start, fields["sum"], tok, layers)
-    out[: len(head)] = head  # the rest up to ``start`` is still zero
-    return _frozen(arr), Header(bytes(key), n, start, fields["sum"], tok, layers)
+    plan = _Plan(block, key)
+    arr = plan.buffer()
+    return plan.seal(arr, plan.layout.fill(memoryview(arr)[plan.start :]))
+
+
+class _Plan:
+    """A block's layout and header fields: the payload goes straight into its
+    final place after ``start`` (one copy of the KV in all), then ``seal``
+    writes the header with the payload's checksum. The header's size does not
+    depend on the checksum's value (msgpack packs it as a uint64 either way)."""
+
+    def __init__(self, block: Block, key: bytes):
+        self.layout = w = _Layout()
+        self.key, self.n = bytes(key), int(len(block.tokens))
+        self.tok = w.add(mx.array(block.tokens))
+        self.layers = tuple(w.layer(l, self.n) for l in block.layers)
+        self.fields = {"key": self.key, "n": self.n, "size": w.size, "sum": _SUM_PLACEHOLDER, "tok": self.tok.wire(),
+                       "L": [None if l is None else l.wire() for l in self.layers]}
+        self.start = aligned(PREFIX.size + len(msgpack.packb(self.fields, use_bin_type=True)))
+
+    def buffer(self) -> np.ndarray:
+        """The block's buffer, zeros up to where the payload starts."""
+        arr = _buffer(self.start + self.layout.size)
+        arr[: self.start] = 0
+        return arr
+
+    def seal(self, arr: np.ndarray, checksum: int) -> tuple[memoryview, Header]:
+        """The header written in front of the payload filled in ``arr``."""
+        fields = dict(self.fields, sum=checksum)
+        header = msgpack.packb(fields, use_bin_type=True)
+        version = FORMAT_VERSION if self.layout.rotated else 2
+        head = PREFIX.pack(MAGIC, version, 0, len(header), xxhash.xxh3_64_intdigest(header)) + header
+        start = self.start
+        if aligned(len(head)) != start:  # a checksum below 2**32 packs shorter (1 in 2**32 blocks)
+            start = aligned(len(head))
+            arr = np.concatenate([np.frombuffer(head + bytes(start - len(head)), np.uint8), arr[self.start :]])
+        else:
+            arr[: len(head)] = np.frombuffer(head, np.uint8)  # the rest up to ``start`` is still zero
+        return _frozen(arr), Header(self.key, self.n, start, checksum, self.tok, self.layers)
+
+
+def serialize_run(whole: Block, blocks: list[Block], keys: list[bytes]) -> Iterator[tuple[memoryview, Header]]:
+    """``blocks``, consecutive runs of ``whole``'s rows laid out alike (as
+    many rows each, the same layers), serialized together: each array of
+    ``whole`` is copied once into the ``[blocks, payload bytes]`` matrix of
+    their payloads (on the GPU on CUDA, where a copy per block per array
+    would cost a kernel each), then each row goes to its block's buffer (one
+    download on CUDA), hashed on the way. Yields in order, as each is done."""
+    n = len(blocks)
+    plans = [_Plan(b, k) for b, k in zip(blocks, keys)]
+    first = plans[0].layout
+    if any(p.layout.size != first.size or p.start != plans[0].start for p in plans):
+        raise ValueError("the blocks of a run must be laid out alike")
+    big = _Layout()
+    big.add(mx.array(whole.tokens))
+    for l in whole.layers:
+        big.layer(l, len(whole.tokens))
+    pieces, pos = [], 0
+    for (off, a), (_, full) in zip(first.parts, big.parts, strict=True):
+        if off > pos:
+            pieces.append(mx.zeros((n, off - pos), mx.uint8))
+        if a.nbytes:
+            pieces.append(_rows_of_blocks(full, n))
+            pos = off + a.nbytes
+    if first.size > pos:
+        pieces.append(mx.zeros((n, first.size - pos), mx.uint8))
+    packed = mx.concatenate(pieces, axis=1)
+    mx.eval(packed)
+    rt = cuda.runtime()
+    if rt is not None:
+        mx.synchronize()
+        base = cuda.address(packed)  # (mlx's buffer cache hands the next run this one's moved buffer)
+    host = None if rt is not None else np.asarray(packed)
+    for i, plan in enumerate(plans):
+        arr = plan.buffer()
+        dst = arr[plan.start :]
+        h = xxhash.xxh3_64()
+        if rt is not None:
+            cuda.download(rt, dst, base + i * first.size, h)
+        else:
+            np.copyto(dst, host[i])
+            h.update(dst)
+        yield plan.seal(arr, h.intdigest())
+
+
+def _rows_of_blocks(a: mx.array, n: int) -> mx.array:
+    """``a``'s bytes as ``[n, bytes]``, row ``i`` holding block ``i``'s rows
+    (token axis: -2 of KV arrays, 0 of the token ids) as its own array would."""
+    if a.ndim == 1:
+        return a.reshape(n, -1).view(mx.uint8)
+    *lead, rows, last = a.shape
+    lead_n = int(np.prod(lead)) if lead else 1
+    per = a.reshape(lead_n, n, rows // n, last).transpose(1, 0, 2, 3)
+    return mx.contiguous(per).view(mx.uint8).reshape(n, -1)
 
 
 _PAGE = 4096
@@ -208,6 +278,12 @@ class Stored:
         second parse)."""
         buf, header = _serialize(block, key)
         return cls(key, start, buf, header, True)
+
+    @classmethod
+    def pack_run(cls, whole: Block, blocks: list[Block], keys: list[bytes], starts: list[int]) -> Iterator["Stored"]:
+        """``blocks``, runs of ``whole``'s rows laid out alike, serialized together (``serialize_run``)."""
+        for (buf, header), key, start in zip(serialize_run(whole, blocks, keys), keys, starts):
+            yield cls(key, start, buf, header, True)
 
     @classmethod
     def of(cls, buf, key: bytes, start: int, checked: bool = False) -> "Stored":

@@ -25,18 +25,17 @@ import threading
 import time
 from concurrent.futures import Future, wait
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Callable, Optional, Union
+from typing import TYPE_CHECKING, Callable, Iterator, Optional, Union
 
 import numpy as np
 
 from . import buffers
 from .codec import Block, Codec
-from .wire import Stored
 from .commit import Committer, Feed, settle
 from .config import StoreConfig
 from .counters import Counters
 from .disk import Disk
-from .encode import Rows, encode
+from .encode import Rows, encoded
 from .index import Node
 from .layers import Layer, StateLayer
 from .record import BlockRecord, Entry
@@ -186,22 +185,7 @@ class Writer:
             job.nbytes * sum(n.length for n in job.nodes) // max(1, len(job.tokens))
         try:
             elsewhere = self._written_elsewhere(job) if to_disk and job.found is None else set()
-            for node in job.nodes:
-                if node.key in elsewhere or not self.table.is_job(node, job):
-                    continue  # on disk already, dropped meanwhile (evicted parent, clear) or re-encoded later
-                entry = job.found.get(node.key) if job.found is not None else None
-                if entry is None:
-                    block = encode(job, node, self.codec, cfg.compress_rows)
-                    held = Stored.pack(block, node.key, node.start)  # RAM, disk and remote keep these bytes
-                    if not self.table.admit(node, job, held, ram_only=not to_disk):
-                        continue
-                    self.counters.count("blocks_stored")
-                    if not (to_disk or to_remote):
-                        continue
-                    entry = Entry(self._record(job, node, block, len(held.buf)), held.buf)
-                    del block  # (the engine's arrays go now)
-                elif not to_disk:
-                    continue
+            for node, entry in self._entries(job, elsewhere, to_disk, to_remote):
                 n = len(entry.payload)
                 if feed is None:
                     feed = Feed(cfg.write_ahead_bytes)
@@ -232,6 +216,28 @@ class Writer:
             self.table.release_job(job, job.nodes)
             job.done.set()
             self.on_idle()
+
+    def _entries(self, job: Job, elsewhere: set[bytes], to_disk: bool, to_remote: bool
+                 ) -> Iterator[tuple[Node, Entry]]:
+        """The job's blocks to write, in order: encoded and admitted to RAM
+        first (blocks read from the remote come as they were read). Skips
+        blocks on disk already and those no longer the job's (dropped
+        meanwhile: an evicted parent, a clear; or re-encoded by a later put)."""
+        if job.found is not None:
+            if to_disk:
+                yield from ((n, e) for n in job.nodes if (e := job.found.get(n.key)) is not None
+                            and n.key not in elsewhere and self.table.is_job(n, job))
+            return
+
+        def wanted(n: Node) -> bool:
+            return n.key not in elsewhere and self.table.is_job(n, job)
+
+        for node, block, held in encoded(job, self.codec, self.config.compress_rows, wanted):
+            if not self.table.admit(node, job, held, ram_only=not to_disk):
+                continue
+            self.counters.count("blocks_stored")
+            if to_disk or to_remote:  # (the engine's arrays go with the block: a run's when its last goes)
+                yield node, Entry(self._record(job, node, block, len(held.buf)), held.buf)
 
     def _written_elsewhere(self, job: Job) -> set[bytes]:
         """Keys of the job's blocks another process wrote to disk meanwhile,

@@ -154,7 +154,7 @@ def test_a_put_keeps_the_kv_it_was_given_when_the_engine_writes_its_buffer_after
     """The writer serializes straight from the engine's buffers, after put
     has returned; an engine that writes into those buffers meanwhile (mlx-lm
     fills its cache in place) does not change what is stored."""
-    import kvstore.writer as writer
+    import kvstore.encode as encoding
 
     p = toks(3 * BS)
     layers = kv_layers(p)
@@ -163,13 +163,13 @@ def test_a_put_keeps_the_kv_it_was_given_when_the_engine_writes_its_buffer_after
     given = [KVLayer(k[..., : len(p), :], v[..., : len(p), :]) for k, v in engine]
     mx.eval([t for kv in engine for t in kv] + [t for l in given for t in (l.keys, l.values)])
     wrote = threading.Event()
-    real = writer.encode
+    real = encoding.encode
 
     def encode(*a):
         assert wrote.wait(10)
         return real(*a)
 
-    monkeypatch.setattr(writer, "encode", encode)
+    monkeypatch.setattr(encoding, "encode", encode)
     s = ssd(budget_gb=0)
     s.put(M, p, given)
     for kv in engine:  # the engine overwrites rows of the prompt (a trim and a new suffix)

@@ -30,17 +30,17 @@ from ._helpers import BS, M, assert_hit_is, kv_layers, put, toks
 def test_put_runs_in_the_caller_when_the_background_thread_is_far_behind(ssd, monkeypatch):
     """Queued work is bounded: a put that would pass the bound is done in the
     caller (counted as ``puts_inline``), and both puts are stored."""
-    import kvstore.writer as W
+    import kvstore.encode as encoding
 
     gate = threading.Event()
-    real = W.encode
+    real = encoding.encode
 
     def encode(*a):
         if threading.current_thread().name == "kvstore-writer":
             gate.wait(30)  # the background thread is stuck behind the first put
         return real(*a)
 
-    monkeypatch.setattr(W, "encode", encode)
+    monkeypatch.setattr(encoding, "encode", encode)
     s = ssd()
     s._writer.max_pending = 1
     a, b = toks(20), toks(20, start=5000)
@@ -77,11 +77,11 @@ def test_a_transaction_copies_the_first_block_before_the_writer_has_encoded_the_
     has the first block of a put before the writer encodes its last one, so
     the disk is not idle while a whole batch is encoded first; the put
     still lands whole, in one transaction."""
-    import kvstore.writer as writer
+    import kvstore.encode as encoding
     from kvstore.tiers.lmdb import LmdbTier
 
     events: list[str] = []
-    real_encode, real_store = writer.encode, LmdbTier.store
+    real_encode, real_store = encoding.encode, LmdbTier.store
 
     def encode(job, node, *a):
         if node.start // BS == 4:  # the last block waits (5 s at most) for the transaction to take the first
@@ -99,7 +99,7 @@ def test_a_transaction_copies_the_first_block_before_the_writer_has_encoded_the_
         events.append("transaction")
         return real_store(self, seen(), nbytes)
 
-    monkeypatch.setattr(writer, "encode", encode)
+    monkeypatch.setattr(encoding, "encode", encode)
     monkeypatch.setattr(LmdbTier, "store", store)
     s = ssd(budget_gb=0)
     p = toks(5 * BS)
@@ -271,16 +271,16 @@ def test_an_interrupt_while_the_engine_thread_encodes_leaves_no_transaction_open
     once the blocks handed over are written, the others are stored by the
     next put, and the store closes (no write transaction left waiting for
     blocks that never come)."""
-    import kvstore.writer as writer
+    import kvstore.encode as encoding
 
-    real_encode = writer.encode
+    real_encode = encoding.encode
 
     def encode(job, node, *a):
         if node.start >= 3 * BS and threading.current_thread() is threading.main_thread():
             raise KeyboardInterrupt
         return real_encode(job, node, *a)
 
-    monkeypatch.setattr(writer, "encode", encode)
+    monkeypatch.setattr(encoding, "encode", encode)
     s = ssd(budget_gb=0)
     monkeypatch.setattr(s._writer, "submit", s._writer.run)  # the inline path
     p = toks(6 * BS)

@@ -19,7 +19,7 @@ export PYTHONUNBUFFERED=1
 M=/tmp/llama-8b
 case $1 in
   tests) python3 -m pytest -q -p no:cacheprovider tests/test_gather.py tests/test_store.py tests/test_adapter_store.py \
-           tests/test_restart.py tests/test_device_tier.py tests/test_cuda_staging.py 2>&1 | tail -15 ;;
+           tests/test_restart.py tests/test_device_tier.py tests/test_cuda_staging.py tests/test_encode_runs.py 2>&1 | tail -15 ;;
   write) python3 -m kvstore.tools.write_profile --tokens "${TOKENS:-8192}" --kv ${KVS:-fp16 q8 q4} --out "$2" ;;
   pinned) python3 -m kvstore.tools.pinned_costs --gib 1 4 --out "$2/pinned.json" ;;
   address) python3 -m kvstore.tools.address_cost --gib 4 --out "$2/address.json" ;;

@@ -299,9 +299,9 @@ def _reads(path: Path, plain: Path, prompt, src, kind: str, repeats: int, stored
 
 
 def run(tokens: int, layers: int, heads: int, dim: int, kinds: list[str], repeats: int, tmp: Path,
-        out: Path | None = None) -> dict:
+        out: Path | None = None, parts: tuple[str, ...] = ("reads", "writes")) -> dict:
     """Per entry type: reads first (from a store written untimed, against a
-    plain file of its size), then writes."""
+    plain file of its size), then writes; ``parts`` picks them."""
     src = _layers(tokens, layers, heads, dim)
     prompt = np.arange(5, tokens + 5, dtype=np.int32)
     res: dict = {"tokens": tokens, "shape": [layers, heads, dim], "device": str(mx.default_device()),
@@ -317,8 +317,11 @@ def run(tokens: int, layers: int, heads: int, dim: int, kinds: list[str], repeat
             s.flush()
             stored = s.stats()["ssd_bytes"]
         _plain_write(plain, stored)
-        row: dict = {"kv": kind, **_reads(path, plain, prompt, src, kind, repeats, stored)}
-        row.update(_writes(path, plain, prompt, src, kind, repeats))
+        row: dict = {"kv": kind, "stored_bytes": stored}
+        if "reads" in parts:
+            row.update(_reads(path, plain, prompt, src, kind, repeats, stored))
+        if "writes" in parts:
+            row.update(_writes(path, plain, prompt, src, kind, repeats))
         res["rows"].append(row)
         print(json.dumps(row), flush=True)
         if out is not None:  # row by row: a later row's failure keeps the earlier ones
@@ -344,6 +347,7 @@ def main(argv=None) -> int:
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--dir", type=Path, default=None, help="where the stores go (default: a temporary folder)")
     ap.add_argument("--out", type=Path, default=None, help="write ssd.json here")
+    ap.add_argument("--parts", nargs="+", default=["reads", "writes"], choices=["reads", "writes"])
     ap.add_argument("--mlx-cache-gb", type=float, default=None,
                     help="mx.set_cache_limit first: how much freed memory mlx keeps for reuse (an engine setting)")
     args = ap.parse_args(argv)
@@ -351,7 +355,7 @@ def main(argv=None) -> int:
         mx.set_cache_limit(int(args.mlx_cache_gb * (1 << 30)))
     tmp = Path(tempfile.mkdtemp(prefix="ssd-bench-", dir=args.dir))
     try:
-        run(args.tokens, args.layers, args.heads, args.dim, args.kv, args.repeats, tmp, args.out)
+        run(args.tokens, args.layers, args.heads, args.dim, args.kv, args.repeats, tmp, args.out, tuple(args.parts))
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return 0
