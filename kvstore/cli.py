@@ -215,7 +215,7 @@ def stats(path: Optional[Path] = OptionalPathArg, as_json: bool = typer.Option(F
               f"(RAM {counters.get('tokens_ram', 0)}, SSD {counters.get('tokens_ssd', 0)}, "
               f"remote {counters.get('tokens_remote', 0)})")
     pred, act = counters.get("predicted_us", 0), counters.get("actual_us", 0)
-    out.print(f"cost: {result['tokens_skipped_cost']} stored tokens recomputed because that was faster"
+    out.print(f"cost: {result['tokens_skipped_cost']} stored tokens recomputed (predicted faster, or a near tie)"
               + (f"; served hits took {act / 1e3:.1f} ms against {pred / 1e3:.1f} ms predicted" if pred else ""))
     for machine, d in measured.items():
         rates = ", ".join(f"{s} {r['gb_per_s']:.2f} GB/s ({r['observed']}x)" for s, r in d["rates"].items())

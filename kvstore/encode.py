@@ -30,25 +30,41 @@ class Rows:
 
 
 def encoded(job, codec: Codec, compress_rows: int, wanted: Callable[[Node], bool],
-            together: Optional[bool] = None) -> Iterator[tuple[Node, Block, Stored]]:
-    """The job's blocks that ``wanted`` still wants (asked just before each is
-    encoded), in order, each with its bytes. ``together`` (default: on CUDA)
-    encodes runs of consecutive blocks laid out alike, up to
+            together: Optional[bool] = None) -> Iterator[tuple[Node, Stored, "About"]]:
+    """The job's blocks that ``wanted`` still wants (asked once each, once the
+    blocks before it that cannot share its run are handed over), in order,
+    each as its bytes and what its record says of it. ``together`` (default:
+    on CUDA) encodes runs of consecutive blocks laid out alike, up to
     ``compress_rows`` rows, in one go: each layer's rows compressed at once,
     every array copied once into the run's payloads, one download per block."""
     if together is None:
         together = cuda.runtime() is not None
     run: list[Node] = []
     for node in job.nodes:
-        if not wanted(node):
-            yield from _encoded_run(job, run, codec, compress_rows)
-            run = []
-            continue
         if run and not (together and _extends(job, run, node, compress_rows)):
             yield from _encoded_run(job, run, codec, compress_rows)
             run = []
-        run.append(node)
+        if wanted(node):
+            run.append(node)
+        elif run:
+            yield from _encoded_run(job, run, codec, compress_rows)
+            run = []
     yield from _encoded_run(job, run, codec, compress_rows)
+
+
+@dataclass(frozen=True)
+class About:
+    """What a block's record says of its contents (``BlockRecord``): how KV is
+    kept, its dtype, and whether it holds a state snapshot. Handed on instead
+    of the block, whose arrays (the engine's, or a run's) then go at once."""
+
+    kv: str
+    dtype: str
+    has_state: bool
+
+    @classmethod
+    def of(cls, block: Block) -> "About":
+        return cls(*block.describe(), any(isinstance(l, StateLayer) for l in block.layers))
 
 
 def _extends(job, run: list[Node], node: Node, compress_rows: int) -> bool:
@@ -68,16 +84,21 @@ def _plain(job, node: Node) -> bool:
             and narrowest(job.tokens[node.start : node.end]).dtype == np.int32)
 
 
-def _encoded_run(job, run: list[Node], codec: Codec, compress_rows: int) -> Iterator[tuple[Node, Block, Stored]]:
+def _encoded_run(job, run: list[Node], codec: Codec, compress_rows: int) -> Iterator[tuple[Node, Stored, About]]:
     if len(run) == 1:
         block = encode(job, run[0], codec, compress_rows)
-        yield run[0], block, Stored.pack(block, run[0].key, run[0].start)
+        held, about = Stored.pack(block, run[0].key, run[0].start), About.of(block)
+        del block
+        yield run[0], held, about
     elif run:
         s = run[0].start
         whole = _encode_rows(job, s, run[-1].end, codec, compress_rows)
         blocks = [_cut(whole, n.start - s, n.end - s) for n in run]
+        about = About.of(blocks[0])  # (laid out alike: the same for each)
         held = Stored.pack_run(whole, blocks, [n.key for n in run], [n.start for n in run])
-        yield from zip(run, blocks, held)
+        del whole, blocks  # (the run's arrays go once its payloads are made)
+        for node in run:
+            yield node, next(held), about
 
 
 def _cut(whole: Block, a: int, b: int) -> Block:

@@ -172,6 +172,9 @@ def serialize_run(whole: Block, blocks: list[Block], keys: list[bytes]) -> Itera
         pieces.append(mx.zeros((n, first.size - pos), mx.uint8))
     packed = mx.concatenate(pieces, axis=1)
     mx.eval(packed)
+    del whole, blocks, big, pieces, a, full  # the run's arrays go now: only its payloads are held
+    for p in plans:
+        p.layout.parts.clear()
     rt = cuda.runtime()
     if rt is not None:
         mx.synchronize()

@@ -30,16 +30,17 @@ from typing import TYPE_CHECKING, Callable, Iterator, Optional, Union
 import numpy as np
 
 from . import buffers
-from .codec import Block, Codec
+from .codec import Codec
 from .commit import Committer, Feed, settle
 from .config import StoreConfig
 from .counters import Counters
 from .disk import Disk
-from .encode import Rows, encoded
+from .encode import About, Rows, encoded
 from .index import Node
-from .layers import Layer, StateLayer
+from .layers import Layer
 from .record import BlockRecord, Entry
 from .table import BlockTable
+from .wire import Stored
 
 if TYPE_CHECKING:
     from .remote_sync import Remote
@@ -232,12 +233,12 @@ class Writer:
         def wanted(n: Node) -> bool:
             return n.key not in elsewhere and self.table.is_job(n, job)
 
-        for node, block, held in encoded(job, self.codec, self.config.compress_rows, wanted):
+        for node, held, about in encoded(job, self.codec, self.config.compress_rows, wanted):
             if not self.table.admit(node, job, held, ram_only=not to_disk):
                 continue
             self.counters.count("blocks_stored")
-            if to_disk or to_remote:  # (the engine's arrays go with the block: a run's when its last goes)
-                yield node, Entry(self._record(job, node, block, len(held.buf)), held.buf)
+            if to_disk or to_remote:
+                yield node, Entry(self._record(job, node, held, about), held.buf)
 
     def _written_elsewhere(self, job: Job) -> set[bytes]:
         """Keys of the job's blocks another process wrote to disk meanwhile,
@@ -250,14 +251,13 @@ class Writer:
             self.table.release_job(job, [n for n, _ in same])
         return {n.key for n, _ in same}
 
-    def _record(self, job: Job, node: Node, block: Block, nbytes: int) -> BlockRecord:
-        kv, dtype = block.describe()
+    def _record(self, job: Job, node: Node, held: Stored, about: About) -> BlockRecord:
         now = time.time()
-        has_state = any(isinstance(l, StateLayer) for l in block.layers)
         return BlockRecord(key=node.key, parent=node.parent.key, root=job.root, start=node.start,
-                           length=node.length, tokens=block.tokens, nbytes=nbytes, first=node.first,
-                           snap=None if node.snap is None else has_state, gap=node.gap,
-                           rows_from=node.rows_from if node.gap else -1, created=now, used=now, kv=kv, dtype=dtype)
+                           length=node.length, tokens=held.tokens.copy(), nbytes=held.nbytes, first=node.first,
+                           snap=None if node.snap is None else about.has_state, gap=node.gap,
+                           rows_from=node.rows_from if node.gap else -1, created=now, used=now, kv=about.kv,
+                           dtype=about.dtype)
 
     def _commit(self, feed: "Feed", job: Job, to_disk: bool, to_remote: bool, nbytes: int) -> Future:
         """``_keep`` of a feed on the commit thread, while it is filled; where

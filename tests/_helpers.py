@@ -6,6 +6,7 @@ cannot pass for the right one."""
 from __future__ import annotations
 
 import struct
+from functools import partial
 from importlib import metadata
 from typing import Optional, Sequence
 
@@ -154,3 +155,12 @@ def put(store, p, **kw):
 # what one block costs in RAM: its serialized bytes (2 layers x (K, V) of [1, 1, 8, 32] float16, its
 # tokens, the header, 64-byte alignment), the same bytes the disk tier stores
 BLOCK_BYTES = len(serialize(Block(as_tokens(toks(BS)), kv_layers(toks(BS))), b"k" * 16))  # (a key: 16 bytes)
+
+
+def block_by_block(monkeypatch) -> None:
+    """The writer encodes each block by itself, as it does on the CPU (on CUDA it encodes runs of blocks at
+    once): for tests that watch, or stop, the writer between one block's encoding and the next."""
+    import kvstore.encode as encoding
+    import kvstore.writer as writer
+
+    monkeypatch.setattr(writer, "encoded", partial(encoding.encoded, together=False))

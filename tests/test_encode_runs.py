@@ -24,7 +24,7 @@ from ._helpers import BS, M, assert_hit_is, kv_layers, state_at, toks
 
 def _job(monkeypatch, tokens, layers, **kw):
     """The writer's job of one put (its nodes, rows and codec), taken before the writer runs it."""
-    s = PrefixStore(budget_gb=1, block_size=BS, **kw)
+    s = PrefixStore(**dict(dict(budget_gb=1, block_size=BS), **kw))
     jobs = []
     monkeypatch.setattr(s._writer, "submit", jobs.append)
     s.put(M, tokens, layers)
@@ -34,8 +34,12 @@ def _job(monkeypatch, tokens, layers, **kw):
 
 
 def _bytes(s, job, together: bool, wanted=lambda n: True, compress_rows: int = 2048):
-    return [(n.start, n.key, bytes(held.buf))
-            for n, _, held in encoding.encoded(job, s._writer.codec, compress_rows, wanted, together)]
+    """Each block's (start, key, bytes). Alone, every block's rows are compressed by themselves (as on
+    CUDA), so what a run compresses at once is checked against that, not against the same arrays."""
+    job.compressed.clear()
+    rows = compress_rows if together else BS
+    return [(n.start, n.key, bytes(held.buf)) for n, held, _ in encoding.encoded(job, s._writer.codec, rows, wanted,
+                                                                                    together)]
 
 
 LAYOUTS = {
@@ -43,7 +47,10 @@ LAYOUTS = {
     "bf16": (dict(), lambda p: kv_layers(p, heads=2, dim=64, dtype=mx.bfloat16)),
     "q8": (dict(kv_bits=8), lambda p: kv_layers(p, heads=2, dim=64)),
     "q4 rotated, g32": (dict(kv_bits=4, kv_group_size=32), lambda p: kv_layers(p, heads=2, dim=64)),
-    "K8/V4, dim 48": (dict(kv_bits=(8, 4), kv_group_size=32), lambda p: kv_layers(p, heads=3, dim=48)),
+    "K8/V4, dim 96": (dict(kv_bits=(8, 4), kv_group_size=32), lambda p: kv_layers(p, heads=3, dim=96)),
+    # the engine's buffers, with room for more rows: the store is given views of their first rows
+    "views of larger buffers": (dict(kv_bits=8), lambda p: [KVLayer(k[..., : len(p), :], v[..., : len(p), :]) for k, v in (
+        (l.keys, l.values) for l in kv_layers(p + list(range(5)), heads=2, dim=64))]),
     # a sliding-window layer holding the last 2.5 blocks: the blocks before it hold its layer in part or not
     "window": (dict(kv_bits=8), lambda p: [kv_layers(p, heads=2, dim=64)[0], KVLayer(
         *(t[..., len(p) - 2 * BS - 4:, :] for t in (kv_layers(p, heads=2, dim=64)[1].keys,
@@ -81,14 +88,37 @@ def test_ids_past_int32_and_unwanted_blocks_go_alone_in_order(monkeypatch):
         s.close()
 
 
-def test_a_block_dropped_while_its_run_waits_is_not_asked_for_again(monkeypatch):
-    """``wanted`` is asked once per block, just before its run is encoded."""
+def test_each_block_is_asked_for_once_after_the_blocks_before_its_run_are_handed_over(monkeypatch):
+    """``wanted`` is asked once per block, just before its run is encoded:
+    block by block, after the one before it went to the writer; in runs, as
+    the run is formed (a block dropped meanwhile is refused by ``admit``)."""
     p = toks(6 * BS)
     s, job = _job(monkeypatch, p, kv_layers(p, heads=2, dim=64))
     try:
-        asked = []
-        got = list(encoding.encoded(job, s._writer.codec, 2048, lambda n: asked.append(n.start) or True, True))
-        assert asked == [i * BS for i in range(6)] and [n.start for n, _, _ in got] == asked
+        for together, rows in ((False, BS), (True, 3 * BS)):
+            events = []
+            for n, _, _ in encoding.encoded(job, s._writer.codec, rows,
+                                            lambda n: events.append(f"asked {n.start // BS}") or True, together):
+                events.append(f"got {n.start // BS}")
+            if together:  # runs of 3: asked for as the run forms, handed over together
+                assert events == [f"asked {i}" for i in (0, 1, 2)] + [f"got {i}" for i in (0, 1, 2)] + \
+                    [f"asked {i}" for i in (3, 4, 5)] + [f"got {i}" for i in (3, 4, 5)]
+            else:
+                assert events == [e for i in range(6) for e in (f"asked {i}", f"got {i}")]
+    finally:
+        s.close()
+
+
+def test_blocks_of_megabytes_come_out_alike(monkeypatch):
+    """Blocks of 1 MiB and more take buffers of the store's reused pool."""
+    p = toks(3 * 256)
+    s, job = _job(monkeypatch, p, kv_layers(p, n_layers=4, heads=8, dim=128), block_size=256)
+    try:
+        job.compressed.clear()
+        codec = s._writer.codec
+        alone = [bytes(h.buf) for _, h, _ in encoding.encoded(job, codec, 256, lambda n: True, False)]
+        assert len(alone) == 3 and min(map(len, alone)) > 1 << 20
+        assert [bytes(h.buf) for _, h, _ in encoding.encoded(job, codec, 2048, lambda n: True, True)] == alone
     finally:
         s.close()
 

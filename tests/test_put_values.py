@@ -18,7 +18,7 @@ from mlx_lm.models.cache import KVCache
 from kvstore import LayoutError, PrefixStore
 from kvstore.layers import KVLayer, StateLayer
 
-from ._helpers import assert_hit_is, kv_layers, state_at
+from ._helpers import assert_hit_is, block_by_block, kv_layers, state_at
 
 BS = 8
 M = "test-model"
@@ -170,6 +170,7 @@ def test_a_put_keeps_the_kv_it_was_given_when_the_engine_writes_its_buffer_after
         return real(*a)
 
     monkeypatch.setattr(encoding, "encode", encode)
+    block_by_block(monkeypatch)
     s = ssd(budget_gb=0)
     s.put(M, p, given)
     for kv in engine:  # the engine overwrites rows of the prompt (a trim and a new suffix)

@@ -22,7 +22,7 @@ import pytest
 from kvstore.hashing import root_key
 from kvstore.store import PrefixStore
 
-from ._helpers import BS, M, assert_hit_is, kv_layers, put, toks
+from ._helpers import BS, M, assert_hit_is, block_by_block, kv_layers, put, toks
 
 # ------------------------------------------------------------ the queue bound
 
@@ -41,6 +41,7 @@ def test_put_runs_in_the_caller_when_the_background_thread_is_far_behind(ssd, mo
         return real(*a)
 
     monkeypatch.setattr(encoding, "encode", encode)
+    block_by_block(monkeypatch)
     s = ssd()
     s._writer.max_pending = 1
     a, b = toks(20), toks(20, start=5000)
@@ -100,6 +101,7 @@ def test_a_transaction_copies_the_first_block_before_the_writer_has_encoded_the_
         return real_store(self, seen(), nbytes)
 
     monkeypatch.setattr(encoding, "encode", encode)
+    block_by_block(monkeypatch)
     monkeypatch.setattr(LmdbTier, "store", store)
     s = ssd(budget_gb=0)
     p = toks(5 * BS)
@@ -281,6 +283,7 @@ def test_an_interrupt_while_the_engine_thread_encodes_leaves_no_transaction_open
         return real_encode(job, node, *a)
 
     monkeypatch.setattr(encoding, "encode", encode)
+    block_by_block(monkeypatch)
     s = ssd(budget_gb=0)
     monkeypatch.setattr(s._writer, "submit", s._writer.run)  # the inline path
     p = toks(6 * BS)
