@@ -7,7 +7,7 @@
 #   bash tools/gpu_bench.sh address OUT    # what taking a fresh mlx array's address costs (the move to managed memory)
 #   bash tools/gpu_bench.sh write OUT      # where the writer's time goes (tools/write_profile.py)
 #   bash tools/gpu_bench.sh tests OUT      # the store's tests that need no Redis or hypothesis, on CUDA
-#   TOKENS="2048 8192 32768" bash tools/gpu_bench.sh ssd OUT   # tools/ssd_bench.py, Llama-3-8B KV shape
+#   TOKENS="2048 8192 32768" bash tools/gpu_bench.sh ssd OUT   # tools/ssd_bench.py, Llama-3-8B KV shape (PARTS=writes)
 #   bash tools/gpu_bench.sh model OUT      # the 8B-shaped random llama the next two use (/tmp/llama-8b, ~4 min)
 #   LENGTHS="2048 8192" bash tools/gpu_bench.sh cost OUT   # cost_bench TTFT table on it (--fresh: FRESH=1)
 #   bash tools/gpu_bench.sh ramhit OUT     # where a RAM hit's time goes, after a hit / a cold prefill
@@ -25,7 +25,8 @@ case $1 in
   address) python3 -m kvstore.tools.address_cost --gib 4 --out "$2/address.json" ;;
   routes) python3 -m kvstore.tools.gpu_routes --mib 1024 --repeats 3 --out "$2/routes.json" ;;
   ssd) for n in ${TOKENS:-8192 32768}; do
-         python3 -m kvstore.tools.ssd_bench --tokens "$n" --kv ${KVS:-fp16 q8 q4} --repeats 3 --dir /tmp --out "$2/ssd-$n"
+         python3 -m kvstore.tools.ssd_bench --tokens "$n" --kv ${KVS:-fp16 q8 q4} --repeats 3 --dir /tmp \
+           --parts ${PARTS:-reads writes} --out "$2/ssd-$n"
        done ;;
   model) python3 -c "from kvstore.adapters.tiny_models import make_tiny_model as m; m('llama', '$M', hidden_size=4096,
 num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8, intermediate_size=14336, head_dim=128,
