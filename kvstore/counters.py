@@ -14,7 +14,7 @@ NAMES = ("hits", "misses", "tokens_requested", "tokens_ram", "tokens_ssd", "puts
          "blocks_gone",  # blocks the index had on disk that another process removed (kvstore clear): forgotten
          "puts_inline",  # puts done in the caller because the background writer was far behind
          "evicted_unwritten",  # blocks evicted from RAM before their write to disk finished (the writer holds them)
-         "tokens_skipped_cost",  # stored tokens not served: recomputing was predicted faster, or loading to save under serve_margin
+         "tokens_skipped_cost",  # stored tokens not served: recomputing was predicted faster (or a near tie)
          "predicted_us", "actual_us",  # predicted and measured load time of hits served as planned
          # the remote tier (remote_sync, discovery)
          "tokens_remote",  # tokens served from blocks this fetch read from the remote
