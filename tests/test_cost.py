@@ -118,6 +118,19 @@ def test_a_near_tie_is_not_served():
     assert replace(cost, margin=0.0).plan(*first).length == 100
     half = cost.plan("m", 4000, [0, 2000], [2000, 3999], [1_000_000, 100_000_000], ["ssd_cached", "ssd_cold"], 3999)
     assert half.length == 2000
+    # where only the whole prefix is servable (a state snapshot at its end), the margin weighs that alone
+    whole = ("m", 4000, [0, 2000], [2000, 3999], [1_000_000, 1_000_000], ["ssd_cached", "ssd_cold"], 3999)
+    assert cost.plan(*whole, limit_to=lambda n: 0 if n < 3999 else 3999).length == 3999
+    assert replace(cost, margin=0.99).plan(*whole, limit_to=lambda n: 0 if n < 3999 else 3999).length == 0
+
+
+def test_a_near_tie_declined_on_assumed_rates_says_so():
+    cost = CostModel()
+    _fast_prefill(cost, tok_per_s=1e5)
+    cost.assume("ssd_cached", 10 * GB)  # a prior (probe), not a measurement
+    cost.assume("ssd_cold", 0.05 * GB)
+    plan = cost.plan("m", 4000, [0, 100], [100, 3999], [1_000_000, 100_000_000], ["ssd_cached", "ssd_cold"], 3999)
+    assert plan.length == 0 and "not worth a hit" in plan.reason and "assumed" in plan.reason
 
 
 def test_policies_always_and_never_and_unmeasured_rates():
