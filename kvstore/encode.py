@@ -72,7 +72,7 @@ def _extends(job, run: list[Node], node: Node, compress_rows: int) -> bool:
     ``compress_rows`` rows, and both laid out as every full block is."""
     return (node.start == run[-1].end and node.length == run[0].length
             and node.end - run[0].start <= max(compress_rows, 2 * node.length)
-            and _plain(job, run[0]) and _plain(job, node))
+            and (len(run) > 1 or _plain(job, run[0])) and _plain(job, node))  # (a longer run is plain)
 
 
 def _plain(job, node: Node) -> bool:

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Iterator, Optional, Union
 
@@ -58,6 +59,22 @@ class _Layout:
                           ntokens - tensor_rows(layer.keys))
         return StateSpec(tuple(None if a is None else self.add(a) for a in layer.arrays))
 
+    def packed(self, rows: list[Optional[mx.array]]) -> mx.array:
+        """Payloads laid out on the device, ``[n, size]`` uint8: ``rows`` gives
+        each part's bytes in ``n`` payloads as ``[n, its bytes]`` (``None`` for
+        an empty one); the alignment gaps are zeroed."""
+        n = next(r for r in rows if r is not None).shape[0]
+        pieces, pos = [], 0
+        for (off, a), r in zip(self.parts, rows, strict=True):
+            if off > pos:
+                pieces.append(mx.zeros((n, off - pos), mx.uint8))
+            if a.nbytes:
+                pieces.append(r)
+                pos = off + a.nbytes
+        if self.size > pos:
+            pieces.append(mx.zeros((n, self.size - pos), mx.uint8))
+        return mx.concatenate(pieces, axis=1)
+
     def fill(self, payload: memoryview) -> int:
         """Every array into its place in ``payload``, the alignment gaps
         zeroed; returns the payload's checksum, taken on the way (each part
@@ -66,16 +83,8 @@ class _Layout:
         if rt is not None and 0 < self.size < 1 << 31:
             # on CUDA the arrays live on the device: laid out there in one buffer, then one transfer
             # through the copy engine (page faults, or a copy per array, would cost far more)
-            pieces, pos = [], 0
-            for off, a in self.parts:
-                if off > pos:
-                    pieces.append(mx.zeros((off - pos,), mx.uint8))
-                if a.nbytes:
-                    pieces.append(mx.contiguous(a).view(mx.uint8).reshape(-1))
-                    pos = off + a.nbytes
-            if self.size > pos:
-                pieces.append(mx.zeros((self.size - pos,), mx.uint8))
-            packed = mx.concatenate(pieces)
+            packed = self.packed([mx.contiguous(a).view(mx.uint8).reshape(1, -1) if a.nbytes else None
+                                  for _, a in self.parts])
             mx.eval(packed)
             mx.synchronize()
             h = xxhash.xxh3_64()
@@ -161,18 +170,10 @@ def serialize_run(whole: Block, blocks: list[Block], keys: list[bytes]) -> Itera
     big.add(mx.array(whole.tokens))
     for l in whole.layers:
         big.layer(l, len(whole.tokens))
-    pieces, pos = [], 0
-    for (off, a), (_, full) in zip(first.parts, big.parts, strict=True):
-        if off > pos:
-            pieces.append(mx.zeros((n, off - pos), mx.uint8))
-        if a.nbytes:
-            pieces.append(_rows_of_blocks(full, n))
-            pos = off + a.nbytes
-    if first.size > pos:
-        pieces.append(mx.zeros((n, first.size - pos), mx.uint8))
-    packed = mx.concatenate(pieces, axis=1)
+    packed = first.packed([_rows_of_blocks(full, n) if a.nbytes else None
+                           for (_, a), (_, full) in zip(first.parts, big.parts, strict=True)])
     mx.eval(packed)
-    del whole, blocks, big, pieces, a, full  # the run's arrays go now: only its payloads are held
+    del whole, blocks, big  # the run's arrays go now: only its payloads are held
     for p in plans:
         p.layout.parts.clear()
     rt = cuda.runtime()
@@ -198,8 +199,7 @@ def _rows_of_blocks(a: mx.array, n: int) -> mx.array:
     if a.ndim == 1:
         return a.reshape(n, -1).view(mx.uint8)
     *lead, rows, last = a.shape
-    lead_n = int(np.prod(lead)) if lead else 1
-    per = a.reshape(lead_n, n, rows // n, last).transpose(1, 0, 2, 3)
+    per = a.reshape(math.prod(lead), n, rows // n, last).transpose(1, 0, 2, 3)
     return mx.contiguous(per).view(mx.uint8).reshape(n, -1)
 
 

@@ -236,8 +236,7 @@ def _writes(path: Path, plain: Path, prompt, src, kind: str, repeats: int) -> di
     for rep in range(repeats):
         t["write_fsync_appending"].append(_plain_write(plain, stored, after=stored))
     row = {"put_ms": statistics.median(t["put"]), **_puts(src, prompt, repeats),
-           "first_hit_ms": statistics.median(t["first"]) * 1e3, "later_hit_ms": statistics.median(t["later"]) * 1e3,
-           "stored_bytes": stored}
+           "first_hit_ms": statistics.median(t["first"]) * 1e3, "later_hit_ms": statistics.median(t["later"]) * 1e3}
     row["first_vs_later"] = row["first_hit_ms"] / row["later_hit_ms"]
     for name, key in (("flush", "flush"), ("first_fill", "flush_first_fill"), ("disk_only", "flush_disk_only"),
                       ("write_fsync", "write_fsync"), ("write_fsync_appending", "write_fsync_appending")):
