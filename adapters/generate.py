@@ -22,7 +22,7 @@ import mlx.nn as nn
 import numpy as np
 import xxhash
 from mlx.utils import tree_flatten
-from mlx_lm.generate import generation_stream, maybe_quantize_kv_cache
+from mlx_lm.generate import generate_step, generation_stream, maybe_quantize_kv_cache
 from mlx_lm.generate import stream_generate as _mlx_stream_generate
 from mlx_lm.models import cache as C
 
@@ -266,10 +266,12 @@ def calibrate(store: PrefixStore, key: str, models: Sequence[nn.Module],
     ``longer`` whose prefill the last one predicts under ``budget_s``: a GPU
     runs 1K tokens far below its throughput (an 8B model on the H200 took
     half the time per token it takes at 8K), so where long prefills are
-    cheap enough to time, they are what the model is fitted to. Each runs
-    in chunks of ``step`` tokens, as mlx-lm's generate prefills (the cache
-    grows and is copied between chunks: fitted to single-call prefills, the
-    model predicted 0.7x of what an 8K prefill took the engine on the H200)."""
+    cheap enough to time, they are what the model is fitted to. Each is
+    timed as a request's prefill runs: mlx-lm's ``generate_step`` to the
+    first token, in chunks of ``step`` (the cache grows and is copied
+    between chunks, and mlx's buffer cache is emptied after each: timing the
+    forward passes alone predicted 0.7x of what an 8K prompt took the engine
+    on the H100)."""
     def timed(start: int, stop: int) -> float:
         tokens = mx.random.randint(0, 1000, (stop,), key=mx.random.key(stop))  # the caller's seed left alone
         seconds = 0.0
@@ -278,11 +280,12 @@ def calibrate(store: PrefixStore, key: str, models: Sequence[nn.Module],
             if start:
                 m(tokens[None, :start], cache=cache)
                 mx.eval([c.state for c in cache])
+            steps = generate_step(tokens[start:], m, max_tokens=1, prompt_cache=cache, prefill_step_size=step)
             t = time.perf_counter()
-            for i in range(start, stop, step):
-                m(tokens[None, i : min(stop, i + step)], cache=cache)
-                mx.eval([c.state for c in cache])
+            next(steps)
             seconds += time.perf_counter() - t
+            steps.close()
+            mx.synchronize()  # (the next token, queued before the first was read, is not the next timing's)
         store.observe_prefill(key, start, stop, seconds)
         return seconds
 

@@ -93,10 +93,10 @@ def _encoded_run(job, run: list[Node], codec: Codec, compress_rows: int) -> Iter
     elif run:
         s = run[0].start
         whole = _encode_rows(job, s, run[-1].end, codec, compress_rows)
-        blocks = [_cut(whole, n.start - s, n.end - s) for n in run]
-        about = About.of(blocks[0])  # (laid out alike: the same for each)
-        held = Stored.pack_run(whole, blocks, [n.key for n in run], [n.start for n in run])
-        del whole, blocks  # (the run's arrays go once its payloads are made)
+        first = _cut(whole, 0, run[0].length)  # (laid out as every block of the run: one plan, one About)
+        about = About.of(first)
+        held = Stored.pack_run(whole, first, [n.key for n in run], [n.start for n in run])
+        del whole, first  # (the run's arrays go once its payloads are made)
         for node in run:
             yield node, next(held), about
 

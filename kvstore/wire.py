@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import copy
 import math
 from dataclasses import dataclass
 from typing import Iterator, Optional, Union
@@ -133,6 +134,15 @@ class _Plan:
                        "L": [None if l is None else l.wire() for l in self.layers]}
         self.start = aligned(PREFIX.size + len(msgpack.packb(self.fields, use_bin_type=True)))
 
+    def keyed(self, key: bytes) -> "_Plan":
+        """The plan of a block laid out as this one, bound to ``key``."""
+        p = copy.copy(self)
+        p.key = bytes(key)
+        p.fields = dict(self.fields, key=p.key)
+        if len(p.key) != len(self.key):
+            p.start = aligned(PREFIX.size + len(msgpack.packb(p.fields, use_bin_type=True)))
+        return p
+
     def buffer(self) -> np.ndarray:
         """The block's buffer, zeros up to where the payload starts."""
         arr = _buffer(self.start + self.layout.size)
@@ -154,43 +164,45 @@ class _Plan:
         return _frozen(arr), Header(self.key, self.n, start, checksum, self.tok, self.layers)
 
 
-def serialize_run(whole: Block, blocks: list[Block], keys: list[bytes]) -> Iterator[tuple[memoryview, Header]]:
-    """``blocks``, consecutive runs of ``whole``'s rows laid out alike (as
-    many rows each, the same layers), serialized together: each array of
-    ``whole`` is copied once into the ``[blocks, payload bytes]`` matrix of
-    their payloads (on the GPU on CUDA, where a copy per block per array
-    would cost a kernel each), then each row goes to its block's buffer (one
-    download on CUDA), hashed on the way. Yields in order, as each is done."""
-    n = len(blocks)
-    plans = [_Plan(b, k) for b, k in zip(blocks, keys)]
-    first = plans[0].layout
-    if any(p.layout.size != first.size or p.start != plans[0].start for p in plans):
-        raise ValueError("the blocks of a run must be laid out alike")
+def serialize_run(whole: Block, first: Block, keys: list[bytes]) -> Iterator[tuple[memoryview, Header]]:
+    """The blocks of ``whole``'s rows, one per key, each as many rows as
+    ``first`` (the first of them, cut from ``whole``: every one is laid out
+    as it is, so its plan is theirs under another key), serialized together:
+    each array of ``whole`` is copied once into the ``[blocks, payload
+    bytes]`` matrix of their payloads (on the GPU on CUDA, where a copy per
+    block per array would cost a kernel each), then each row goes to its
+    block's buffer (one download on CUDA), hashed on the way. Yields in
+    order, as each is done."""
+    n = len(keys)
+    if len(whole.tokens) != n * len(first.tokens):
+        raise ValueError(f"a run of {n} blocks of {len(first.tokens)} rows cannot hold {len(whole.tokens)} rows")
+    plan = _Plan(first, keys[0])
     big = _Layout()
     big.add(mx.array(whole.tokens))
     for l in whole.layers:
         big.layer(l, len(whole.tokens))
-    packed = first.packed([_rows_of_blocks(full, n) if a.nbytes else None
-                           for (_, a), (_, full) in zip(first.parts, big.parts, strict=True)])
+    layout = plan.layout
+    packed = layout.packed([_rows_of_blocks(full, n) if a.nbytes else None
+                            for (_, a), (_, full) in zip(layout.parts, big.parts, strict=True)])
     mx.eval(packed)
-    del whole, blocks, big  # the run's arrays go now: only its payloads are held
-    for p in plans:
-        p.layout.parts.clear()
+    del whole, first, big  # the run's arrays go now: only its payloads are held
+    layout.parts.clear()
     rt = cuda.runtime()
     if rt is not None:
         mx.synchronize()
         base = cuda.address(packed)  # (mlx's buffer cache hands the next run this one's moved buffer)
     host = None if rt is not None else np.asarray(packed)
-    for i, plan in enumerate(plans):
-        arr = plan.buffer()
-        dst = arr[plan.start :]
+    for i, key in enumerate(keys):
+        p = plan.keyed(key)
+        arr = p.buffer()
+        dst = arr[p.start :]
         h = xxhash.xxh3_64()
         if rt is not None:
-            cuda.download(rt, dst, base + i * first.size, h)
+            cuda.download(rt, dst, base + i * layout.size, h)
         else:
             np.copyto(dst, host[i])
             h.update(dst)
-        yield plan.seal(arr, h.intdigest())
+        yield p.seal(arr, h.intdigest())
 
 
 def _rows_of_blocks(a: mx.array, n: int) -> mx.array:
@@ -283,9 +295,9 @@ class Stored:
         return cls(key, start, buf, header, True)
 
     @classmethod
-    def pack_run(cls, whole: Block, blocks: list[Block], keys: list[bytes], starts: list[int]) -> Iterator["Stored"]:
-        """``blocks``, runs of ``whole``'s rows laid out alike, serialized together (``serialize_run``)."""
-        for (buf, header), key, start in zip(serialize_run(whole, blocks, keys), keys, starts):
+    def pack_run(cls, whole: Block, first: Block, keys: list[bytes], starts: list[int]) -> Iterator["Stored"]:
+        """The blocks of ``whole``'s rows laid out as ``first``, serialized together (``serialize_run``)."""
+        for (buf, header), key, start in zip(serialize_run(whole, first, keys), keys, starts):
             yield cls(key, start, buf, header, True)
 
     @classmethod

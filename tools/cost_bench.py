@@ -76,7 +76,7 @@ def _prefilled(model, prompt: list[int], step: int = 2048) -> list:
 def _fresh_row(model, tokenizer, key, prompt, cache, path: Path, kind: str, block: int, source: str,
                repeats: int) -> dict:
     """One row, each request the first of a store and engine that know nothing."""
-    from kvstore.adapters.generate import store_cache
+    from kvstore.adapters.generate import calibrate_once, store_cache
     if source not in ("ram", "device") and not path.exists():
         with PrefixStore(budget_gb=0, ssd_path=path, kv_bits=KV[kind], block_size=block, fetch_policy="never",
                          remember_rates=False) as s:
@@ -103,18 +103,20 @@ def _fresh_row(model, tokenizer, key, prompt, cache, path: Path, kind: str, bloc
                     s.flush()
                 if source == "device":  # a first hit leaves device copies (the request timed is the next one)
                     s.fetch(key, prompt[:-1], limit=len(prompt) - 1)
-                weigh = policy == "auto" and rep == 0  # what auto weighed: priors, (calibrated) prefill model
-                priors = s.stats()["cost"]["rates"] if weigh else {}
-                t, r = _ttft(model, tokenizer, s, prompt)
-                if weigh:
-                    fit = next(iter(s.stats()["cost"]["prefill"].values()), {})
+                # set-up, as the server does at load (generate would do it in the request, outside its TTFT);
+                # done here so that what auto weighs is read before the request: priors, the calibrated model
+                calibrated = calibrate_once(s, key, [model])
+                if policy == "auto" and rep == 0:
+                    cost = s.stats()["cost"]
+                    fit = next(iter(cost["prefill"].values()), {})
                     pm = PrefillModel(fit.get("a_s", 0.0), fit.get("s_per_token", 0.0),
                                       fit.get("s_per_token_context", 0.0))
-                    out["weighed"] = {"rates_gbps": {k: round(v["gb_per_s"], 2) for k, v in priors.items()},
+                    out["weighed"] = {"rates_gbps": {k: round(v["gb_per_s"], 2) for k, v in cost["rates"].items()},
                                       "prefill_predicted_ms": round(1e3 * pm.seconds(0, len(prompt)), 1)}
+                t, r = _ttft(model, tokenizer, s, prompt)
                 out[policy]["ttft"].append(t)
                 out[policy]["cached"].append(r.cached_tokens)
-                out[policy]["calibrate"].append(r.calibrate_s)
+                out[policy]["calibrate"].append(calibrated + r.calibrate_s)
             finally:
                 s.close()
     row = {}

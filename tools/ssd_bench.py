@@ -24,6 +24,10 @@ kind back to back (see ``run``):
   for cold ones closed and its file dropped from the page cache first;
   ``fetch_ssd_cached_promoting``: a page-cached read by a store with a RAM
   tier, which copies the blocks into RAM on its writer thread meanwhile;
+- ``prior_ssd_cold_GBps``: what ``fetch_policy="auto"`` assumes of a cold
+  read before it has measured one (a new store opened on the dropped file),
+  against ``fetch_ssd_cold_GBps``; ``probe_cold_GBps``: the direct reads of
+  the file that prior is made from (``kvstore.probe``), by size and threads;
 - baselines: ``read_cached`` / ``read_cold`` (``np.fromfile`` into a fresh
   buffer), and on CUDA the same read followed by mlx's own route to the GPU
   (``mx.array`` + first kernel), which is what an engine without kvstore gets.
@@ -47,7 +51,7 @@ from pathlib import Path
 import mlx.core as mx
 import numpy as np
 
-from kvstore import PrefixStore, cuda
+from kvstore import PrefixStore, cuda, probe
 from kvstore.layers import KVLayer
 from kvstore.tools.bench.common import WRITE_CHUNK, drop_page_cache, random_chunk, write_file
 
@@ -263,10 +267,20 @@ def _reads(path: Path, plain: Path, prompt, src, kind: str, repeats: int, stored
     with PrefixStore(budget_gb=0, device_budget_gb=0, ssd_path=path, fetch_policy="always") as s:  # the fetch alone
         ts["fetch_ssd_cached"] = [_timed_fetch(s, prompt, src, kind, "ssd_tokens") for _ in range(repeats)]
     ts["fetch_ssd_cold"] = []
+    priors: list[float] = []  # what fetch_policy="auto" assumes of a cold read before it has measured one
+    probes: dict[str, list[float]] = {}  # the direct reads that prior is made from, by size and threads
     for _ in range(repeats):
         _drop(path)
         with PrefixStore(budget_gb=0, device_budget_gb=0, ssd_path=path, fetch_policy="always") as s:
             ts["fetch_ssd_cold"].append(_timed_fetch(s, prompt, src, kind, "ssd_tokens"))
+        _drop(path)
+        with PrefixStore(budget_gb=0, ssd_path=path, fetch_policy="auto", remember_rates=False) as s:
+            priors.extend(r["gb_per_s"] for st, r in s.stats()["cost"]["rates"].items() if st == "ssd_cold")
+        for mib, threads in ((64, 4), (256, 4), (256, 16)):
+            _drop(path)
+            rate = probe.direct_read_rate(path / "data.mdb", mib << 20, threads)
+            if rate:
+                probes.setdefault(f"{mib}MiB_{threads}threads", []).append(rate / 1e9)
     if cuda.runtime() is not None:  # device-tier hits: the copies a first hit left in GPU memory
         ts["fetch_device"] = []
         with PrefixStore(budget_gb=64, device_budget_gb=64, ssd_path=path, fetch_policy="always") as s:
@@ -291,6 +305,8 @@ def _reads(path: Path, plain: Path, prompt, src, kind: str, repeats: int, stored
     for name, secs in ts.items():
         row[f"{name}_ms"] = statistics.median(secs) * 1e3
         row[f"{name}_GBps"] = _gbps(stored, secs)
+    row["prior_ssd_cold_GBps"] = statistics.median(priors) if priors else None
+    row["probe_cold_GBps"] = {k: statistics.median(v) for k, v in probes.items()}
     dev = "_to_device" if base["read_cached_to_device"] else ""
     row["ssd_cached_vs_read"] = row["fetch_ssd_cached_GBps"] / row[f"read_cached{dev}_GBps"]
     row["ssd_cold_vs_read"] = row["fetch_ssd_cold_GBps"] / row[f"read_cold{dev}_GBps"]
