@@ -113,15 +113,15 @@ class StoreConfig:
     remote_probe_blocks: int = 1024
     remote_read_bytes: int = 16 << 20
     # fetch_policy="auto" before a load rate is measured (``probe``): the prior of each state in GB/s
-    # (None: probed at open, once per machine and store). A served hit that loses costs more than cold, a
-    # declined one at most cold, so the cold-SSD prior errs low: the probe reads on one thread (the store
-    # reads cold blocks on several) and is counted in series with building the arrays (the store overlaps
-    # them), then scaled by ``prior_cold_share``; where the disk cannot be read around the page cache it is
-    # ``unprobed_cold_gbps``, a SATA SSD's rate.
+    # (None: probed at open, once per machine and store). The cold-SSD prior errs low: the probe reads the
+    # file around the page cache (so it evicts nobody's pages), which runs below the store's own cold reads
+    # through it (docs/benchmarks.md, hot path), and is counted in series with building the arrays (the
+    # store overlaps them); ``prior_cold_share`` scales it further. Where the disk cannot be read around
+    # the page cache it is ``unprobed_cold_gbps``, a SATA SSD's rate.
     prior_ram_gbps: Optional[float] = None
     prior_ssd_cached_gbps: Optional[float] = None
     prior_ssd_cold_gbps: Optional[float] = None
-    prior_cold_share: float = 0.75
+    prior_cold_share: float = 1.0
     unprobed_cold_gbps: float = 0.5
     # Bytes each memory probe moves (the cold-read probe reads 4x this, a few requests per thread): past the
     # latency of a disk request and a few caches' sizes, a few ms of memory bandwidth and tens of ms of disk,

@@ -16,9 +16,10 @@ replaces a prior, and the decision rule is the same for both):
 - ``ssd_cached``: a copy out of the page cache (timed as a host memcpy), then
   the arrays, in series;
 - ``ssd_cold``: the store's own file read around the page cache (``O_DIRECT``,
-  ``F_NOCACHE`` on macOS) on a few threads, as its cold reads run, then the
-  arrays, in series, scaled down (``StoreConfig.prior_cold_share``): where
-  unsure, a prior errs toward declining.
+  ``F_NOCACHE`` on macOS: dropping its pages would take them from whoever
+  else reads the file) on a few threads, then the arrays, in series, scaled
+  by ``StoreConfig.prior_cold_share``. A direct read runs below the
+  buffered, read-ahead reads of a cold fetch, so this errs toward declining.
 """
 
 from __future__ import annotations

@@ -24,7 +24,12 @@ that has served nothing through it: the prefix is put from a prefill made
 outside ``generate`` (so no prefill was observed), a RAM row's store is a new
 RAM-only one holding it, an SSD row's is reopened on the file. Opening probes
 the load-rate priors (``open_ms``); auto then calibrates the model once
-(``calibrate_ms``: set-up, as the server does it at load; not in TTFT).
+(``calibrate_ms``: set-up, as the server does it at load; not in TTFT), and
+the row records what it weighed (``auto_weighed``). mlx's buffer cache is
+emptied before each timed request, of every policy: what a request allocates
+would otherwise depend on the request before it in this process (a hit
+after auto's calibration, which empties it as mlx-lm's prefill does, took
+up to 25 ms more than the same hit after another request).
 
 The target is auto <= 1.1 x min(cold, forced) in every row.
 """
@@ -39,6 +44,7 @@ import tempfile
 import time
 from pathlib import Path
 
+import mlx.core as mx
 from mlx_lm import load
 
 from kvstore import PrefixStore
@@ -64,7 +70,6 @@ def _ttft(model, tokenizer, store, prompt) -> tuple[float, object]:
 
 def _prefilled(model, prompt: list[int], step: int = 2048) -> list:
     """The prompt's cache, computed outside ``generate``: no store observes it."""
-    import mlx.core as mx
     from mlx_lm.models import cache as C
     cache = C.make_prompt_cache(model)
     for i in range(0, len(prompt), step):
@@ -112,7 +117,9 @@ def _fresh_row(model, tokenizer, key, prompt, cache, path: Path, kind: str, bloc
                     pm = PrefillModel(fit.get("a_s", 0.0), fit.get("s_per_token", 0.0),
                                       fit.get("s_per_token_context", 0.0))
                     out["weighed"] = {"rates_gbps": {k: round(v["gb_per_s"], 2) for k, v in cost["rates"].items()},
-                                      "prefill_predicted_ms": round(1e3 * pm.seconds(0, len(prompt)), 1)}
+                                      "prefill_predicted_ms": round(1e3 * pm.seconds(0, len(prompt)), 1),
+                                      "prefill_fit": fit}
+                mx.clear_cache()  # as an engine that has served nothing has it, whichever request ran before
                 t, r = _ttft(model, tokenizer, s, prompt)
                 out[policy]["ttft"].append(t)
                 out[policy]["cached"].append(r.cached_tokens)
