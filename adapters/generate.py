@@ -271,21 +271,25 @@ def calibrate(store: PrefixStore, key: str, models: Sequence[nn.Module],
     first token, in chunks of ``step`` (the cache grows and is copied
     between chunks, and mlx's buffer cache is emptied after each: timing the
     forward passes alone predicted 0.7x of what an 8K prompt took the engine
-    on the H100)."""
+    on the H100), the faster of two runs."""
+    def once(m: nn.Module, tokens: mx.array, start: int) -> float:
+        cache = C.make_prompt_cache(m)
+        if start:
+            m(tokens[None, :start], cache=cache)
+            mx.eval([c.state for c in cache])
+        steps = generate_step(tokens[start:], m, max_tokens=1, prompt_cache=cache, prefill_step_size=step)
+        t = time.perf_counter()
+        next(steps)
+        seconds = time.perf_counter() - t
+        steps.close()
+        mx.synchronize()  # (the next token, queued before the first was read, is not the next timing's)
+        return seconds
+
     def timed(start: int, stop: int) -> float:
+        # the faster of two: a process's first prefill of a length compiles kernels for it (on CUDA
+        # 3-10x the time of the next one), which would have this model predict every prefill far too slow
         tokens = mx.random.randint(0, 1000, (stop,), key=mx.random.key(stop))  # the caller's seed left alone
-        seconds = 0.0
-        for m in models:
-            cache = C.make_prompt_cache(m)
-            if start:
-                m(tokens[None, :start], cache=cache)
-                mx.eval([c.state for c in cache])
-            steps = generate_step(tokens[start:], m, max_tokens=1, prompt_cache=cache, prefill_step_size=step)
-            t = time.perf_counter()
-            next(steps)
-            seconds += time.perf_counter() - t
-            steps.close()
-            mx.synchronize()  # (the next token, queued before the first was read, is not the next timing's)
+        seconds = sum(min(once(m, tokens, start) for _ in range(2)) for m in models)
         store.observe_prefill(key, start, stop, seconds)
         return seconds
 
@@ -305,9 +309,8 @@ def calibrate_once(store: PrefixStore, key: str, models: Sequence[nn.Module]) ->
     earlier run on this machine, never saw); returns the seconds it took.
     Without it the first hits of a model were served whatever they cost. A
     few prefills of 128 tokens to 1K, then 4K and 8K where they are cheap
-    (``calibrate``): ~0.55 s for the tiny CPU llama, 0.42-0.46 s for an 8B
-    model on an H200. The model's shape goes to the store every time
-    (``context_ratio``)."""
+    (``calibrate``; what that takes: docs/benchmarks.md, cost). The model's
+    shape goes to the store every time (``context_ratio``)."""
     if store.fetch_policy != "auto":
         return 0.0
     store.set_context_ratio(key, context_ratio(models))
