@@ -364,3 +364,38 @@ def test_the_first_request_through_generate_declines_a_losing_ssd_hit_and_serves
         # calibrated once per model and store (whether it serves again depends on what the first hit measured:
         # one end-to-end timing, which a stall of this machine can make look slow)
         assert again.calibrate_s == 0
+
+
+def test_calibration_reports_each_length_without_the_processs_first_run_of_it(tmp_path):
+    """A process's first prefill of a length compiles kernels for it (on CUDA
+    3-10x the next one). ``calibrate`` times each length twice and reports
+    the faster: a model whose every first call of a length stalls 1.5 s still
+    gets its steady prefill times into the store."""
+    import time
+
+    from mlx_lm import load
+
+    from kvstore.adapters.generate import calibrate, model_key
+    from kvstore.adapters.tiny_models import make_tiny_model
+
+    model, _ = load(str(make_tiny_model("llama", tmp_path / "model")))
+    stall, seen = 1.5, set()
+    steady = type(model).__call__
+
+    class FirstOfALengthStalls(type(model)):
+        def __call__(self, inputs, *args, **kwargs):
+            if inputs.shape[-1] not in seen:  # as compiling this length's kernels would
+                seen.add(inputs.shape[-1])
+                time.sleep(stall)
+            return steady(self, inputs, *args, **kwargs)
+
+    model.__class__ = FirstOfALengthStalls
+    with PrefixStore(fetch_policy="auto", remember_rates=False) as s:
+        reported: list[tuple[int, int, float]] = []
+        told = s.observe_prefill
+        s.observe_prefill = lambda key, start, stop, secs: (reported.append((start, stop, secs)),
+                                                            told(key, start, stop, secs))
+        calibrate(s, model_key(model), [model], sizes=((0, 64), (0, 128), (64, 128)), longer=())
+    assert [(a, b) for a, b, _ in reported] == [(0, 64), (0, 128), (64, 128)]
+    assert {63, 127} <= seen  # generate_step prefilled these lengths (the last token goes alone): each stalled once
+    assert all(secs < stall for _, _, secs in reported), reported
