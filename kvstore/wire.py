@@ -132,7 +132,7 @@ class _Plan:
         self.layers = tuple(w.layer(l, self.n) for l in block.layers)
         self.fields = {"key": self.key, "n": self.n, "size": w.size, "sum": _SUM_PLACEHOLDER, "tok": self.tok.wire(),
                        "L": [None if l is None else l.wire() for l in self.layers]}
-        self.start = aligned(PREFIX.size + len(msgpack.packb(self.fields, use_bin_type=True)))
+        self.start = self._payload_start()
 
     def keyed(self, key: bytes) -> "_Plan":
         """The plan of a block laid out as this one, bound to ``key``."""
@@ -140,8 +140,12 @@ class _Plan:
         p.key = bytes(key)
         p.fields = dict(self.fields, key=p.key)
         if len(p.key) != len(self.key):
-            p.start = aligned(PREFIX.size + len(msgpack.packb(p.fields, use_bin_type=True)))
+            p.start = p._payload_start()
         return p
+
+    def _payload_start(self) -> int:
+        """Where the payload starts: after the prefix and the packed header fields, aligned."""
+        return aligned(PREFIX.size + len(msgpack.packb(self.fields, use_bin_type=True)))
 
     def buffer(self) -> np.ndarray:
         """The block's buffer, zeros up to where the payload starts."""

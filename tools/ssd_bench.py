@@ -275,7 +275,9 @@ def _reads(path: Path, plain: Path, prompt, src, kind: str, repeats: int, stored
             ts["fetch_ssd_cold"].append(_timed_fetch(s, prompt, src, kind, "ssd_tokens"))
         _drop(path)
         with PrefixStore(budget_gb=0, ssd_path=path, fetch_policy="auto", remember_rates=False) as s:
-            priors.extend(r["gb_per_s"] for st, r in s.stats()["cost"]["rates"].items() if st == "ssd_cold")
+            cold = s.stats()["cost"]["rates"].get("ssd_cold")
+            if cold:
+                priors.append(cold["gb_per_s"])
         for mib, threads in ((64, 4), (256, 4), (256, 16)):
             _drop(path)
             rate = probe.direct_read_rate(path / "data.mdb", mib << 20, threads)
