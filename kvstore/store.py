@@ -88,13 +88,13 @@ class PrefixStore:
     """
 
     def __init__(self, config: Optional[StoreConfig] = None, **settings):
-        if config is None:
-            try:
-                config = StoreConfig(**settings)
-            except TypeError as e:  # an unknown keyword
-                raise ConfigError(f"PrefixStore: {e} (settings: kvstore.config.StoreConfig's fields)") from None
-        elif settings:
-            config = replace(config, **settings)
+        if config is not None and not isinstance(config, StoreConfig):  # e.g. PrefixStore("/path/to/store")
+            raise ConfigError(f"PrefixStore: the one positional argument is a StoreConfig, not {config!r}; "
+                              "settings are keywords (ssd_path=..., budget_gb=...)")
+        try:
+            config = StoreConfig(**settings) if config is None else replace(config, **settings)
+        except TypeError as e:  # an unknown keyword
+            raise ConfigError(f"PrefixStore: {e} (settings: kvstore.config.StoreConfig's fields)") from None
         self.config = cfg = config
         self.block_size = cfg.block_size
         self.codec = Codec.from_bits(cfg.kv_bits, cfg.kv_group_size, cfg.rotate_keys, cfg.rotate_values,

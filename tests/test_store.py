@@ -20,7 +20,7 @@ import pytest
 from kvstore.codec import Codec
 from kvstore.errors import ConfigError, KVStoreError, LayoutError
 from kvstore.layers import KVLayer, Quantized, StateLayer
-from kvstore.config import GB
+from kvstore.config import GB, StoreConfig
 from kvstore.store import PrefixStore
 
 from ._helpers import BLOCK_BYTES, BS, M, assert_hit_is, dq, kv_layers, put, rows, same, state_at, toks
@@ -380,6 +380,20 @@ def test_settings_out_of_range_raise_config_error(tmp_path, kwargs):
         PrefixStore(ssd_path=path, **kwargs)
     assert isinstance(e.value, KVStoreError) and isinstance(e.value, ValueError)
     assert next(iter(kwargs)).replace("kv_", "") in str(e.value).replace("kv_", "")
+    assert not path.exists()
+
+
+def test_a_path_or_an_unknown_setting_is_a_config_error_naming_what_to_pass(tmp_path):
+    """``PrefixStore("/some/dir")`` (settings are keywords) and an unknown
+    keyword, alone or beside a config, say what the store takes; nothing is
+    created on disk."""
+    path = tmp_path / "store"
+    with pytest.raises(ConfigError, match="ssd_path="):
+        PrefixStore(path)
+    with pytest.raises(ConfigError, match="path"):
+        PrefixStore(path=path)
+    with pytest.raises(ConfigError, match="budget_gib"):
+        PrefixStore(StoreConfig(ssd_path=path), budget_gib=1)
     assert not path.exists()
 
 

@@ -25,11 +25,13 @@ outside ``generate`` (so no prefill was observed), a RAM row's store is a new
 RAM-only one holding it, an SSD row's is reopened on the file. Opening probes
 the load-rate priors (``open_ms``); auto then calibrates the model once
 (``calibrate_ms``: set-up, as the server does it at load; not in TTFT), and
-the row records what it weighed (``auto_weighed``). mlx's buffer cache is
-emptied before each timed request, of every policy: what a request allocates
-would otherwise depend on the request before it in this process (a hit
-after auto's calibration, which empties it as mlx-lm's prefill does, took
-up to 25 ms more than the same hit after another request).
+the row records what it weighed (``auto_weighed``). Every request, of
+every policy, follows the same set-up on the GPU: the calibration prefills
+(for never/always on a store of their own, not the one timed) and then
+mlx's buffer cache emptied. What a request allocates and how fast depends
+on what ran before it in the process (a hit after auto's calibration took
+up to 25 ms more than the same hit after another request), so the rows
+differ in the policy alone.
 
 The target is auto <= 1.1 x min(cold, forced) in every row.
 """
@@ -109,8 +111,13 @@ def _fresh_row(model, tokenizer, key, prompt, cache, path: Path, kind: str, bloc
                 if source == "device":  # a first hit leaves device copies (the request timed is the next one)
                     s.fetch(key, prompt[:-1], limit=len(prompt) - 1)
                 # set-up, as the server does at load (generate would do it in the request, outside its TTFT);
-                # done here so that what auto weighs is read before the request: priors, the calibrated model
+                # done here so that what auto weighs is read before the request: priors, the calibrated model.
+                # The same prefills precede every policy's request (under never/always on a store of their own):
+                # requests then differ in their policy only, not in what the GPU ran just before
                 calibrated = calibrate_once(s, key, [model])
+                if policy != "auto":
+                    with PrefixStore(budget_gb=0.01, fetch_policy="auto", remember_rates=False) as side:
+                        calibrate_once(side, key, [model])
                 if policy == "auto" and rep == 0:
                     cost = s.stats()["cost"]
                     fit = next(iter(cost["prefill"].values()), {})
