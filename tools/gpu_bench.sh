@@ -7,7 +7,8 @@
 #   bash tools/gpu_bench.sh address OUT    # what taking a fresh mlx array's address costs (the move to managed memory)
 #   bash tools/gpu_bench.sh write OUT      # where the writer's time goes (tools/write_profile.py)
 #   bash tools/gpu_bench.sh tests OUT      # the store's tests that need no Redis or hypothesis, on CUDA
-#   TOKENS="2048 8192 32768" bash tools/gpu_bench.sh ssd OUT   # tools/ssd_bench.py, Llama-3-8B KV shape (PARTS=writes)
+#   TOKENS="2048 8192 32768" bash tools/gpu_bench.sh ssd OUT   # tools/ssd_bench.py, Llama-3-8B KV shape
+#                                                               (PARTS=writes; PARTS=hot: RAM and device hits only)
 #   bash tools/gpu_bench.sh model OUT      # the 8B-shaped random llama the next two use (/tmp/llama-8b, ~4 min)
 #   LENGTHS="2048 8192" bash tools/gpu_bench.sh cost OUT   # cost_bench TTFT table on it (--fresh: FRESH=1)
 #   bash tools/gpu_bench.sh ramhit OUT     # where a RAM hit's time goes, after a hit / a cold prefill

@@ -33,6 +33,9 @@ kind back to back (see ``run``):
   (``mx.array`` + first kernel), which is what an engine without kvstore gets.
 
     python -m kvstore.tools.ssd_bench --tokens 8192 --layers 32 --heads 8 --dim 128 --kv fp16 q8 q4 --out DIR
+
+``--parts reads writes`` (the default) or either; ``--parts hot``: only the
+RAM and device-tier fetches (a minute-long A/B of the hot path on a GPU).
 """
 
 from __future__ import annotations
@@ -257,7 +260,7 @@ def _reads(path: Path, plain: Path, prompt, src, kind: str, repeats: int, stored
     """Fetches from RAM and from disk (page-cached, cold), and the plain reads
     of the same bytes, each kind back to back (alternating, each found the
     memory the other had just freed taken back by the VM's host)."""
-    ts: dict[str, list[float]] = {"fetch_ram": [], "fetch_ssd_cached_promoting": []}
+    ts: dict[str, list[float]] = {}
     base: dict[str, list[float]] = {k: [] for k in ("read_cached", "read_cold", "read_cached_to_device",
                                                     "read_cold_to_device")}
     np.fromfile(plain, np.uint8)  # written pages settle before reads are timed
@@ -283,23 +286,7 @@ def _reads(path: Path, plain: Path, prompt, src, kind: str, repeats: int, stored
             rate = probe.direct_read_rate(path / "data.mdb", mib << 20, threads)
             if rate:
                 probes.setdefault(f"{mib}MiB_{threads}threads", []).append(rate / 1e9)
-    if cuda.runtime() is not None:  # device-tier hits: the copies a first hit left in GPU memory
-        ts["fetch_device"] = []
-        with PrefixStore(budget_gb=64, device_budget_gb=64, ssd_path=path, fetch_policy="always") as s:
-            s.fetch("bench", prompt)
-            s.flush()
-            s.fetch("bench", prompt)
-            for _ in range(repeats):
-                ts["fetch_device"].append(_timed_fetch(s, prompt, src, kind, "ram_tokens"))
-    with PrefixStore(budget_gb=64, device_budget_gb=0, ssd_path=path, fetch_policy="always") as s:
-        s.fetch("bench", prompt)  # read once: warm and in RAM
-        s.flush()
-        for _ in range(repeats):
-            ts["fetch_ram"].append(_timed_fetch(s, prompt, src, kind, "ram_tokens"))
-            s.trim_ram(0)
-            # (this store copies what it read into RAM on its writer thread meanwhile)
-            ts["fetch_ssd_cached_promoting"].append(_timed_fetch(s, prompt, src, kind, "ssd_tokens"))
-            s.flush()
+    ts.update(_hot(path, prompt, src, kind, repeats, promoting=True))
     row: dict = {}
     for name, secs in base.items():
         if secs:
@@ -315,10 +302,39 @@ def _reads(path: Path, plain: Path, prompt, src, kind: str, repeats: int, stored
     return row
 
 
+def _hot(path: Path, prompt, src, kind: str, repeats: int, promoting: bool) -> dict[str, list[float]]:
+    """RAM hits, and on CUDA device-tier hits (the copies a first hit left in
+    GPU memory); with ``promoting``, after each RAM hit a page-cached read by
+    the same store, which copies the blocks into RAM on its writer thread
+    meanwhile."""
+    ts: dict[str, list[float]] = {"fetch_ram": []}
+    if cuda.runtime() is not None:
+        ts["fetch_device"] = []
+        with PrefixStore(budget_gb=64, device_budget_gb=64, ssd_path=path, fetch_policy="always") as s:
+            s.fetch("bench", prompt)
+            s.flush()
+            s.fetch("bench", prompt)
+            for _ in range(repeats):
+                ts["fetch_device"].append(_timed_fetch(s, prompt, src, kind, "ram_tokens"))
+    if promoting:
+        ts["fetch_ssd_cached_promoting"] = []
+    with PrefixStore(budget_gb=64, device_budget_gb=0, ssd_path=path, fetch_policy="always") as s:
+        s.fetch("bench", prompt)  # read once: warm and in RAM
+        s.flush()
+        for _ in range(repeats):
+            ts["fetch_ram"].append(_timed_fetch(s, prompt, src, kind, "ram_tokens"))
+            if promoting:
+                s.trim_ram(0)
+                ts["fetch_ssd_cached_promoting"].append(_timed_fetch(s, prompt, src, kind, "ssd_tokens"))
+                s.flush()
+    return ts
+
+
 def run(tokens: int, layers: int, heads: int, dim: int, kinds: list[str], repeats: int, tmp: Path,
         out: Path | None = None, parts: tuple[str, ...] = ("reads", "writes")) -> dict:
     """Per entry type: reads first (from a store written untimed, against a
-    plain file of its size), then writes; ``parts`` picks them."""
+    plain file of its size), then writes; ``parts`` picks them (``hot``: of
+    the reads, RAM and device-tier hits only)."""
     src = _layers(tokens, layers, heads, dim)
     prompt = np.arange(5, tokens + 5, dtype=np.int32)
     res: dict = {"tokens": tokens, "shape": [layers, heads, dim], "device": str(mx.default_device()),
@@ -337,6 +353,11 @@ def run(tokens: int, layers: int, heads: int, dim: int, kinds: list[str], repeat
         row: dict = {"kv": kind, "stored_bytes": stored}
         if "reads" in parts:
             row.update(_reads(path, plain, prompt, src, kind, repeats, stored))
+        elif "hot" in parts:  # (reads include them)
+            for name, secs in _hot(path, prompt, src, kind, repeats, promoting=False).items():
+                row[f"{name}_ms"] = statistics.median(secs) * 1e3
+                row[f"{name}_GBps"] = _gbps(stored, secs)
+                row[f"{name}_each_ms"] = [round(x * 1e3, 1) for x in secs]
         if "writes" in parts:
             row.update(_writes(path, plain, prompt, src, kind, repeats))
         res["rows"].append(row)
@@ -364,7 +385,7 @@ def main(argv=None) -> int:
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--dir", type=Path, default=None, help="where the stores go (default: a temporary folder)")
     ap.add_argument("--out", type=Path, default=None, help="write ssd.json here")
-    ap.add_argument("--parts", nargs="+", default=["reads", "writes"], choices=["reads", "writes"])
+    ap.add_argument("--parts", nargs="+", default=["reads", "writes"], choices=["reads", "writes", "hot"])
     ap.add_argument("--mlx-cache-gb", type=float, default=None,
                     help="mx.set_cache_limit first: how much freed memory mlx keeps for reuse (an engine setting)")
     args = ap.parse_args(argv)
