@@ -210,57 +210,27 @@ def _staging(rt: Runtime) -> Iterator[tuple]:
             _stages.put(st)
 
 
-LANDING = 1 << 29  # bytes of one landing buffer; a hit fills two in turn (both held for the process)
-_landing: "queue.SimpleQueue" = queue.SimpleQueue()  # landing buffers not in use: (array, address)
+LANDING = 1 << 30  # bytes of GPU memory a hit's host blocks land in at most at once (held for the process)
+_landing: "queue.SimpleQueue" = queue.SimpleQueue()  # landing buffers not in use
 
 
-class Landings:
-    """GPU buffers for the copy engine to write a hit's host blocks into,
-    used in turn: while the GPU copies one buffer's blocks out into the
-    arrays handed over, the copy engine fills the other (one buffer left the
-    copy engine idle during every copy-out). mlx keeps what its kernels make
-    in device memory and moves a buffer into managed memory, with a copy,
-    the first time its address is taken (as slow as the transfer), so
-    buffers are made once and reused, two for each hit running at once.
-    Used as ``with Landings() as landings:``, one per hit."""
-
-    def __init__(self) -> None:
-        self._slots: list[list] = []  # [array, address, arrays being copied out of it]
-        self._turn = 0
-
-    def land(self, nbytes: int, fill: Callable[[mx.array, int], list[mx.array]]) -> list[mx.array]:
-        """``fill(buffer, address)`` has the copy engine write at least
-        ``nbytes`` there (done when it returns) and returns the arrays it
-        makes from the buffer, which are computed meanwhile and returned."""
-        k = self._turn % 2
-        self._turn += 1
-        if k == len(self._slots):
-            try:
-                self._slots.append([*_landing.get_nowait(), []])
-            except queue.Empty:
-                self._slots.append([None, 0, []])
-        slot = self._slots[k]
-        mx.eval(slot[2])  # copied out before the copy engine writes there again
-        if slot[0] is None or slot[0].size < nbytes:
-            old = 0 if slot[0] is None else slot[0].size
-            slot[0] = mx.zeros((max(nbytes, min(LANDING, 2 * old or 256 << 20)),), mx.uint8)
-            mx.eval(slot[0])
-            slot[1] = address(slot[0])
-        slot[2] = fill(slot[0], slot[1])
-        mx.async_eval(slot[2])
-        return slot[2]
-
-    def __enter__(self) -> "Landings":
-        return self
-
-    def __exit__(self, error, *_) -> None:
-        """Buffers go back for reuse once what was copied out of them is done
-        (not after an error: a copy could still be landing in one)."""
-        if error is None:
-            mx.eval([a for s in self._slots for a in s[2]])
-            for buf, addr, _ in self._slots:
-                if buf is not None:
-                    _landing.put((buf, addr))
+@contextmanager
+def landing(nbytes: int) -> Iterator[tuple[mx.array, int]]:
+    """A GPU buffer of at least ``nbytes`` (uint8) for the copy engine to
+    write into, and its address. mlx keeps what its kernels make in device
+    memory and moves a buffer into managed memory, with a copy, the first
+    time its address is taken (as slow as the transfer), so landing
+    buffers are made once and reused, as many as hits ran at once."""
+    try:
+        buf, addr = _landing.get_nowait()
+    except queue.Empty:
+        buf = addr = None
+    if buf is None or buf.size < nbytes:
+        buf = mx.zeros((max(nbytes, min(LANDING, 256 << 20 if buf is None else 2 * buf.size)),), mx.uint8)
+        mx.eval(buf)
+        addr = address(buf)
+    yield buf, addr
+    _landing.put((buf, addr))  # not after an error: a copy could still be landing in it
 
 
 def upload(rt: Runtime, dst: int, src: memoryview) -> None:

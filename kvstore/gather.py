@@ -11,7 +11,7 @@ checksum verified by the thread that moves it:
 - **host memory** (the CPU, Apple silicon): each block's rows are copied from
   the mapped pages straight into the final per-layer arrays;
 - **CUDA** (mlx has no host->device copy): blocks land on the copy engine in
-  reused buffers (``cuda.Landings``) and the arrays handed over are copied
+  a reused buffer (``cuda.landing``) and the arrays handed over are copied
   out of it on the GPU. Dense layers land at their rows of every tensor by
   strided copies (``kvstore.rowcopy``); other layouts (quantized) land block
   by block and are cut there: blocks of one layout are a ``[blocks, bytes]``
@@ -260,49 +260,42 @@ def _fill_host(items, spans, spec, length, fill: Optional[HostFill]):
 
 def _fill_device(items, spans, spec, length, keep_on_device: bool = False):
     """Blocks of other layouts (quantized) to per-layer GPU arrays: host
-    blocks land as many at a time as a landing buffer holds (``cuda.Landings``:
+    blocks land as many at a time as a landing buffer holds (``cuda.landing``:
     an array mlx made fresh would be moved into managed memory, with a copy,
     the first time its address is taken), and each run of blocks is cut into
-    its layers there, on the GPU, while the next run lands in the other
-    buffer; blocks in the device tier are cut from its buffers. The device
-    tier keeps a device copy of what landed."""
+    its layers there, on the GPU; blocks in the device tier are cut from its
+    buffers. The device tier keeps a device copy of what landed."""
     pieces: list[list[list[list[mx.array]]]] = [[[[] for _ in t[2]] for t in layer] for layer in spec]
     kept: list = [None] * len(items)
-    with cuda.Landings() as landings:
-        i = 0
-        while i < len(items):
-            j = i + 1
-            if isinstance(items[i], DeviceBlock):
-                while j < len(items) and isinstance(items[j], DeviceBlock) and items[j].data is items[i].data:
-                    j += 1
-                _cut(items[i:j], spans[i:j], items[i].data, [it.offset for it in items[i:j]], pieces, False)
-                i = j
-                continue
-            offsets, size = [0], -(-len(items[i].payload) // 64) * 64
-            while j < len(items) and not isinstance(items[j], DeviceBlock):
-                n = -(-len(items[j].payload) // 64) * 64
-                if size + n > cuda.LANDING:
-                    break
-                offsets.append(size)
-                size += n
+    i = 0
+    while i < len(items):
+        j = i + 1
+        if isinstance(items[i], DeviceBlock):
+            while j < len(items) and isinstance(items[j], DeviceBlock) and items[j].data is items[i].data:
                 j += 1
-            run: list = [None, None]  # the blocks' first failed checksum, their device copy
-
-            def fill(buf: mx.array, base: int) -> list[mx.array]:
-                run[0] = _land(items[i:j], offsets, base)
-                if run[0] is not None:
-                    return []
-                run[1] = mx.array(buf[:size]) if keep_on_device else buf[:size]  # the device tier's: its own copy
-                return _cut(items[i:j], spans[i:j], run[1], offsets, pieces, not keep_on_device) + [run[1]]
-
-            landings.land(size, fill)
-            if run[0] is not None:
-                return [], i + run[0], []
-            if keep_on_device:
-                kept[i:j] = [DeviceBlock.kept(it, data=run[1], offset=o) for it, o in zip(items[i:j], offsets)]
+            _cut(items[i:j], spans[i:j], items[i].data, [it.offset for it in items[i:j]], pieces, False)
             i = j
-        out = [[[p[0] if len(p) == 1 else mx.concatenate(p, axis=2) for p in tp] for tp in lp] for lp in pieces]
-        mx.eval([a for lp in out for tp in lp for a in tp])
+            continue
+        offsets, size = [0], -(-len(items[i].payload) // 64) * 64
+        while j < len(items) and not isinstance(items[j], DeviceBlock):
+            n = -(-len(items[j].payload) // 64) * 64
+            if size + n > cuda.LANDING:
+                break
+            offsets.append(size)
+            size += n
+            j += 1
+        with cuda.landing(size) as (buf, base):
+            bad = _land(items[i:j], offsets, base)
+            if bad is not None:
+                return [], i + bad, []
+            data = mx.array(buf[:size]) if keep_on_device else buf[:size]  # the device tier's: a copy of its own
+            new = _cut(items[i:j], spans[i:j], data, offsets, pieces, not keep_on_device)
+            mx.eval(new + [data])  # done with the landing buffer before it is used again
+        if keep_on_device:
+            kept[i:j] = [DeviceBlock.kept(it, data=data, offset=o) for it, o in zip(items[i:j], offsets)]
+        i = j
+    out = [[[p[0] if len(p) == 1 else mx.concatenate(p, axis=2) for p in tp] for tp in lp] for lp in pieces]
+    mx.eval([a for lp in out for tp in lp for a in tp])
     return out, None, kept
 
 

@@ -12,10 +12,9 @@ That copy is there because of where the copy engine can write. mlx keeps
 what its kernels make in device memory, and the first time an array's
 address is taken it moves the array into managed memory with a copy, which
 costs about as much as the transfer (docs/benchmarks.md, "The hot path at
-the bus"). So blocks land in buffers kept for that (``cuda.Landings``), as
-many at a time as one holds, and the arrays handed over are new ones made
-from them on the GPU, whose addresses nobody takes; the copy engine fills
-one buffer while the GPU copies the other out.
+the bus"). So blocks land in a buffer kept for that (``cuda.landing``), as many
+at a time as it holds, and the arrays handed over are new ones made from it
+on the GPU, whose addresses nobody takes.
 
 The device tier keeps those arrays (``HitArrays``): a later hit of the same
 blocks at the same rows gets views of them, no copy; blocks held there for
@@ -68,45 +67,43 @@ def gather(items: Sequence, spans: Sequence[tuple[int, int]], kind: tuple[str, i
         return _layers(on.tensors, length), None, [None] * len(items)  # kept as they are: no copy
     line = dim * dtype.size  # bytes of one row of one head
     pieces: list[list[mx.array]] = [[] for _ in range(tensors)]
-    with cuda.Landings() as landings:
-        i = 0
-        while i < len(items):
-            j = i + 1
-            if isinstance(items[i], DeviceBlock):  # rows already in GPU memory: sliced there
-                while j < len(items) and isinstance(items[j], DeviceBlock) and items[j].arrays is items[i].arrays:
-                    j += 1  # (a block's row there is its place in the prompt: consecutive blocks, consecutive rows)
-                a, b = items[i].row, items[j - 1].row + items[j - 1].header.ntokens
-                for p, x in zip(pieces, items[i].arrays.tensors):
-                    p.append(x[..., a:b, :])
-            else:  # host blocks, as many as a landing buffer holds
-                rows = items[i].header.ntokens
-                while (j < len(items) and not isinstance(items[j], DeviceBlock)
-                       and (rows + items[j].header.ntokens) * tensors * heads * line <= cuda.LANDING):
-                    rows += items[j].header.ntokens
-                    j += 1
-                bad = _land(landings, items[i:j], [s - spans[i][0] for s, _ in spans[i:j]], rows, tensors * heads,
-                            line, dtype, pieces)
-                if bad is not None:
-                    return [], i + bad, []
-            i = j
-        out = HitArrays([p[0] if len(p) == 1 else mx.concatenate(p, axis=2) for p in pieces])
-        mx.eval(out.tensors)
+    i = 0
+    while i < len(items):
+        j = i + 1
+        if isinstance(items[i], DeviceBlock):  # rows already in GPU memory: sliced there
+            while j < len(items) and isinstance(items[j], DeviceBlock) and items[j].arrays is items[i].arrays:
+                j += 1  # (a block's row there is its place in the prompt: consecutive blocks, consecutive rows)
+            a, b = items[i].row, items[j - 1].row + items[j - 1].header.ntokens
+            for p, x in zip(pieces, items[i].arrays.tensors):
+                p.append(x[..., a:b, :])
+        else:  # host blocks, as many as the landing buffer holds
+            rows = items[i].header.ntokens
+            while (j < len(items) and not isinstance(items[j], DeviceBlock)
+                   and (rows + items[j].header.ntokens) * tensors * heads * line <= cuda.LANDING):
+                rows += items[j].header.ntokens
+                j += 1
+            bad = _land(items[i:j], [s - spans[i][0] for s, _ in spans[i:j]], rows, tensors * heads, line, dtype,
+                        pieces)
+            if bad is not None:
+                return [], i + bad, []
+        i = j
+    out = HitArrays([p[0] if len(p) == 1 else mx.concatenate(p, axis=2) for p in pieces])
+    mx.eval(out.tensors)
     kept: list = [None] * len(items)
     if keep:  # the next hit of these blocks gets views of these arrays
         kept = [DeviceBlock.kept(it, arrays=out, row=s) for it, (s, _) in zip(items, spans)]
     return _layers(out.tensors, length), None, kept
 
 
-def _land(landings: cuda.Landings, items: Sequence, starts: Sequence[int], rows: int, nlines: int, line: int,
-          dtype: mx.Dtype, pieces: list) -> Optional[int]:
+def _land(items: Sequence, starts: Sequence[int], rows: int, nlines: int, line: int, dtype: mx.Dtype,
+          pieces: list) -> Optional[int]:
     """Host blocks to a landing buffer by strided copies, then copied out on
     the GPU, one new array per tensor appended to ``pieces``; the index of a
     block whose checksum failed, if any (nothing appended then)."""
     rt = cuda.runtime()
     pitch = rows * line
-    bad: list[Optional[int]] = [None]
+    with cuda.landing(nlines * pitch) as (buf, base):
 
-    def fill(buf: mx.array, base: int) -> list[mx.array]:
         def send(src: int, spitch: int, first: int, count: int, row: int, stream) -> None:
             rt.copy2d(base + first * pitch + row * line, pitch, src, spitch, spitch, count, stream)
 
@@ -121,16 +118,13 @@ def _land(landings: cuda.Landings, items: Sequence, starts: Sequence[int], rows:
             cuda.upload_lines(rt, it.payload[off : off + nlines * width], width,
                               lambda at, first, n, stream: send(at, width, first, n, starts[k], stream))
 
-        bad[0] = move_blocks(items, queue, stage)
-        if bad[0] is not None:
-            return []
+        bad = move_blocks(items, queue, stage)
+        if bad is not None:
+            return bad
         heads = nlines // len(pieces)
         landed = buf[: nlines * pitch].view(dtype).reshape(nlines, rows, line // dtype.size)
-        return [mx.array(landed[t * heads : (t + 1) * heads])[None] for t in range(len(pieces))]
-
-    new = landings.land(nlines * pitch, fill)
-    if bad[0] is not None:
-        return bad[0]
+        new = [mx.array(landed[t * heads : (t + 1) * heads])[None] for t in range(len(pieces))]
+        mx.eval(new)  # copied out before the buffer is used again
     for p, x in zip(pieces, new):
         p.append(x)
     return None

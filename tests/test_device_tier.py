@@ -171,33 +171,6 @@ def test_a_hit_served_without_the_device_tier_owns_its_arrays(on_gpu, monkeypatc
         assert s.stats()["device_blocks"] == 0
 
 
-@pytest.mark.parametrize("bits", [None, 8])
-def test_a_hit_of_many_landings_fills_two_buffers_in_turn_and_the_next_hit_reuses_them(on_gpu, monkeypatch, bits):
-    """The copy engine fills one landing buffer while the GPU copies the
-    other out: a hit of six landings gets its KV right through two buffers,
-    which go back to the pool and serve the next hit (none made for it)."""
-    per_block = 2 * 2 * 2 * BS * 64 * 2 if bits is None else 2 * (1 << 20) // 1024  # one block a landing
-    monkeypatch.setattr(cuda, "LANDING", per_block)
-    while not cuda._landing.empty():
-        cuda._landing.get_nowait()
-    p = toks(6 * BS)
-    q = None if bits is None else (bits, 32)
-    with _store(device_budget_gb=0, kv_bits=bits, kv_group_size=32) as s:
-        s.put(M, p, kv_layers(p, heads=2, dim=64))
-        s.flush()
-        first = s.fetch(M, p, quantized=q)
-        assert first.length == 6 * BS
-        if bits is None:
-            assert_hit_is(first, p, 6 * BS, heads=2, dim=64)
-        pool = [cuda._landing.get_nowait() for _ in range(cuda._landing.qsize())]
-        assert len(pool) == 2
-        for b in pool:
-            cuda._landing.put(b)
-        again = s.fetch(M, p, quantized=q)
-        assert all(np.array_equal(bits_of(x), bits_of(y)) for x, y in zip(_arrays_of(first), _arrays_of(again)))
-        assert sorted(a for _, a in pool) == sorted(a for _, a in (cuda._landing.get_nowait() for _ in range(2)))
-
-
 @pytest.mark.parametrize("bits", [8, 4])
 def test_quantized_blocks_on_the_gpu_path_give_what_the_host_path_gives(on_gpu, tmp_path, monkeypatch, bits):
     """Quantized blocks land block by block and their layers are cut on the

@@ -36,7 +36,7 @@ def run(model_path: str, tokens: int, repeats: int) -> dict:
     rng = np.random.default_rng(0)
     prompt = rng.integers(0, 1000, tokens).tolist()
     other = rng.integers(0, 1000, tokens).tolist()
-    uploads: list[float] = []  # per hit, the time its blocks took to land in GPU memory (copy engine; copy-out queued)
+    uploads: list[float] = []  # per hit, the time its blocks took to land in GPU memory (copy engine + copy out)
     real = rowcopy._land
 
     def timed_land(*a):
