@@ -2,7 +2,8 @@
 ``PrefixStore`` of that path there, and none kept alive by a store dropped
 unclosed; a private directory for a new store; read-only opens that need
 nothing written and refuse writes; paths that are not stores refused; errors
-that say what is wrong and never advise deleting a healthy store."""
+that say what is wrong and never advise deleting a healthy store; an open
+that reads the index, not the blocks around it."""
 
 from __future__ import annotations
 
@@ -156,6 +157,29 @@ def test_lmdb_tier_open_shares_and_counts_its_users(tmp_path):
     c = LmdbTier.open(path)
     assert c is not a
     c.close()
+
+
+@pytest.mark.parametrize("readonly", [False, True], ids=["writable", "read-only"])
+def test_opening_a_store_reads_its_index_not_the_blocks_around_it(tmp_path, readonly):
+    """The index's pages lie among the blocks' values: read with the
+    kernel's read-around (8 MiB a page fault on some machines) an open
+    brought a fifth of a store's blocks into the page cache. Opened after
+    its file left the page cache, a store has read almost none of it, and
+    its first fetch is a cold one."""
+    from kvstore.tools.bench.common import drop_page_cache, resident_fraction
+
+    p = toks(64 * 64)
+    with PrefixStore(ssd_path=tmp_path / "s", budget_gb=0, block_size=64) as s:
+        s.put(M, p, kv_layers(p, n_layers=8, heads=4, dim=64))  # 64 blocks of 0.5 MiB
+    data = tmp_path / "s" / "data.mdb"
+    for _ in range(2):  # (a second open after a close and a fetch alike)
+        drop_page_cache(data)
+        if resident_fraction(data) > 0.5:
+            pytest.skip("this file system keeps files in memory (tmpfs): its page cache cannot be dropped")
+        with PrefixStore(ssd_path=tmp_path / "s", budget_gb=0, block_size=64, readonly=readonly) as s:
+            assert resident_fraction(data) < 0.02
+            assert s.fetch(M, p[: 64 * 8]).length == 64 * 8
+        assert resident_fraction(data) > 0.1
 
 
 def test_store_directory_is_private(tmp_path):

@@ -237,14 +237,16 @@ class LmdbTier(LmdbEnv):
         return out
 
     def records(self, txn: lmdb.Transaction, bad: Optional[list] = None) -> Iterator[BlockRecord]:
-        """Every well-formed index record; keys of malformed ones go to ``bad``."""
-        for k, v in txn.cursor(db=self.dbs[b"nodes"]):
-            rec = BlockRecord.unpack(bytes(k), v)
-            if rec is None:
-                if bad is not None:
-                    bad.append(bytes(k))
-                continue
-            yield rec
+        """Every well-formed index record; keys of malformed ones go to ``bad``
+        (``own_pages_only`` meanwhile: no blocks read around the index's pages)."""
+        with self.own_pages_only():
+            for k, v in txn.cursor(db=self.dbs[b"nodes"]):
+                rec = BlockRecord.unpack(bytes(k), v)
+                if rec is None:
+                    if bad is not None:
+                        bad.append(bytes(k))
+                    continue
+                yield rec
 
     def models(self) -> dict[bytes, dict]:
         with self.reader() as txn:

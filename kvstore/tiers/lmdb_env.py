@@ -28,7 +28,7 @@ import os
 import shutil
 import threading
 import time
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from pathlib import Path
 from typing import Callable, Iterator, Optional, TypeVar
 
@@ -38,7 +38,7 @@ from ..errors import StorageError, StoreOpenError
 from .gate import Gate
 from .lmdb_layout import (DBS, FORMAT_VERSION, MAX_READERS, allocate, check_dir, open_dbs, pack,
                           reserve_lock_file, unpack)
-from .residency import map_base
+from .residency import map_base, without_read_around
 
 log = logging.getLogger("kvstore")
 _T = TypeVar("_T", bound="LmdbEnv")
@@ -128,11 +128,7 @@ class LmdbEnv:
         if readonly:
             return
         try:
-            if fmt["version"] == 2:
-                # records of both formats are read; once this kvstore writes, an older one must not open it
-                # (it would take the new records for damaged ones)
-                self.set_info("format", dict(fmt, version=FORMAT_VERSION, upgraded=time.time(), writemap=False))
-            self.set_info("budget", self.budget)
+            self._mark_open(fmt)
         except (lmdb.Error, OSError) as e:
             if not self.is_full(e):
                 self._env.close()
@@ -141,18 +137,27 @@ class LmdbEnv:
             log.warning("kvstore: %s is full: the store opens, but new blocks stay in RAM until space is freed",
                         self.path)
 
+    def _mark_open(self, fmt: dict) -> None:
+        if fmt["version"] == 2:
+            # records of both formats are read; once this kvstore writes, an older one must not open it
+            # (it would take the new records for damaged ones)
+            self.set_info("format", dict(fmt, version=FORMAT_VERSION, upgraded=time.time(), writemap=False))
+        self.set_info("budget", self.budget)
+
     def _open_env(self) -> Optional[dict]:
         """Open the environment and its sub-databases; the format record (``None`` read-only)."""
         if self.readonly:
             self._env = self._open(True)
-            open_dbs(self._env, self.dbs, self.path, self.readonly, self.writemap)
+            with without_read_around(map_base(self._data_file)):
+                open_dbs(self._env, self.dbs, self.path, self.readonly, self.writemap)
             return None
         self._gate_here.lock_dir = self.path  # other processes wait while this one opens, creates or resizes
         with self._gate_here.exclusive():
             fmt = self._stored_format()
             self.writemap = _CAN_ALLOCATE and (fmt is None or bool(fmt.get("writemap")))
             self._env = self._open(False, self.writemap)
-            return open_dbs(self._env, self.dbs, self.path, self.readonly, self.writemap)
+            with without_read_around(map_base(self._data_file)):
+                return open_dbs(self._env, self.dbs, self.path, self.readonly, self.writemap)
 
     @property
     def env(self) -> lmdb.Environment:
@@ -199,7 +204,8 @@ class LmdbEnv:
             return None
         env = self._open(True)
         try:
-            return open_dbs(env, {}, self.path, self.readonly, False, probe=True)
+            with without_read_around(map_base(self._data_file)):
+                return open_dbs(env, {}, self.path, self.readonly, False, probe=True)
         finally:
             env.close()
 
@@ -364,14 +370,16 @@ class LmdbEnv:
     def write(self, fn: Callable[[lmdb.Transaction], None], nbytes: int = 0, buffers: bool = False) -> None:
         """Run ``fn`` (writing about ``nbytes``) in one write transaction; grow
         the map when full. Raises ``OSError(ENOSPC)`` when a writable map
-        cannot grow for want of space."""
+        cannot grow for want of space. A write of records only (no ``nbytes``)
+        runs ``own_pages_only``."""
         if self.writemap and nbytes:
             self._make_room(nbytes)
         for _ in range(32):
             try:
                 with self._gate.shared():
-                    with self.env.begin(write=True, buffers=buffers) as txn:
-                        fn(txn)
+                    with nullcontext() if nbytes else self.own_pages_only():
+                        with self.env.begin(write=True, buffers=buffers) as txn:
+                            fn(txn)
                 return
             except lmdb.MapFullError:
                 self._grow(self.env.info()["map_size"] + max(nbytes, _GROW_MIN))
@@ -394,9 +402,19 @@ class LmdbEnv:
             span = self._span = map_base(self._data_file)
         return span
 
+    def own_pages_only(self):
+        """While the block runs, a page fault in the map reads its own page,
+        not the kernel's read-around window about it (``read_ahead_kb``, 8 MiB
+        on some machines; ``residency.without_read_around``). For the index
+        and the meta records: their pages lie among the blocks' values, and
+        opening a store, which reads them, read 11-44% of its blocks into the
+        page cache. Another thread's cold read meanwhile loses its read-around
+        too, for as long as the block runs."""
+        return without_read_around(self._map_span())
+
     def get_info(self, name: str):
         """A record of the ``meta`` database (``None`` when there is none)."""
-        with self.reader() as txn:
+        with self.own_pages_only(), self.reader() as txn:
             raw = txn.get(name.encode(), db=self.dbs[b"meta"])
             return unpack(raw) if raw is not None else None
 
