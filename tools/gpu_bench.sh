@@ -12,6 +12,7 @@
 #   bash tools/gpu_bench.sh model OUT      # the 8B-shaped random llama the next two use (/tmp/llama-8b, ~4 min)
 #   LENGTHS="2048 8192" bash tools/gpu_bench.sh cost OUT   # cost_bench TTFT table on it (--fresh: FRESH=1)
 #   bash tools/gpu_bench.sh ramhit OUT     # where a RAM hit's time goes, after a hit / a cold prefill
+#   KVS="q4 fp16" bash tools/gpu_bench.sh coldab OUT   # cold fetches by policy, in turn (tools/cold_policy_ab.py)
 set -euo pipefail
 source /tmp/site/env.sh
 ln -sfn ../adapters kvstore/adapters
@@ -34,6 +35,10 @@ num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8, intermediat
 max_position_embeddings=65536)" ;;
   ramhit) [[ -f $M/config.json ]] || bash "$0" model "$2"
           python3 -m kvstore.tools.ram_hit_profile --model "$M" --tokens "${TOKENS:-32768}" --out "$2/ram_hit.json" ;;
+  coldab) for kv in ${KVS:-q4}; do
+            python3 -m kvstore.tools.cold_policy_ab --tokens "${TOKENS:-8192}" --kv "$kv" --rounds "${ROUNDS:-8}" \
+              --dir /tmp --out "$2/cold-$kv.json"
+          done ;;
   cost) [[ -f $M/config.json ]] || bash "$0" model "$2"
         python3 -m kvstore.tools.cost_bench --model "$M" --lengths ${LENGTHS:-2048 8192 32768} --kv ${KVS:-fp16 q8 q4} \
           --repeats "${REPEATS:-3}" ${FRESH:+--fresh} --out "$2" ;;
