@@ -118,10 +118,10 @@ def _restore_section(p: dict, a) -> None:
       "numpy copy (alloc + memcpy), `mx.array(numpy)` copy, a plain `readinto` of a file of the same size "
       "(page-cached and cold).\n")
     res_pre = [x for e in p["entries"].values() for x in e["ssd_cold"].get("resident_before_fetch", [])]
-    a(f"kvstore opened LMDB with `readahead={p.get('lmdb_readahead')}` in this run. Opening the store reads its index, "
-      f"and kernel readahead (`read_ahead_kb` = {p.get('read_ahead_kb', '?')} here) brings part of the file back "
-      f"before the timed cold fetch: median {np.median(res_pre) if res_pre else float('nan'):.0%} of data.mdb was "
-      "resident (recorded per repeat in restore.json).\n")
+    a(f"kvstore opened LMDB with `readahead={p.get('lmdb_readahead')}` in this run (`read_ahead_kb` = "
+      f"{p.get('read_ahead_kb', '?')} here). Opening the store reads its index, its own pages only (no read-around "
+      f"since 40f3494): median {np.median(res_pre) if res_pre else float('nan'):.1%} of data.mdb was resident "
+      "before the timed cold fetch (recorded per repeat in restore.json).\n")
     a(f"Fetch, GB/s (entries as stored; *Quantized* = `quantized=(bits, {sh.get('group_size', 'group')})`, handed "
       "over without dequantizing; "
       "*I/O path* = the same cold fetch (Quantized for quantized entries) with LMDB's readahead forced off / on):\n")
