@@ -28,7 +28,7 @@ import os
 import shutil
 import threading
 import time
-from contextlib import contextmanager, nullcontext
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Callable, Iterator, Optional, TypeVar
 
@@ -128,7 +128,8 @@ class LmdbEnv:
         if readonly:
             return
         try:
-            self._mark_open(fmt)
+            with self.own_pages_only():
+                self._mark_open(fmt)
         except (lmdb.Error, OSError) as e:
             if not self.is_full(e):
                 self._env.close()
@@ -138,6 +139,7 @@ class LmdbEnv:
                         self.path)
 
     def _mark_open(self, fmt: dict) -> None:
+        """The format (upgraded) and budget records, written at every writable open."""
         if fmt["version"] == 2:
             # records of both formats are read; once this kvstore writes, an older one must not open it
             # (it would take the new records for damaged ones)
@@ -370,16 +372,14 @@ class LmdbEnv:
     def write(self, fn: Callable[[lmdb.Transaction], None], nbytes: int = 0, buffers: bool = False) -> None:
         """Run ``fn`` (writing about ``nbytes``) in one write transaction; grow
         the map when full. Raises ``OSError(ENOSPC)`` when a writable map
-        cannot grow for want of space. A write of records only (no ``nbytes``)
-        runs ``own_pages_only``."""
+        cannot grow for want of space."""
         if self.writemap and nbytes:
             self._make_room(nbytes)
         for _ in range(32):
             try:
                 with self._gate.shared():
-                    with nullcontext() if nbytes else self.own_pages_only():
-                        with self.env.begin(write=True, buffers=buffers) as txn:
-                            fn(txn)
+                    with self.env.begin(write=True, buffers=buffers) as txn:
+                        fn(txn)
                 return
             except lmdb.MapFullError:
                 self._grow(self.env.info()["map_size"] + max(nbytes, _GROW_MIN))
@@ -403,13 +403,12 @@ class LmdbEnv:
         return span
 
     def own_pages_only(self):
-        """While the block runs, a page fault in the map reads its own page,
-        not the kernel's read-around window about it (``read_ahead_kb``, 8 MiB
-        on some machines; ``residency.without_read_around``). For the index
-        and the meta records: their pages lie among the blocks' values, and
-        opening a store, which reads them, read 11-44% of its blocks into the
-        page cache. Another thread's cold read meanwhile loses its read-around
-        too, for as long as the block runs."""
+        """While the block runs, a page fault in the map reads its own page
+        only (``residency.without_read_around``): for what an open reads and
+        writes, and scans of the index, whose pages lie among the blocks'
+        values. Not for record writes while serving: a commit's sync can take
+        milliseconds, and another thread's cold read meanwhile would lose its
+        read-around too."""
         return without_read_around(self._map_span())
 
     def get_info(self, name: str):
