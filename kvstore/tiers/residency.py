@@ -80,9 +80,10 @@ def map_base(path: str) -> Optional[tuple[int, int]]:
 def without_read_around(span: Optional[tuple[int, int]]) -> Iterator[None]:
     """While the block runs, a page fault in the mapping ``span`` reads its
     own page only (``MADV_RANDOM``), not the kernel's read-around window
-    about it (``read_ahead_kb``: 8 MiB on some machines): reading the index
-    at open faults in its pages, which lie among blocks' values, and with
-    read-around it read 20-45% of a store's blocks nobody asked for."""
+    about it (``read_ahead_kb``, megabytes on some machines): reading the
+    index at open faults in its pages, which lie among blocks' values, and
+    with read-around it read a good share of a store's blocks that nobody
+    asked for (docs/design-notes.md)."""
     advise = _madvise if span is not None and hasattr(mmap, "MADV_RANDOM") else None
     if advise is not None:
         advise(span[0], span[1] - span[0], mmap.MADV_RANDOM)
