@@ -128,8 +128,13 @@ class LmdbEnv:
         if readonly:
             return
         try:
-            with self.own_pages_only():
-                self._mark_open(fmt)
+            with self.own_pages_only():  # (two small records)
+                if fmt["version"] == 2:
+                    # records of both formats are read; once this kvstore writes, an older one must not open it
+                    # (it would take the new records for damaged ones)
+                    self.set_info("format", dict(fmt, version=FORMAT_VERSION, upgraded=time.time(),
+                                                 writemap=False))
+                self.set_info("budget", self.budget)
         except (lmdb.Error, OSError) as e:
             if not self.is_full(e):
                 self._env.close()
@@ -138,28 +143,18 @@ class LmdbEnv:
             log.warning("kvstore: %s is full: the store opens, but new blocks stay in RAM until space is freed",
                         self.path)
 
-    def _mark_open(self, fmt: dict) -> None:
-        """The format (upgraded) and budget records, written at every writable open."""
-        if fmt["version"] == 2:
-            # records of both formats are read; once this kvstore writes, an older one must not open it
-            # (it would take the new records for damaged ones)
-            self.set_info("format", dict(fmt, version=FORMAT_VERSION, upgraded=time.time(), writemap=False))
-        self.set_info("budget", self.budget)
-
     def _open_env(self) -> Optional[dict]:
         """Open the environment and its sub-databases; the format record (``None`` read-only)."""
         if self.readonly:
             self._env = self._open(True)
-            with without_read_around(map_base(self._data_file)):
-                open_dbs(self._env, self.dbs, self.path, self.readonly, self.writemap)
+            open_dbs(self._env, self.dbs, self.path, self.readonly, self.writemap)
             return None
         self._gate_here.lock_dir = self.path  # other processes wait while this one opens, creates or resizes
         with self._gate_here.exclusive():
             fmt = self._stored_format()
             self.writemap = _CAN_ALLOCATE and (fmt is None or bool(fmt.get("writemap")))
             self._env = self._open(False, self.writemap)
-            with without_read_around(map_base(self._data_file)):
-                return open_dbs(self._env, self.dbs, self.path, self.readonly, self.writemap)
+            return open_dbs(self._env, self.dbs, self.path, self.readonly, self.writemap)
 
     @property
     def env(self) -> lmdb.Environment:
@@ -206,8 +201,7 @@ class LmdbEnv:
             return None
         env = self._open(True)
         try:
-            with without_read_around(map_base(self._data_file)):
-                return open_dbs(env, {}, self.path, self.readonly, False, probe=True)
+            return open_dbs(env, {}, self.path, self.readonly, False, probe=True)
         finally:
             env.close()
 

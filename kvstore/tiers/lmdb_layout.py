@@ -25,6 +25,7 @@ import lmdb
 import msgpack
 
 from ..errors import StoreOpenError
+from .residency import map_base, without_read_around
 
 FORMAT_NAME = "kvstore"
 # 2: blocks carry their key (codec format 2); 3: typed index records (record.py); 4: as 3, and the
@@ -82,7 +83,14 @@ def open_dbs(env: lmdb.Environment, dbs: dict, path: Path, readonly: bool, write
     """Open (or, in a new store, create) the sub-databases into ``dbs`` and
     return the format record; with ``probe``, ``None`` for an empty store.
     ``writemap`` is what a new store's format record says. Closes ``env``
-    before it raises ``StoreOpenError``."""
+    before it raises ``StoreOpenError``. Its page faults read their own
+    pages only (``residency.without_read_around``): not the blocks about them."""
+    with without_read_around(map_base(str(path / "data.mdb"))):
+        return _open_dbs(env, dbs, path, readonly, writemap, probe)
+
+
+def _open_dbs(env: lmdb.Environment, dbs: dict, path: Path, readonly: bool, writemap: bool,
+              probe: bool) -> Optional[dict]:
     try:
         with env.begin() as txn:
             names = [bytes(k) for k, _ in txn.cursor()]
