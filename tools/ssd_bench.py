@@ -296,9 +296,7 @@ def _reads(path: Path, plain: Path, prompt, src, kind: str, repeats: int, stored
     for name, secs in base.items():
         if secs:
             row[f"{name}_GBps"] = _gbps(stored, secs)
-    for name, secs in ts.items():
-        row[f"{name}_ms"] = statistics.median(secs) * 1e3
-        row[f"{name}_GBps"] = _gbps(stored, secs)
+    row.update(_fetch_figures(ts, stored))
     row["prior_ssd_cold_GBps"] = statistics.median(priors) if priors else None
     row["probe_cold_GBps"] = {k: statistics.median(v) for k, v in probes.items()}
     dev = "_to_device" if base["read_cached_to_device"] else ""
@@ -335,6 +333,16 @@ def _hot(path: Path, prompt, src, kind: str, repeats: int, promoting: bool) -> d
     return ts
 
 
+def _fetch_figures(ts: dict[str, list[float]], stored: int) -> dict:
+    """Per kind of fetch: its median ms, GB/s of stored bytes and each time."""
+    row: dict = {}
+    for name, secs in ts.items():
+        row[f"{name}_ms"] = statistics.median(secs) * 1e3
+        row[f"{name}_GBps"] = _gbps(stored, secs)
+        row[f"{name}_each_ms"] = [round(x * 1e3, 1) for x in secs]
+    return row
+
+
 def run(tokens: int, layers: int, heads: int, dim: int, kinds: list[str], repeats: int, tmp: Path,
         out: Path | None = None, parts: tuple[str, ...] = ("reads", "writes")) -> dict:
     """Per entry type: reads first (from a store written untimed, against a
@@ -359,10 +367,7 @@ def run(tokens: int, layers: int, heads: int, dim: int, kinds: list[str], repeat
         if "reads" in parts:
             row.update(_reads(path, plain, prompt, src, kind, repeats, stored))
         elif "hot" in parts:  # (reads include them)
-            for name, secs in _hot(path, prompt, src, kind, repeats, promoting=False).items():
-                row[f"{name}_ms"] = statistics.median(secs) * 1e3
-                row[f"{name}_GBps"] = _gbps(stored, secs)
-                row[f"{name}_each_ms"] = [round(x * 1e3, 1) for x in secs]
+            row.update(_fetch_figures(_hot(path, prompt, src, kind, repeats, promoting=False), stored))
         if "writes" in parts:
             row.update(_writes(path, plain, prompt, src, kind, repeats))
         res["rows"].append(row)
