@@ -383,9 +383,8 @@ def _engine_alloc(x: mx.array, length: int) -> mx.array:
     cap = -(-length // _STEP) * _STEP
     if cap == length:
         return own(x)
-    buf = mx.zeros((*x.shape[:-2], cap, x.shape[-1]), dtype=x.dtype)
-    buf[..., :length, :] = x
-    return buf
+    spare = mx.zeros((*x.shape[:-2], cap - length, x.shape[-1]), dtype=x.dtype)
+    return mx.concatenate([x, spare], axis=-2)  # each byte written once (zeros, then the rows, wrote them twice)
 
 
 class _Cursor:

@@ -68,9 +68,12 @@ class PrefillModel:
     c: float
 
     def seconds(self, start: int, stop: int) -> float:
-        if stop <= start:
-            return 0.0
-        return self.a + self.b * (stop - start) + self.c * (stop * stop - start * start) / 2
+        return float(self.seconds_from(np.array([start], dtype=np.float64), stop)[0])
+
+    def seconds_from(self, starts: np.ndarray, stop: int) -> np.ndarray:
+        """``seconds(start, stop)`` for each of ``starts`` (float64)."""
+        t = self.a + self.b * (stop - starts) + self.c * (float(stop) * stop - starts * starts) / 2
+        return np.where(starts < stop, t, 0.0)
 
     @classmethod
     def fit(cls, obs: Sequence[tuple[int, int, float]], ratio: Optional[float] = None) -> "PrefillModel":
@@ -240,21 +243,18 @@ class CostModel:
         starts_a, ends_a = np.asarray(starts, dtype=np.float64), np.asarray(ends, dtype=np.float64)
         secs = np.array([b / rates[s] for b, s in zip(nbytes, states)])  # each whole block
         done = np.concatenate([[0.0], np.cumsum(secs)])
-
-        def load_s(length: int) -> float:
-            if length <= 0:
-                return 0.0
-            i = int(np.searchsorted(ends_a, length, side="left"))  # block holding token length-1
-            i = min(i, len(secs) - 1)
-            part = (length - starts_a[i]) / max(1.0, ends_a[i] - starts_a[i])
-            return float(self.fixed_s + done[i] + secs[i] * min(1.0, part))
-
         cuts = {0, servable} | {min(int(e), servable) for e in ends}
         if limit_to is not None:
             cuts = {limit_to(c) if c else 0 for c in cuts}
-        plans = [Plan(n, servable, load_s(n), pm.seconds(n, n_prompt)) for n in sorted(cuts, reverse=True)]
-        best = min(plans, key=lambda p: p.load_s + p.prefill_s)  # (the first of equals: the longer prefix)
-        none = plans[-1]  # recompute it all
+        # every cut at once (a 32K prompt has 129; one at a time they took a millisecond a hit)
+        n = np.array(sorted(cuts, reverse=True), dtype=np.float64)
+        i = np.minimum(np.searchsorted(ends_a, n, side="left"), len(secs) - 1)  # block holding token n-1
+        part = np.minimum(1.0, (n - starts_a[i]) / np.maximum(1.0, ends_a[i] - starts_a[i]))
+        load = np.where(n > 0, self.fixed_s + done[i] + secs[i] * part, 0.0)
+        prefill = pm.seconds_from(n, n_prompt)
+        k = int(np.argmin(load + prefill))  # (the first of equals: the longer prefix)
+        best = Plan(int(n[k]), servable, float(load[k]), float(prefill[k]))
+        none = Plan(int(n[-1]), servable, float(load[-1]), float(prefill[-1]))  # recompute it all
         saving = none.prefill_s - (best.load_s + best.prefill_s)
         if best.length and saving < self.margin * none.prefill_s:
             best = none

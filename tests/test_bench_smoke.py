@@ -103,3 +103,14 @@ def test_kvstore_bench_command_runs_a_part_and_merges_the_rest(smoke, tmp_path):
     assert merged["parts"]["put"] == first["parts"]["put"]  # taken over
     assert sorted(p.name for p in (tmp_path / "out").glob("*.png")) == ["replay.png", "restore.png", "ttft.png"]
     assert "results in" in proc.output and "wrote" not in proc.output  # no --write-docs: no docs page
+
+
+def test_cost_bench_runs_each_policy_after_each_policy_equally_often():
+    from collections import Counter
+
+    from kvstore.tools.cost_bench import POLICIES, request_order
+    for repeats in (3, 6, 9):
+        order = request_order(repeats)
+        assert Counter(order) == {p: repeats for p in POLICIES}
+        pairs = Counter(zip(order, order[1:] + order[:1]))  # cyclically: the next row starts the cycle again
+        assert pairs == {(a, b): repeats // 3 for a in POLICIES for b in POLICIES}

@@ -7,7 +7,9 @@ cold), measured in one run.
 Without ``--model`` it builds the fixed-seed tiny llama (CPU-sized); on a GPU
 machine pass ``--model`` an mlx-lm folder (e.g. an 8B-shaped random-weight
 llama). Each TTFT is the median of ``--repeats`` requests through
-``kvstore.adapters.generate.generate`` (one generated token):
+``kvstore.adapters.generate.generate`` (one generated token), the three
+policies' requests interleaved so that each follows each equally often
+(``request_order``):
 
 - cold: ``fetch_policy="never"`` (everything prefilled);
 - forced: ``"always"`` (every stored token loaded);
@@ -56,6 +58,16 @@ from kvstore.tools.bench.common import drop_page_cache
 
 SOURCES = ("ram", "ssd_cached", "ssd_cold")
 POLICIES = {"never": "cold_ms", "always": "forced_ms", "auto": "auto_ms"}
+# Requests run in this cycle: each policy follows each policy (itself included) once per cycle. What ran
+# just before changes a hit's TTFT on a GPU (the buffers left to reuse), and rotating one order put
+# "always" after "never" in two of three repeats and "auto" after "always" (docs/benchmarks.md, cost)
+_CYCLE = ("never", "never", "always", "never", "auto", "always", "always", "auto", "auto")
+
+
+def request_order(repeats: int) -> list[str]:
+    """``repeats`` requests per policy, in the order of ``_CYCLE`` (a de
+    Bruijn sequence of the three policies, taken cyclically)."""
+    return [_CYCLE[i % len(_CYCLE)] for i in range(3 * repeats)]
 KV = {"fp16": None, "q8": 8, "q4": 4}
 
 
@@ -90,49 +102,47 @@ def _fresh_row(model, tokenizer, key, prompt, cache, path: Path, kind: str, bloc
             store_cache(s, key, prompt, cache)
     kw = dict(kv_bits=KV[kind], block_size=block, remember_rates=False)
     out = {p: {"ttft": [], "cached": [], "open": [], "calibrate": [], "reason": []} for p in POLICIES}
-    order = list(POLICIES)
-    for rep in range(repeats):
-        for policy in order[rep % 3:] + order[:rep % 3]:
-            if source == "ssd_cold":
-                for f in path.glob("*.mdb"):
-                    drop_page_cache(f)
-            t = time.perf_counter()
-            if source == "ram":
-                s = PrefixStore(budget_gb=8, device_budget_gb=0, fetch_policy=policy, **kw)
-            elif source == "device":
-                s = PrefixStore(budget_gb=8, device_budget_gb=8, fetch_policy=policy, **kw)
-            else:
-                s = PrefixStore(budget_gb=0, ssd_path=path, fetch_policy=policy, **kw)
-            out[policy]["open"].append(time.perf_counter() - t)
-            try:
-                if source in ("ram", "device"):
-                    store_cache(s, key, prompt, cache)
-                    s.flush()
-                if source == "device":  # a first hit leaves device copies (the request timed is the next one)
-                    s.fetch(key, prompt[:-1], limit=len(prompt) - 1)
-                # set-up, as the server does at load (generate would do it in the request, outside its TTFT);
-                # done here so that what auto weighs is read before the request: priors, the calibrated model.
-                # The same prefills precede every policy's request (under never/always on a store of their own):
-                # requests then differ in their policy only, not in what the GPU ran just before
-                calibrated = calibrate_once(s, key, [model])
-                if policy != "auto":
-                    with PrefixStore(budget_gb=0.01, fetch_policy="auto", remember_rates=False) as side:
-                        calibrate_once(side, key, [model])
-                if policy == "auto" and rep == 0:
-                    cost = s.stats()["cost"]
-                    fit = next(iter(cost["prefill"].values()), {})
-                    pm = PrefillModel(fit.get("a_s", 0.0), fit.get("s_per_token", 0.0),
-                                      fit.get("s_per_token_context", 0.0))
-                    out["weighed"] = {"rates_gbps": {k: round(v["gb_per_s"], 2) for k, v in cost["rates"].items()},
-                                      "prefill_predicted_ms": round(1e3 * pm.seconds(0, len(prompt)), 1),
-                                      "prefill_fit": fit}
-                mx.clear_cache()  # as an engine that has served nothing has it, whichever request ran before
-                t, r = _ttft(model, tokenizer, s, prompt)
-                out[policy]["ttft"].append(t)
-                out[policy]["cached"].append(r.cached_tokens)
-                out[policy]["calibrate"].append(calibrated + r.calibrate_s)
-            finally:
-                s.close()
+    for policy in request_order(repeats):
+        if source == "ssd_cold":
+            for f in path.glob("*.mdb"):
+                drop_page_cache(f)
+        t = time.perf_counter()
+        if source == "ram":
+            s = PrefixStore(budget_gb=8, device_budget_gb=0, fetch_policy=policy, **kw)
+        elif source == "device":
+            s = PrefixStore(budget_gb=8, device_budget_gb=8, fetch_policy=policy, **kw)
+        else:
+            s = PrefixStore(budget_gb=0, ssd_path=path, fetch_policy=policy, **kw)
+        out[policy]["open"].append(time.perf_counter() - t)
+        try:
+            if source in ("ram", "device"):
+                store_cache(s, key, prompt, cache)
+                s.flush()
+            if source == "device":  # a first hit leaves device copies (the request timed is the next one)
+                s.fetch(key, prompt[:-1], limit=len(prompt) - 1)
+            # set-up, as the server does at load (generate would do it in the request, outside its TTFT);
+            # done here so that what auto weighs is read before the request: priors, the calibrated model.
+            # The same prefills precede every policy's request (under never/always on a store of their own):
+            # requests then differ in their policy only, not in what the GPU ran just before
+            calibrated = calibrate_once(s, key, [model])
+            if policy != "auto":
+                with PrefixStore(budget_gb=0.01, fetch_policy="auto", remember_rates=False) as side:
+                    calibrate_once(side, key, [model])
+            if policy == "auto" and "weighed" not in out:
+                cost = s.stats()["cost"]
+                fit = next(iter(cost["prefill"].values()), {})
+                pm = PrefillModel(fit.get("a_s", 0.0), fit.get("s_per_token", 0.0),
+                                  fit.get("s_per_token_context", 0.0))
+                out["weighed"] = {"rates_gbps": {k: round(v["gb_per_s"], 2) for k, v in cost["rates"].items()},
+                                  "prefill_predicted_ms": round(1e3 * pm.seconds(0, len(prompt)), 1),
+                                  "prefill_fit": fit}
+            mx.clear_cache()  # as an engine that has served nothing has it, whichever request ran before
+            t, r = _ttft(model, tokenizer, s, prompt)
+            out[policy]["ttft"].append(t)
+            out[policy]["cached"].append(r.cached_tokens)
+            out[policy]["calibrate"].append(calibrated + r.calibrate_s)
+        finally:
+            s.close()
     row = {}
     for policy, name in POLICIES.items():
         o = out[policy]
@@ -146,7 +156,7 @@ def _fresh_row(model, tokenizer, key, prompt, cache, path: Path, kind: str, bloc
 
 
 def run(model_path: str | None, lengths: list[int], kinds: list[str], repeats: int, block: int,
-        out: Path | None = None, fresh: bool = False) -> dict:
+        out: Path | None = None, fresh: bool = False, sources: list[str] | None = None) -> dict:
     if model_path is None:
         from kvstore.adapters.tiny_models import ensure_tiny_model
         model_path = str(ensure_tiny_model("llama", max_position_embeddings=max(lengths) * 2))
@@ -162,7 +172,7 @@ def run(model_path: str | None, lengths: list[int], kinds: list[str], repeats: i
                 if fresh:
                     cache = _prefilled(model, prompt)
                     from kvstore import cuda
-                    for source in SOURCES + (("device",) if cuda.runtime() is not None else ()):
+                    for source in sources or SOURCES + (("device",) if cuda.runtime() is not None else ()):
                         row = {"tokens": n, "kv": kind, "source": source}
                         row.update(_fresh_row(model, tokenizer, key, prompt, cache, path, kind, block, source,
                                               repeats))
@@ -172,7 +182,7 @@ def run(model_path: str | None, lengths: list[int], kinds: list[str], repeats: i
                 # the prefix goes into the store once (RAM and SSD)
                 with PrefixStore(budget_gb=8, ssd_path=path, kv_bits=KV[kind], block_size=block) as s:
                     generate(model, tokenizer, prompt, store=s, max_tokens=1)
-                for source in SOURCES:
+                for source in sources or SOURCES:
                     budget = 8 if source == "ram" else 0  # no RAM tier: every hit reads the SSD
 
                     def reopen(s=None):
@@ -190,15 +200,13 @@ def run(model_path: str | None, lengths: list[int], kinds: list[str], repeats: i
                         row = {"tokens": n, "kv": kind, "source": source}
                         times = {p: [] for p in POLICIES}
                         cached = {p: [] for p in POLICIES}
-                        order = list(POLICIES)
-                        for rep in range(repeats):  # policies interleaved, and in turn first: noise and what a
-                            for policy in order[rep % 3:] + order[:rep % 3]:  # request leaves behind fall alike
-                                if source == "ssd_cold":
-                                    s = reopen(s)
-                                s.fetch_policy = policy
-                                t, r = _ttft(model, tokenizer, s, prompt)
-                                times[policy].append(t)
-                                cached[policy].append(r.cached_tokens)
+                        for policy in request_order(repeats):  # interleaved: noise and carry-over fall alike
+                            if source == "ssd_cold":
+                                s = reopen(s)
+                            s.fetch_policy = policy
+                            t, r = _ttft(model, tokenizer, s, prompt)
+                            times[policy].append(t)
+                            cached[policy].append(r.cached_tokens)
                         for policy, name in POLICIES.items():
                             row[name] = statistics.median(times[policy]) * 1e3
                             row[f"{policy}_each_ms"] = [round(t * 1e3, 1) for t in times[policy]]
@@ -224,7 +232,7 @@ def _finish(row: dict, rows: list[dict], out: Path | None, *args) -> None:
 
 def _result(model_path: str, key: str, block: int, repeats: int, rows: list[dict], fresh: bool) -> dict:
     return {"model": model_path, "model_key": key, "block_size": block, "repeats": repeats, "fresh": fresh,
-            "rows": rows, "date": time.strftime("%Y-%m-%d %H:%M"),
+            "order": request_order(repeats), "rows": rows, "date": time.strftime("%Y-%m-%d %H:%M"),
             "all_within_1_1": all(r["auto_vs_best"] <= 1.1 for r in rows)}
 
 
@@ -238,8 +246,12 @@ def main(argv=None) -> int:
     ap.add_argument("--out", type=Path, default=None, help="write cost.json here")
     ap.add_argument("--fresh", action="store_true",
                     help="each request the first of a store that has measured nothing (see the docstring)")
+    ap.add_argument("--sources", nargs="+", default=None, choices=SOURCES + ("device",),
+                    help="these rows only (default: every source; device only with --fresh, on CUDA)")
     args = ap.parse_args(argv)
-    res = run(args.model, args.lengths, args.kv, args.repeats, args.block_size, args.out, args.fresh)
+    if args.sources and "device" in args.sources and not args.fresh:
+        ap.error("the device row is measured with --fresh only")
+    res = run(args.model, args.lengths, args.kv, args.repeats, args.block_size, args.out, args.fresh, args.sources)
     worst = max(r["auto_vs_best"] for r in res["rows"])
     print(f"auto within 1.1x of min(cold, forced) in every row: {res['all_within_1_1']} (worst {worst:.2f}x)")
     return 0

@@ -10,7 +10,8 @@
 #   TOKENS="2048 8192 32768" bash tools/gpu_bench.sh ssd OUT   # tools/ssd_bench.py, Llama-3-8B KV shape
 #                                                               (PARTS=writes; PARTS=hot: RAM and device hits only)
 #   bash tools/gpu_bench.sh model OUT      # the 8B-shaped random llama the next two use (/tmp/llama-8b, ~4 min)
-#   LENGTHS="2048 8192" bash tools/gpu_bench.sh cost OUT   # cost_bench TTFT table on it (--fresh: FRESH=1)
+#   LENGTHS="2048 8192" bash tools/gpu_bench.sh cost OUT   # cost_bench TTFT table on it (--fresh: FRESH=1;
+#                                                          some rows only: SOURCES="device ram")
 #   bash tools/gpu_bench.sh ramhit OUT     # where a RAM hit's time goes, after a hit / a cold prefill
 #   KVS="q4 fp16" bash tools/gpu_bench.sh coldab OUT   # cold fetches by policy, in turn (tools/cold_policy_ab.py)
 set -euo pipefail
@@ -41,5 +42,5 @@ max_position_embeddings=65536)" ;;
           done ;;
   cost) [[ -f $M/config.json ]] || bash "$0" model "$2"
         python3 -m kvstore.tools.cost_bench --model "$M" --lengths ${LENGTHS:-2048 8192 32768} --kv ${KVS:-fp16 q8 q4} \
-          --repeats "${REPEATS:-3}" ${FRESH:+--fresh} --out "$2" ;;
+          --repeats "${REPEATS:-3}" ${FRESH:+--fresh} ${SOURCES:+--sources $SOURCES} --out "$2" ;;
 esac
