@@ -27,7 +27,9 @@ outside ``generate`` (so no prefill was observed), a RAM row's store is a new
 RAM-only one holding it, an SSD row's is reopened on the file. Opening probes
 the load-rate priors (``open_ms``); auto then calibrates the model once
 (``calibrate_ms``: set-up, as the server does it at load; not in TTFT), and
-the row records what it weighed (``auto_weighed``). Every request, of
+the row records what it weighed (``auto_weighed``) and, per request, the
+time spent in ``store.fetch`` (``*_fetch_each_ms``; the rest of a TTFT is
+the engine's). Every request, of
 every policy, follows the same set-up on the GPU: the calibration prefills
 (for never/always on a store of their own, not the one timed) and then
 mlx's buffer cache emptied. What a request allocates and how fast depends
@@ -82,6 +84,22 @@ def _ttft(model, tokenizer, store, prompt) -> tuple[float, object]:
     return r.ttft_s, r
 
 
+def _timed_fetch(store: PrefixStore) -> list[float]:
+    """Seconds of each ``store.fetch`` from now on (the store's part of a
+    request's TTFT; the rest is the engine's)."""
+    times: list[float] = []
+    fetch = store.fetch
+
+    def timed(*args, **kwargs):
+        t = time.perf_counter()
+        try:
+            return fetch(*args, **kwargs)
+        finally:
+            times.append(time.perf_counter() - t)
+    store.fetch = timed
+    return times
+
+
 def _prefilled(model, prompt: list[int], step: int = 2048) -> list:
     """The prompt's cache, computed outside ``generate``: no store observes it."""
     from mlx_lm.models import cache as C
@@ -101,7 +119,7 @@ def _fresh_row(model, tokenizer, key, prompt, cache, path: Path, kind: str, bloc
                          remember_rates=False) as s:
             store_cache(s, key, prompt, cache)
     kw = dict(kv_bits=KV[kind], block_size=block, remember_rates=False)
-    out = {p: {"ttft": [], "cached": [], "open": [], "calibrate": [], "reason": []} for p in POLICIES}
+    out = {p: {"ttft": [], "cached": [], "open": [], "calibrate": [], "fetch": []} for p in POLICIES}
     for policy in request_order(repeats):
         if source == "ssd_cold":
             for f in path.glob("*.mdb"):
@@ -136,8 +154,10 @@ def _fresh_row(model, tokenizer, key, prompt, cache, path: Path, kind: str, bloc
                 out["weighed"] = {"rates_gbps": {k: round(v["gb_per_s"], 2) for k, v in cost["rates"].items()},
                                   "prefill_predicted_ms": round(1e3 * pm.seconds(0, len(prompt)), 1),
                                   "prefill_fit": fit}
+            fetched = _timed_fetch(s)
             mx.clear_cache()  # as an engine that has served nothing has it, whichever request ran before
             t, r = _ttft(model, tokenizer, s, prompt)
+            out[policy]["fetch"].append(sum(fetched))
             out[policy]["ttft"].append(t)
             out[policy]["cached"].append(r.cached_tokens)
             out[policy]["calibrate"].append(calibrated + r.calibrate_s)
@@ -148,6 +168,7 @@ def _fresh_row(model, tokenizer, key, prompt, cache, path: Path, kind: str, bloc
         o = out[policy]
         row[name] = statistics.median(o["ttft"]) * 1e3
         row[f"{policy}_each_ms"] = [round(t * 1e3, 1) for t in o["ttft"]]
+        row[f"{policy}_fetch_each_ms"] = [round(t * 1e3, 1) for t in o["fetch"]]
         row[f"{policy}_cached_tokens"] = statistics.median(o["cached"])
         row[f"{policy}_open_ms"] = round(statistics.median(o["open"]) * 1e3, 1)
     row["auto_calibrate_ms"] = round(statistics.median(out["auto"]["calibrate"]) * 1e3, 1)
