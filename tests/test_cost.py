@@ -6,9 +6,11 @@ the store and the adapters make), so each case pins one decision."""
 from dataclasses import replace
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from kvstore import ConfigError, PrefixStore
-from kvstore.cost import CostModel, PrefillModel
+from kvstore.cost import STATES, CostModel, PrefillModel
 
 from ._helpers import assert_hit_is, kv_layers
 
@@ -100,6 +102,50 @@ def test_a_mixed_path_splits_where_the_slow_tier_starts():
     plan = cost.plan("m", 4000, [0, 2000], [2000, 3999], [100_000_000] * 2, ["ram", "ssd_cold"], 3999)
     assert plan.length == 2000 and plan.skipped == 1999
     assert "past token 2000" in plan.reason
+
+
+@settings(max_examples=200, deadline=None)
+@given(blocks=st.lists(st.tuples(st.integers(1, 300), st.integers(1, 10**9), st.sampled_from(STATES)),
+                       min_size=1, max_size=40),
+       extra=st.integers(1, 500), short=st.integers(0, 299), speed=st.floats(1e3, 1e7),
+       ram_gbps=st.floats(0.1, 100.0))
+def test_the_plan_loads_the_prefix_whose_load_and_prefill_are_predicted_cheapest(blocks, extra, short, speed,
+                                                                                 ram_gbps):
+    """Over every block boundary (and none, and all): the chosen length's
+    predicted load plus the rest's predicted prefill is the least, unless it
+    saves under the margin of recomputing it all (then nothing is loaded)."""
+    cost = CostModel()
+    _fast_prefill(cost, tok_per_s=speed)
+    for state, gbps in zip(STATES, (ram_gbps, ram_gbps / 4, ram_gbps / 40)):
+        cost.observe_load(state, int(gbps * GB), 1.0)
+    starts, ends, pos = [], [], 0
+    for n, _, _ in blocks:
+        starts.append(pos)
+        pos += n
+        ends.append(pos)
+    servable, n_prompt = pos - min(short, blocks[-1][0] - 1), pos + extra  # the last block servable in part
+    sizes, states = [b for _, b, _ in blocks], [s for _, _, s in blocks]
+    plan = cost.plan("m", n_prompt, starts, ends, sizes, states, servable)
+    pm, rate = cost.prefill_model("m"), {s: r.bytes_per_s for s, r in cost.rates.items()}
+
+    def total(n: int) -> float:  # whole blocks before the one holding token n-1, and its share
+        if n == 0:
+            return pm.seconds(0, n_prompt)
+        i = next(k for k, e in enumerate(ends) if e >= n)
+        load = cost.fixed_s + sum(sizes[k] / rate[states[k]] for k in range(i))
+        load += sizes[i] / rate[states[i]] * (n - starts[i]) / (ends[i] - starts[i])
+        return load + pm.seconds(n, n_prompt)
+
+    cuts = sorted({0, servable} | {min(e, servable) for e in ends})
+    best = min(total(n) for n in cuts)
+    if plan.length == 0:
+        assert plan.prefill_s == pytest.approx(pm.seconds(0, n_prompt))
+        assert best >= total(0) * (1 - cost.margin) - 1e-12  # no cut saves the margin
+    else:
+        assert plan.length in cuts
+        assert total(plan.length) == pytest.approx(best, rel=1e-9)
+        assert best <= total(0) * (1 - cost.margin) * (1 + 1e-9)  # and it saves the margin
+        assert plan.load_s + plan.prefill_s == pytest.approx(total(plan.length), rel=1e-9)
 
 
 def test_a_near_tie_is_not_served():
