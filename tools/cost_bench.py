@@ -60,9 +60,10 @@ from kvstore.tools.bench.common import drop_page_cache
 
 SOURCES = ("ram", "ssd_cached", "ssd_cold")
 POLICIES = {"never": "cold_ms", "always": "forced_ms", "auto": "auto_ms"}
+KV = {"fp16": None, "q8": 8, "q4": 4}
 # Requests run in this cycle: each policy follows each policy (itself included) once per cycle. What ran
 # just before changes a hit's TTFT on a GPU (the buffers left to reuse), and rotating one order put
-# "always" after "never" in two of three repeats and "auto" after "always" (docs/benchmarks.md, cost)
+# "always" after "never" in two of three repeats and "auto" after "always" (docs/benchmarks.md, hot path)
 _CYCLE = ("never", "never", "always", "never", "auto", "always", "always", "auto", "auto")
 
 
@@ -70,7 +71,6 @@ def request_order(repeats: int) -> list[str]:
     """``repeats`` requests per policy, in the order of ``_CYCLE`` (a de
     Bruijn sequence of the three policies, taken cyclically)."""
     return [_CYCLE[i % len(_CYCLE)] for i in range(3 * repeats)]
-KV = {"fp16": None, "q8": 8, "q4": 4}
 
 
 def _prompt(tokenizer, n: int, seed: int) -> list[int]:
