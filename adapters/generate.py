@@ -137,8 +137,14 @@ def fetch_cache(store: PrefixStore, model: nn.Module, key: str, tokens: Sequence
 def store_cache(store: PrefixStore, key: str, tokens: Sequence[int], cache: Sequence[Any], *,
                 parts: Optional[Sequence[Sequence[Any]]] = None) -> int:
     """Offer ``cache`` (which covers a prefix of ``tokens``) to the store;
-    ``parts``: the caches of a main model and its draft instead."""
-    n, layers = caches_to_layers(parts if parts is not None else [cache])
+    ``parts``: the caches of a main model and its draft instead.
+
+    The store takes views of the cache's rows, not copies (``put`` keeps the
+    values of the moment whatever the engine writes later): the caller waits
+    for no copy of its KV, and the views hold the engine's buffers only until
+    the blocks are written. Pass tokens as an int32 array where you have one:
+    a Python list is converted first (about 1 ms at 32K tokens)."""
+    n, layers = caches_to_layers(parts if parts is not None else [cache], copy=False)
     if n == 0:
         return 0
     return store.put(key, tokens[:n], layers)

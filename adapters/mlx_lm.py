@@ -308,7 +308,8 @@ def cache_to_layers(prompt_cache: Sequence[Any], *, length: Optional[int] = None
 
 def _alias_all(v: Any, arrays: list[mx.array]) -> Any:
     if isinstance(v, mx.array):
-        a = mx.array(v)  # a new array object on the same (possibly still computing) data: no op, no copy
+        a = v[...]  # a new array object on the same (possibly still computing) data: a view, no copy
+        # (not mx.array(v): that is a copy op, the whole cache copied on the engine's stream)
         arrays.append(a)
         return a
     if isinstance(v, (list, tuple)) and any(isinstance(x, mx.array) for x in v):
@@ -329,8 +330,8 @@ def snapshot(prompt_cache: Sequence[Any]) -> tuple[list[Any], list[mx.array]]:
     """The prompt cache as it is now, for another thread, in microseconds.
 
     New cache objects of the same classes and settings whose arrays are new
-    array objects on the engine's data: no op is built and nothing is copied
-    or waited for. The engine's later updates never reach them (they rebind
+    array objects on the engine's data (views): nothing is copied or waited
+    for. The engine's later updates never reach them (they rebind
     or slice-assign its own objects, and mlx never writes in place into data
     another array still shares). Returns the copies and their arrays: call
     ``mx.async_eval(arrays)`` on this thread (arrays an engine left unevaluated

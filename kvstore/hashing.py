@@ -17,6 +17,7 @@ runs are 4n bytes long, tagged int64 runs 8n + 1 (odd).
 
 from __future__ import annotations
 
+from array import array
 from typing import Optional, Sequence, Union
 
 import numpy as np
@@ -27,6 +28,7 @@ from .errors import InputError
 _ROOT_TAG = b"kvstore-root-v1\x00"
 _WIDE_TAG = b"\x01"  # precedes the int64 bytes of a block with an id outside int32
 _I32 = np.iinfo(np.int32)
+_INT_IS_32 = array("i").itemsize == 4
 _I64 = np.iinfo(np.int64)
 TOKEN_DTYPES = (np.dtype("<i4"), np.dtype("<i8"))  # the widths a token array may have
 
@@ -54,6 +56,13 @@ def as_tokens(tokens: Union[Sequence[int], np.ndarray]) -> np.ndarray:
     for anything but a flat sequence of integers within signed 64 bits."""
     if isinstance(tokens, np.ndarray) and tokens.dtype == np.int32 and tokens.ndim == 1:
         return np.ascontiguousarray(tokens, dtype="<i4")
+    if type(tokens) is list and tokens and not isinstance(tokens[0], bool) and _INT_IS_32:
+        # a prompt as engines hand it over: a list of ints, read at C speed (numpy would go through int64,
+        # then check the range and narrow); floats, nested lists and wider ids raise, and take the path below
+        try:
+            return np.frombuffer(array("i", tokens), dtype="=i4").astype("<i4", copy=False)
+        except (TypeError, OverflowError):
+            pass
     if isinstance(tokens, (str, bytes)) or not (isinstance(tokens, Sequence) or hasattr(tokens, "__array__")):
         raise InputError(f"tokens must be a flat sequence of ints, got {type(tokens).__name__}")
     if not isinstance(tokens, np.ndarray):

@@ -77,7 +77,7 @@ class Quantized:
 
     def take(self, start: int, stop: int) -> "Quantized":
         """Rows ``[start, stop)`` of the token axis (-2)."""
-        return self.with_arrays(*(a[..., start:stop, :] for a in self.arrays()))
+        return self.with_arrays(*(take_rows(a, start, stop) for a in self.arrays()))
 
 
 Tensor = Union[mx.array, Quantized]
@@ -112,9 +112,12 @@ def tensor_rows(t: Tensor) -> int:
 
 
 def take_rows(t: Tensor, start: int, stop: int) -> Tensor:
+    """Rows ``[start, stop)`` of the token axis (-2), as a view."""
     if isinstance(t, Quantized):
         return t.take(start, stop)
-    return t[..., start:stop, :]
+    # (mlx parses an index with an Ellipsis several times slower than plain slices: a put and a hit
+    # cut every layer's arrays, so a 4-D tensor, what every KV layer holds, is cut without one)
+    return t[:, :, start:stop] if t.ndim == 4 else t[..., start:stop, :]
 
 
 def own(t: Tensor) -> Tensor:

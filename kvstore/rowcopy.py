@@ -29,6 +29,7 @@ import mlx.core as mx
 import numpy as np
 
 from . import cuda
+from .layers import take_rows
 from .spread import each
 from .tiers.device import DeviceBlock, HitArrays
 
@@ -75,7 +76,7 @@ def gather(items: Sequence, spans: Sequence[tuple[int, int]], kind: tuple[str, i
                 j += 1  # (a block's row there is its place in the prompt: consecutive blocks, consecutive rows)
             a, b = items[i].row, items[j - 1].row + items[j - 1].header.ntokens
             for p, x in zip(pieces, items[i].arrays.tensors):
-                p.append(x[..., a:b, :])
+                p.append(take_rows(x, a, b))
         else:  # host blocks, as many as the landing buffer holds
             rows = items[i].header.ntokens
             while (j < len(items) and not isinstance(items[j], DeviceBlock)
@@ -157,6 +158,6 @@ def move_blocks(items: Sequence, queue: Callable[[int, object], None], stage: Ca
 
 def _layers(tensors: list[mx.array], length: int) -> list:
     """Per layer, ``[[keys], [values]]``: rows ``[0, length)`` of ``tensors`` (views)."""
-    cut = [x if x.shape[2] == length else x[..., :length, :] for x in tensors]
+    cut = [x if x.shape[2] == length else take_rows(x, 0, length) for x in tensors]
     mx.eval(cut)
     return [[[cut[2 * li]], [cut[2 * li + 1]]] for li in range(len(cut) // 2)]

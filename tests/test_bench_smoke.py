@@ -114,3 +114,22 @@ def test_cost_bench_runs_each_policy_after_each_policy_equally_often():
         assert Counter(order) == {p: repeats for p in POLICIES}
         pairs = Counter(zip(order, order[1:] + order[:1]))  # cyclically: the next row starts the cycle again
         assert pairs == {(a, b): repeats // 3 for a in POLICIES for b in POLICIES}
+
+
+def test_put_cost_and_the_issue_table_run_and_write_their_json(tmp_path):
+    """``tools/put_cost.py`` and ``tools/hot_path_table.py`` (run on GPUs against old trees too) work end to end."""
+    from kvstore.adapters.tiny_models import ensure_tiny_model
+    put = subprocess.run([sys.executable, "-m", "kvstore.tools.put_cost", "--tokens", "300", "--repeats", "1",
+                          "--layers", "2", "--heads", "2", "--dim", "16", "--out", str(tmp_path / "put")],
+                         capture_output=True, text=True, timeout=300)
+    assert put.returncode == 0, put.stderr[-3000:]
+    (row,) = json.loads((tmp_path / "put" / "put.json").read_text())["rows"]
+    assert row["tokens"] == 300 and row["store_cache_ms"] > 0 and row["insert_ms"] > 0
+    model = ensure_tiny_model("llama", max_position_embeddings=1024)
+    table = subprocess.run([sys.executable, "-m", "kvstore.tools.hot_path_table", "--model", str(model), "--rows",
+                            "300:q4", "--repeats", "1", "--dir", str(tmp_path), "--out", str(tmp_path / "t.json")],
+                           capture_output=True, text=True, timeout=300)
+    assert table.returncode == 0, table.stderr[-3000:]
+    (row,) = json.loads((tmp_path / "t.json").read_text())["rows"]
+    assert row["ram"]["cached_tokens"] == row["ssd_cached"]["cached_tokens"] == row["ssd_cold"]["cached_tokens"] == 299
+    assert row["cold"]["cached_tokens"] == 0 and row["ssd_cached"]["ram_tokens"] == 0

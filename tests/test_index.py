@@ -270,7 +270,9 @@ def test_as_tokens_normalizes_and_validates():
     for wide in ([2**31], [-(2**31) - 1], [5, IMAGE_ID], [2**63 - 1], np.array([2**40], np.uint64)):
         got = as_tokens(wide)
         assert got.dtype == np.dtype("<i8") and got.tolist() == list(map(int, wide))
-    for bad in ([2**63], [-(2**63) - 1], [1, 2**70], [1.5], [True, False], [[1, 2]], ["a"]):
+    assert as_tokens([np.int64(7), np.uint8(8)]).tolist() == [7, 8]  # numpy ints in a list too
+    for bad in ([2**63], [-(2**63) - 1], [1, 2**70], [1.5], [True, False], [[1, 2]], ["a"],
+                [1, 2.5], [1, [2]], [1, "a"], [1, None]):  # (a first int does not vouch for the rest)
         with pytest.raises(ValueError):
             as_tokens(bad)
 
