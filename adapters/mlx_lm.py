@@ -46,7 +46,7 @@ import copy
 import json
 import os
 from pathlib import Path
-from typing import Any, Iterable, Iterator, Optional, Sequence, Union
+from typing import Any, Callable, Iterable, Iterator, Optional, Sequence, Union
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -306,23 +306,27 @@ def cache_to_layers(prompt_cache: Sequence[Any], *, length: Optional[int] = None
     return out
 
 
-def _alias_all(v: Any, arrays: list[mx.array]) -> Any:
+def _alias_all(v: Any, arrays: list[mx.array], fresh: Callable[[mx.array], mx.array]) -> Any:
     if isinstance(v, mx.array):
-        a = v[...]  # a new array object on the same (possibly still computing) data: a view, no copy
-        # (not mx.array(v): that is a copy op, the whole cache copied on the engine's stream)
+        a = fresh(v)
         arrays.append(a)
         return a
     if isinstance(v, (list, tuple)) and any(isinstance(x, mx.array) for x in v):
-        return type(v)(_alias_all(x, arrays) for x in v)
+        return type(v)(_alias_all(x, arrays, fresh) for x in v)
     return v
 
 
 def _snapshot(c: Any, arrays: list[mx.array]) -> Any:
     s = copy.copy(c)
+    # KV: a new node on the same (possibly still computing) data, no copy. Not mx.array(v), a copy op (the
+    # whole cache copied on the engine's stream), nor v[...], which is the engine's own array record, whose
+    # evaluation state the inserts thread would then update beside the engine. A recurrent state is small and
+    # copied: mlx-lm's batch extract makes it a view that would keep the whole batch's state alive.
+    fresh = mx.array if isinstance(c, C.ArraysCache) else mx.stop_gradient
     for name, v in vars(c).items():
         if name == "caches" and isinstance(c, C.CacheList):
             v = type(v)(_snapshot(x, arrays) for x in v)
-        setattr(s, name, _alias_all(v, arrays))
+        setattr(s, name, _alias_all(v, arrays, fresh))
     return s
 
 
@@ -330,8 +334,8 @@ def snapshot(prompt_cache: Sequence[Any]) -> tuple[list[Any], list[mx.array]]:
     """The prompt cache as it is now, for another thread, in microseconds.
 
     New cache objects of the same classes and settings whose arrays are new
-    array objects on the engine's data (views): nothing is copied or waited
-    for. The engine's later updates never reach them (they rebind
+    arrays on the engine's data: no KV is copied, nothing is waited for (a
+    recurrent state's few arrays are copied). The engine's later updates never reach them (they rebind
     or slice-assign its own objects, and mlx never writes in place into data
     another array still shares). Returns the copies and their arrays: call
     ``mx.async_eval(arrays)`` on this thread (arrays an engine left unevaluated

@@ -45,11 +45,15 @@ def test_the_server_adapters_snapshot_copies_none_of_the_engines_kv():
 def test_store_cache_copies_none_of_the_engines_kv(tmp_path):
     cache, kv = engine_cache()
     with PrefixStore(budget_gb=1, ssd_path=tmp_path / "s", block_size=256, fetch_policy="always") as store:
+        held, submit = [], store._writer.submit
+        store._writer.submit = held.append  # the writer's own allocations wait until the put is measured
         mx.eval(mx.zeros(1))
         mx.reset_peak_memory()
         before = mx.get_active_memory()
         assert store_cache(store, "m", list(range(ROWS + 1)), cache) == 4  # ceil(1001 / 256) blocks
         assert mx.get_peak_memory() - before < kv // 4  # a copy of the KV would be kv bytes
+        for job in held:
+            submit(job)
         store.flush()
         hit = store.fetch("m", list(range(ROWS + 1)))
     assert hit.length == ROWS + 1
@@ -69,3 +73,21 @@ def test_what_the_engine_writes_after_a_snapshot_never_reaches_it():
     layers = cache_to_layers(frozen, copy=False)
     for want, layer in zip(held, layers):
         assert np.array_equal(np.array(layer.keys), want)
+
+
+def test_a_snapshot_copies_a_recurrent_state_so_a_batch_view_does_not_keep_the_batch():
+    """mlx-lm's batch extract gives a sequence's state as a view of the whole batch's arrays: the snapshot
+    holds a copy of the sequence's rows (a state is small), not the batch."""
+    mx.clear_cache()
+    base = mx.get_active_memory()
+    batch = mx.random.normal((8, 64, 1024))
+    mx.eval(batch)
+    c = C.ArraysCache(1)
+    c[0] = batch[2:3]
+    frozen, arrays = snapshot([c])
+    mx.eval(arrays)
+    (state,) = frozen[0].cache
+    assert np.array_equal(np.array(state), np.array(batch[2:3]))
+    del batch, c
+    mx.clear_cache()
+    assert mx.get_active_memory() - base < 8 * 64 * 1024 * 4 // 2  # the batch (2 MiB) is gone; the row (256 KiB) stays
