@@ -57,6 +57,7 @@ from kvstore import PrefixStore
 from kvstore.adapters.generate import generate, model_key
 from kvstore.cost import PrefillModel
 from kvstore.tools.bench.common import drop_page_cache
+from kvstore.tools.hot_path_table import timed_fetch
 
 SOURCES = ("ram", "ssd_cached", "ssd_cold")
 POLICIES = {"never": "cold_ms", "always": "forced_ms", "auto": "auto_ms"}
@@ -82,22 +83,6 @@ def _ttft(model, tokenizer, store, prompt) -> tuple[float, object]:
     r = generate(model, tokenizer, prompt, store=store, max_tokens=1)
     store.flush()  # the answer's new block is written before the next request is timed
     return r.ttft_s, r
-
-
-def _timed_fetch(store: PrefixStore) -> list[float]:
-    """Seconds of each ``store.fetch`` from now on (the store's part of a
-    request's TTFT; the rest is the engine's)."""
-    times: list[float] = []
-    fetch = store.fetch
-
-    def timed(*args, **kwargs):
-        t = time.perf_counter()
-        try:
-            return fetch(*args, **kwargs)
-        finally:
-            times.append(time.perf_counter() - t)
-    store.fetch = timed
-    return times
 
 
 def _prefilled(model, prompt: list[int], step: int = 2048) -> list:
@@ -154,7 +139,7 @@ def _fresh_row(model, tokenizer, key, prompt, cache, path: Path, kind: str, bloc
                 out["weighed"] = {"rates_gbps": {k: round(v["gb_per_s"], 2) for k, v in cost["rates"].items()},
                                   "prefill_predicted_ms": round(1e3 * pm.seconds(0, len(prompt)), 1),
                                   "prefill_fit": fit}
-            fetched = _timed_fetch(s)
+            fetched = timed_fetch(s)
             mx.clear_cache()  # as an engine that has served nothing has it, whichever request ran before
             t, r = _ttft(model, tokenizer, s, prompt)
             out[policy]["fetch"].append(sum(fetched))

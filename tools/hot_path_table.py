@@ -62,17 +62,26 @@ def _on_cuda() -> bool:
     return cuda.runtime() is not None
 
 
-def _timed(model, tokenizer, store: PrefixStore, prompt: list[int], repeats: int) -> dict:
-    """``repeats`` requests of ``prompt``: TTFT, time in ``store.fetch``, tokens served and from RAM."""
-    fetch, spent = store.fetch, []
+def timed_fetch(store: PrefixStore) -> list[float]:
+    """Seconds of each ``store.fetch`` from now on (the store's part of a
+    request's TTFT; the rest is the engine's). Here, not in bench.common, so
+    that this tool runs on trees from before it (``cost_bench`` uses it too)."""
+    times: list[float] = []
+    fetch = store.fetch
 
-    def timed_fetch(*a, **k):
+    def timed(*args, **kwargs):
         t = time.perf_counter()
         try:
-            return fetch(*a, **k)
+            return fetch(*args, **kwargs)
         finally:
-            spent.append(time.perf_counter() - t)
-    store.fetch = timed_fetch
+            times.append(time.perf_counter() - t)
+    store.fetch = timed
+    return times
+
+
+def _timed(model, tokenizer, store: PrefixStore, prompt: list[int], repeats: int) -> dict:
+    """``repeats`` requests of ``prompt``: TTFT, time in ``store.fetch``, tokens served and from RAM."""
+    spent = timed_fetch(store)
     ttft, fetched, cached, ram = [], [], [], []
     for _ in range(repeats):
         spent.clear()
