@@ -114,6 +114,9 @@ def test_cost_bench_runs_each_policy_after_each_policy_equally_often():
         assert Counter(order) == {p: repeats for p in POLICIES}
         pairs = Counter(zip(order, order[1:] + order[:1]))  # cyclically: the next row starts the cycle again
         assert pairs == {(a, b): repeats // 3 for a in POLICIES for b in POLICIES}
+    for unequal in (1, 2, 4):  # part of a cycle would run the policies unequally often
+        with pytest.raises(ValueError):
+            request_order(unequal)
 
 
 def test_put_cost_and_the_issue_table_run_and_write_their_json(tmp_path):

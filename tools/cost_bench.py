@@ -70,7 +70,10 @@ _CYCLE = ("never", "never", "always", "never", "auto", "always", "always", "auto
 
 def request_order(repeats: int) -> list[str]:
     """``repeats`` requests per policy, in the order of ``_CYCLE`` (a de
-    Bruijn sequence of the three policies, taken cyclically)."""
+    Bruijn sequence of the three policies, taken cyclically): whole cycles
+    only, since a part of one runs the policies unequally often."""
+    if repeats <= 0 or repeats % 3:
+        raise ValueError(f"repeats must be a positive multiple of 3 (whole cycles of the order), got {repeats}")
     return [_CYCLE[i % len(_CYCLE)] for i in range(3 * repeats)]
 
 
@@ -255,6 +258,8 @@ def main(argv=None) -> int:
     ap.add_argument("--sources", nargs="+", default=None, choices=SOURCES + ("device",),
                     help="these rows only (default: every source; device only with --fresh, on CUDA)")
     args = ap.parse_args(argv)
+    if args.repeats <= 0 or args.repeats % 3:
+        ap.error("--repeats must be a positive multiple of 3 (each policy follows each equally often)")
     if args.sources and "device" in args.sources and not args.fresh:
         ap.error("the device row is measured with --fresh only")
     res = run(args.model, args.lengths, args.kv, args.repeats, args.block_size, args.out, args.fresh, args.sources)
