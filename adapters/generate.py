@@ -139,11 +139,12 @@ def store_cache(store: PrefixStore, key: str, tokens: Sequence[int], cache: Sequ
     """Offer ``cache`` (which covers a prefix of ``tokens``) to the store;
     ``parts``: the caches of a main model and its draft instead.
 
-    The store takes views of the cache's rows, not copies (``put`` keeps the
-    values of the moment whatever the engine writes later): the caller waits
-    for no copy of its KV, and the views hold the engine's buffers only until
-    the blocks are written. Pass tokens as an int32 array where you have one:
-    a Python list is converted first."""
+    The store takes the cache's buffers as they are, with ``KVLayer(rows=n)``
+    (new array objects on them: ``put`` keeps the values of the moment
+    whatever the engine writes later): the caller waits for no copy of its KV
+    and builds no slice to evaluate, and the buffers are held only until the
+    blocks are written. Pass tokens as an int32 array where you have one: a
+    Python list is converted first."""
     n, layers = caches_to_layers(parts if parts is not None else [cache], copy=False)
     if n == 0:
         return 0

@@ -54,7 +54,7 @@ import xxhash
 from mlx_lm.models import cache as C
 
 from kvstore.codec import convert, densify, layer_arrays
-from kvstore.layers import KVLayer, Layer, Quantized, StateLayer, Tensor, own, take_rows
+from kvstore.layers import WARM_LAYERS, KVLayer, Layer, Quantized, StateLayer, Tensor, own, take_rows
 
 __all__ = [
     "cache_to_layers",
@@ -92,15 +92,19 @@ def _rows(t: Tensor, n: int) -> Tensor:
     return own(take_rows(t, 0, n))
 
 
-def _view(t: Tensor, n: int) -> Tensor:
-    """First ``n`` rows of the token axis as lazy views: new array objects
-    sharing the engine's buffer (no copy)."""
-    return take_rows(t, 0, n)
+def _alias(t: Tensor) -> Tensor:
+    """``t`` as new array objects on its data: no graph node, no copy (the
+    engine's own slice assignments rebind its objects, never these)."""
+    return t.with_arrays(*(a[...] for a in t.arrays())) if isinstance(t, Quantized) else t[...]
 
 
-def _alias(x: mx.array) -> mx.array:
-    """``x`` as a new array object sharing its buffer (no copy)."""
-    return x[...]
+def _kv(k: Tensor, v: Tensor, n: int, copy: bool, start: int = 0, window: Optional[int] = None) -> KVLayer:
+    """Rows ``[0, n)`` of ``k`` and ``v``: compact copies, or (``copy=False``)
+    the engine's buffers themselves with ``rows=n``: no slice to build and
+    evaluate on the engine's thread."""
+    if copy:
+        return KVLayer(_rows(k, n), _rows(v, n), start, window)
+    return KVLayer(_alias(k), _alias(v), start, window, rows=n)
 
 
 def _batch(t: Tensor) -> int:
@@ -204,28 +208,26 @@ def cache_offset(prompt_cache: Sequence[Any]) -> int:
 def _kv_entry(c: Any, where: str, length: Optional[int], copy: bool) -> KVLayer:
     if c.keys is None:
         raise ValueError(f"{where}: {type(c).__name__} holds no tokens")
-    rows = _rows if copy else _view
-    fresh = own if copy else _alias
     n = c.offset if length is None else length
     if n > c.offset:
         raise ValueError(f"{where}: asked for {n} tokens but the cache holds {c.offset}")
-    if n < c.offset and not isinstance(c, (C.KVCache, C.QuantizedKVCache, C.ConcatenateKVCache)):
+    trimmable = isinstance(c, (C.KVCache, C.QuantizedKVCache, C.ConcatenateKVCache))
+    if n < c.offset and not trimmable:
         raise ValueError(f"{where}: a {type(c).__name__} cannot be cut back from {c.offset} to {n} tokens")
 
     if isinstance(c, C.QuantizedKVCache):
         _check_batch(c.keys[0], where)
-        k = rows(Quantized(*c.keys, c.bits, c.group_size), n)
-        v = rows(Quantized(*c.values, c.bits, c.group_size), n)
-        return KVLayer(k, v, start=0, window=None)
+        return _kv(Quantized(*c.keys, c.bits, c.group_size), Quantized(*c.values, c.bits, c.group_size), n, copy)
 
     _check_batch(c.keys, where)
 
-    if isinstance(c, (C.KVCache, C.ConcatenateKVCache)):
-        return KVLayer(rows(c.keys, n), rows(c.values, n), start=0, window=None)
+    if trimmable:
+        return _kv(c.keys, c.values, n, copy)
 
     if isinstance(c, C.RotatingKVCache):
         # mlx-lm's own reordering: sink rows [0, keep), then the ring from the
         # write position on, then the ring before it; slices off unused rows.
+        fresh = own if copy else _alias
         k = c._temporal_order(c.keys)
         v = c._temporal_order(c.values)
         held = k.shape[2]
@@ -233,7 +235,7 @@ def _kv_entry(c: Any, where: str, length: Optional[int], copy: bool) -> KVLayer:
             return KVLayer(fresh(k), fresh(v), start=c.offset - held, window=c.max_size)
         if held >= c.offset:
             # Nothing evicted yet: rows are exactly tokens [0, offset).
-            return KVLayer(rows(k, n), rows(v, n), start=0, window=None)
+            return _kv(k, v, n, copy)
         # Rows [keep, held) are the contiguous tail ending at offset; the sink
         # rows [0, keep) can't share an entry with them (gap in between).
         tail = held - c.keep
@@ -245,16 +247,17 @@ def _kv_entry(c: Any, where: str, length: Optional[int], copy: bool) -> KVLayer:
         )
 
     if isinstance(c, C.ChunkedKVCache):
-        m = c.offset - c.start_position
-        return KVLayer(
-            rows(c.keys, m), rows(c.values, m), start=c.start_position,
-            window=c.chunk_size,
-        )
+        return _kv(c.keys, c.values, c.offset - c.start_position, copy, c.start_position, c.chunk_size)
 
     raise TypeError(f"{where}: unsupported mlx-lm cache class {type(c).__name__}")
 
 
 def _flatten(c: Any, where: str, out: list[Layer], length: Optional[int], copy: bool) -> None:
+    if type(c) is C.KVCache and not copy and c.keys is not None and c.keys.shape[0] == 1 \
+            and (length is None or length <= c.offset):
+        # the common leaf as _kv_entry takes it, without its general checks (a put's hot loop)
+        out.append(KVLayer(c.keys[...], c.values[...], 0, None, c.offset if length is None else length))
+        return
     if isinstance(c, _BATCHED):
         raise ValueError(
             f"{where}: {type(c).__name__} holds a batch; extract(i) one sequence first"
@@ -289,9 +292,10 @@ def cache_to_layers(prompt_cache: Sequence[Any], *, length: Optional[int] = None
 
     ``copy=True`` returns compact, evaluated copies, evaluated here, on the
     engine's thread, because the store consumes them on its own thread.
-    ``copy=False`` returns lazy views (new array objects, so the engine's own
-    slice assignments never reach them, and mlx never writes in place into a
-    buffer a view still shares), for a caller that evaluates them itself.
+    ``copy=False`` returns new array objects on the engine's buffers, with
+    ``rows`` where a buffer holds more (the engine's own slice assignments
+    rebind its objects, never these, and mlx never writes in place into data
+    another array still shares), for a caller that evaluates them itself.
     """
     out: list[Layer] = []
     for i, c in enumerate(prompt_cache):
@@ -657,3 +661,19 @@ def model_fingerprint(
         _field(h, "layout", layout_signature(prompt_cache_or_model).encode())
     _field(h, "extra", extra.encode("utf-8"))
     return h.hexdigest()
+
+
+def _warm() -> None:
+    """The engine-side put path (``caches_to_layers``, ``snapshot``) once, at
+    import, on a throwaway cache of one-row layers that is never evaluated:
+    Python's first pass over code costs about twice its later ones, and it
+    would otherwise land on the engine's first put (docs/benchmarks.md, put)."""
+    k = mx.zeros((1, 1, 1, 8), mx.float16)
+    cache = [C.KVCache() for _ in range(WARM_LAYERS)]
+    for c in cache:
+        c.update_and_fetch(k, k)
+    caches_to_layers([cache], copy=False)
+    snapshot(cache)
+
+
+_warm()

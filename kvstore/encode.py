@@ -15,7 +15,7 @@ from . import cuda
 from .codec import Block, Codec, block_arrays
 from .hashing import narrowest
 from .index import Node
-from .layers import KVLayer, Layer, StateLayer, Tensor, take_rows, tensor_rows
+from .layers import KVLayer, Layer, StateLayer, Tensor, take_rows
 from .wire import Stored
 
 
@@ -151,6 +151,6 @@ def _compressed_rows(job, li: int, l: KVLayer, first: int, e: int, codec: Codec,
         return compressed(first, e)
     got = job.compressed.get(li)
     if got is None or not (got.start <= first and e <= got.stop):
-        stop = max(e, min(first + compress_rows, l.start + tensor_rows(l.keys)))
+        stop = max(e, min(first + compress_rows, l.stop))
         got = job.compressed[li] = Rows(first, stop, *compressed(first, stop))
     return take_rows(got.keys, first - got.start, e - got.start), take_rows(got.values, first - got.start, e - got.start)

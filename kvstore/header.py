@@ -168,6 +168,16 @@ class StateSpec(NamedTuple):
 LayerSpec = Union[KVSpec, StateSpec, None]
 
 
+@functools.lru_cache(maxsize=1024)
+def interned(layers: tuple[LayerSpec, ...]) -> tuple[LayerSpec, ...]:
+    """One object for all equal layer tables. Every whole block of a model is
+    laid out alike, and each block held in RAM keeps its header: shared, the
+    tables cost the tier a few objects per block instead of hundreds, each of
+    which the garbage collector would walk on the engine's time (its pauses:
+    docs/benchmarks.md, put)."""
+    return layers
+
+
 @dataclass(frozen=True)
 class Header:
     """A validated block header: the key the block is bound to, its token
@@ -306,7 +316,7 @@ def _header(f, start: int, nbytes: int, version: int) -> Header:
     tok = _array(f.get("tok"), size)
     _check(tok.np_dtype in TOKEN_DTYPES and tok.shape == (f["n"],), "token array")
     _check(isinstance(f.get("L"), list) and len(f["L"]) <= 4096, "layer table")
-    layers = tuple(_layer(e, size, f["n"], version) for e in f["L"])
+    layers = interned(tuple(_layer(e, size, f["n"], version) for e in f["L"]))
     return Header(f["key"], f["n"], start, f["sum"], tok, layers)
 
 

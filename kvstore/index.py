@@ -13,7 +13,7 @@ block's payload and are compared on every hit, so a hash collision is a miss.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Iterator, Optional
+from typing import Iterator, Optional, Sequence
 
 # `gap` values: which layers a block lacks rows for.
 NO_GAP = 0  # every KV layer has its rows
@@ -126,24 +126,47 @@ class RadixIndex:
             snap: Optional[bool] = None, gap: int = NO_GAP, rows_from: Optional[int] = None) -> Node:
         """Insert a block under ``parent`` (which must be indexed), or return the
         block already there."""
-        nodes = self._nodes
-        node = nodes.get(key)
+        node = self._nodes.get(key)
         if node is not None:
             return node
-        # (a put adds a node per block: attributes, not properties, on this path)
-        if parent.parent is not None and parent.key not in nodes:
+        self._check_parent(parent, start)
+        return self._attach(parent, Node(key, parent, start, length, first, snap, gap, rows_from))
+
+    def add_run(self, parent: Node, keys: Sequence[bytes], start: int, length: int,
+                firsts: Sequence[int]) -> list[Node]:
+        """``add`` of blocks of ``length`` tokens from ``start`` on, each under
+        the one before (a put's new blocks: one pass, the parent checked once)."""
+        self._check_parent(parent, start)
+        nodes, out = self._nodes, []
+        for key, first in zip(keys, firsts):
+            node = nodes.get(key)
+            if node is None:
+                node = Node(key, parent, start, length, first)
+                if parent.children is None and parent.parent is not None:
+                    parent.children = {key: node}  # a leaf's first child: the count of leaves stays
+                    nodes[key] = node
+                else:
+                    self._attach(parent, node)
+            out.append(node)
+            parent = node
+            start += length
+        return out
+
+    def _check_parent(self, parent: Node, start: int) -> None:
+        if parent.parent is not None and parent.key not in self._nodes:
             raise KeyError("parent block is not indexed")
         if start != parent.start + parent.length:
             raise ValueError(f"block starts at {start} but its parent ends at {parent.end}")
-        node = Node(key, parent, start, length, first, snap, gap, rows_from)
+
+    def _attach(self, parent: Node, node: Node) -> Node:
         kids = parent.children
         if not kids and parent.parent is not None:
             self.leaves -= 1  # the parent was a leaf
         if kids is None:
             kids = parent.children = {}
         self.leaves += 1
-        kids[key] = node
-        nodes[key] = node
+        kids[node.key] = node
+        self._nodes[node.key] = node
         return node
 
     def match(self, root: Node, keys) -> Walk:

@@ -130,20 +130,29 @@ def own(t: Tensor) -> Tensor:
 
 @dataclass
 class KVLayer:
-    """Keys and values of one attention layer for tokens ``[start, start + T)``."""
+    """Keys and values of one attention layer for tokens ``[start, stop)``.
+
+    ``rows``: how many rows, from the first, hold those tokens, for arrays
+    with room after them (an engine's buffer, as mlx-lm's ``KVCache`` grows
+    it): such a buffer is stored as it is, with no slice to build and
+    evaluate, and its spare rows are never read. ``None``: every row.
+    """
 
     keys: Tensor
     values: Tensor
     start: int = 0
     window: Optional[int] = None
+    rows: Optional[int] = None
 
     @property
     def stop(self) -> int:
-        return self.start + tensor_rows(self.keys)
+        return self.start + (tensor_rows(self.keys) if self.rows is None else self.rows)
 
     @property
     def nbytes(self) -> int:
-        return self.keys.nbytes + self.values.nbytes
+        """Bytes of the layer's rows (spare rows not counted)."""
+        n = self.keys.nbytes + self.values.nbytes
+        return n if self.rows is None else n * self.rows // max(1, tensor_rows(self.keys))
 
 
 @dataclass
@@ -163,6 +172,8 @@ class StateLayer:
 Layer = Union[KVLayer, StateLayer]
 
 
+WARM_LAYERS = 64  # layers of a put path's warm-up: as many as most models have (one of a few warmed far less)
+
 KV_DTYPES = (mx.float16, mx.bfloat16, mx.float32)  # what dense keys and values may be (quantizable, stored exactly)
 STATE_DTYPES = KV_DTYPES + (mx.int8, mx.uint8, mx.int32, mx.uint32, mx.int64)  # a recurrent state's slots
 _NUMPY = {np.dtype(np.float16): mx.float16, np.dtype(np.float32): mx.float32, np.dtype(np.int8): mx.int8,
@@ -174,10 +185,13 @@ def _names(dtypes) -> str:
     return ", ".join(str(d).split(".")[-1] for d in dtypes)
 
 
-def _captured(a, what: str, dtypes: tuple) -> mx.array:
-    """``a`` as a new mlx array object on the same data (a view: no copy), or
-    a numpy array copied into one; ``LayoutError`` for anything else, or a
-    dtype the store cannot keep exactly."""
+def _captured(a, i: int, part: str, dtypes: tuple) -> mx.array:
+    """``a`` as a new mlx array object on the same data (no copy), or a numpy
+    array copied into one; ``LayoutError`` for anything else, or a dtype the
+    store cannot keep exactly (``part`` of layer ``i``)."""
+    if isinstance(a, mx.array) and a.dtype in dtypes:
+        return a[...]
+    what = f"layer {i} {part}"
     if isinstance(a, np.ndarray):
         dtype = _NUMPY.get(a.dtype)
         if dtype is None or dtype not in dtypes:
@@ -185,16 +199,14 @@ def _captured(a, what: str, dtypes: tuple) -> mx.array:
         return mx.array(a)
     if not isinstance(a, mx.array):
         raise LayoutError(f"{what}: expected an mlx array, got {type(a).__name__}")
-    if a.dtype not in dtypes:
-        raise LayoutError(f"{what}: {str(a.dtype).split('.')[-1]} cannot be stored (use {_names(dtypes)})")
-    return a[...]
+    raise LayoutError(f"{what}: {str(a.dtype).split('.')[-1]} cannot be stored (use {_names(dtypes)})")
 
 
-def _captured_tensor(t, what: str) -> Tensor:
+def _captured_tensor(t, i: int, part: str) -> Tensor:
     if isinstance(t, Quantized):
-        data = _captured(t.data, what + " data", (mx.uint32,))
-        return t.with_arrays(data, *(_captured(a, what + " scales/biases", KV_DTYPES) for a in (t.scales, t.biases)))
-    return _captured(t, what, KV_DTYPES)
+        return t.with_arrays(_captured(t.data, i, part + " data", (mx.uint32,)),
+                             *(_captured(a, i, part + " scales/biases", KV_DTYPES) for a in (t.scales, t.biases)))
+    return _captured(t, i, part, KV_DTYPES)
 
 
 def captured_layers(layers: Sequence[Layer], n: int) -> list[Layer]:
@@ -211,17 +223,21 @@ def captured_layers(layers: Sequence[Layer], n: int) -> list[Layer]:
     out: list[Layer] = []
     for i, l in enumerate(layers):
         if isinstance(l, KVLayer):
-            out.append(KVLayer(_captured_tensor(l.keys, f"layer {i} keys"),  # (not replace(): 5x its cost)
-                               _captured_tensor(l.values, f"layer {i} values"), l.start, l.window))
+            out.append(KVLayer(_captured_tensor(l.keys, i, "keys"),  # (not replace(): 5x its cost)
+                               _captured_tensor(l.values, i, "values"), l.start, l.window, l.rows))
         elif isinstance(l, StateLayer):
             if not isinstance(l.arrays, (list, tuple)):
                 raise LayoutError(f"layer {i}: StateLayer.arrays must be a list of arrays (or None)")
-            out.append(StateLayer([None if a is None else _captured(a, f"layer {i} state", STATE_DTYPES)
+            out.append(StateLayer([None if a is None else _captured(a, i, "state", STATE_DTYPES)
                                    for a in l.arrays]))
         else:
             raise LayoutError(f"layer {i}: expected KVLayer or StateLayer, got {type(l).__name__}")
     check_layers(out, n)
     return out
+
+
+def _is_int(x) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
 
 
 def check_layers(layers: Sequence[Layer], n: int) -> None:
@@ -231,14 +247,16 @@ def check_layers(layers: Sequence[Layer], n: int) -> None:
         raise LayoutError("layers must be a non-empty list of KVLayer / StateLayer")
     for i, l in enumerate(layers):
         if isinstance(l, KVLayer):
-            if isinstance(l.start, bool) or not isinstance(l.start, int) \
-                    or not (l.window is None or isinstance(l.window, int) and not isinstance(l.window, bool)):
-                raise LayoutError(f"layer {i}: start must be an int and window an int or None")
+            if not (_is_int(l.start) and (l.window is None or _is_int(l.window))
+                    and (l.rows is None or _is_int(l.rows))):
+                raise LayoutError(f"layer {i}: start must be an int, window and rows an int or None")
             ks, vs = l.keys.shape, l.values.shape
             if len(ks) != 4 or len(vs) != 4:
                 raise LayoutError(f"layer {i}: keys/values must be [batch, heads, tokens, dim], got {ks} and {vs}")
             if ks[0] != 1 or ks[:3] != vs[:3]:
                 raise LayoutError(f"layer {i}: keys {ks} and values {vs} must share batch (1), heads and tokens")
+            if l.rows is not None and not 0 <= l.rows <= ks[2]:
+                raise LayoutError(f"layer {i}: rows={l.rows} but the arrays hold {ks[2]} rows")
             if l.stop != n:
                 raise LayoutError(f"layer {i}: rows cover tokens [{l.start}, {l.stop}) but the prompt has {n} tokens")
             if l.start < 0 or l.start > n:

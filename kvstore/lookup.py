@@ -133,9 +133,10 @@ def new_blocks(index: RadixIndex, root: Node, chain: KeyChain, n: int, has_state
     bs = chain.block_size
     new: list[Node] = []
     node = root
-    keys = chain.first(n // bs)  # (a put's hot loop: one Python pass per block, no more)
+    keys = chain.first(n // bs)
     firsts = chain.tokens[0:n:bs].tolist()
-    for i in range((n + bs - 1) // bs):
+    i, count = 0, (n + bs - 1) // bs
+    while i < count:
         start = i * bs
         if i < len(keys):
             length, key = bs, keys[i]
@@ -143,6 +144,12 @@ def new_blocks(index: RadixIndex, root: Node, chain: KeyChain, n: int, has_state
             length = n - start
             key = chain.tail_key(i, length)
         child = node.children.get(key) if node.children else None
+        if child is None and i < len(keys) and not has_state and not late:
+            # the whole blocks from here on are new and alike: one pass (a long put's hot loop)
+            new += index.add_run(node, keys[i:], start, bs, firsts[i : len(keys)])
+            node, i = new[-1], len(keys)
+            continue
+        i += 1
         end_here = start + length == n
         if child is not None and not (end_here and has_state and child.snap is False):
             node = child
@@ -156,7 +163,7 @@ def new_blocks(index: RadixIndex, root: Node, chain: KeyChain, n: int, has_state
             child.snap, child.gap, child.rows_from = True, gap, rows_from
             node = child
         else:
-            node = index.add(node, key, start, length, firsts[i],
+            node = index.add(node, key, start, length, firsts[i - 1],
                              end_here if has_state else None, gap, rows_from)
         new.append(node)
     return new

@@ -30,7 +30,7 @@ import time
 import weakref
 from dataclasses import dataclass, field, replace
 from functools import partial
-from typing import Optional, Sequence, Union
+from typing import Callable, Optional, Sequence, Union
 
 import mlx.core as mx
 import numpy as np
@@ -45,7 +45,7 @@ from .disk import Disk
 from .errors import ConfigError, InputError, ReadOnlyError, StoreClosedError
 from .hashing import KeyChain, as_tokens, root_key
 from .index import Node
-from .layers import KVLayer, Layer, StateLayer, captured_layers
+from .layers import WARM_LAYERS, KVLayer, Layer, StateLayer, captured_layers
 from .planner import Planner
 from .reader import Reader
 from .remote_sync import Remote
@@ -54,6 +54,38 @@ from .tiers.lmdb import LmdbTier
 from .writer import Job, Writer
 
 log = logging.getLogger("kvstore")
+
+
+def _index_put(table: BlockTable, root_of: Callable[[], Node], tokens, layers: Sequence[Layer],
+               block_size: int) -> tuple[int, Optional[Job]]:
+    """A put's work on the engine's thread but queueing its job: the input
+    checked and captured, the blocks ``table`` lacks hashed and indexed, and
+    their job (``None`` when none is new). Returns the token count too."""
+    toks = as_tokens(tokens)
+    n = len(toks)
+    layers = captured_layers(layers, n)  # the values of now, whatever the caller changes later
+    if n == 0:
+        return 0, None
+    # Evaluate here: mlx streams are per thread, so the background thread cannot evaluate a lazy graph
+    # built on the caller's (a no-op when the engine evaluated its cache, as it does after every step).
+    mx.eval([a for l in layers for a in layer_arrays(l)])
+    has_state = any(isinstance(l, StateLayer) for l in layers)
+    late = [l for l in layers if isinstance(l, KVLayer) and l.start > 0]  # layers lacking early rows
+    root = root_of()
+    chain = KeyChain(root.key, toks, block_size)
+    return n, table.index_put(root, chain, n, has_state, late,
+                              lambda new: Job(new, root.key, toks, layers, sum(l.nbytes for l in layers)))
+
+
+def _warm_put(block_size: int) -> None:
+    """``_index_put`` once, at open, into a throwaway table: otherwise the
+    engine's first put pays for Python's first pass over it, about twice its
+    later ones (docs/benchmarks.md, put)."""
+    table = BlockTable(0, Counters(), has_disk=False, writable=True)
+    n = 2 * block_size + 1
+    a = mx.zeros((1, 1, n + 1, 8), mx.float16)
+    _index_put(table, lambda: table.root(root_key("warm")), np.arange(n, dtype=np.int32),
+               [KVLayer(a, a, rows=n)] * WARM_LAYERS, block_size)
 
 
 @dataclass
@@ -131,6 +163,7 @@ class PrefixStore:
         self._planner.start()  # measured rates saved earlier, else priors (``probe``)
         if not cfg.readonly:
             self._writer.later(lambda: None)  # starts its thread here, not in the first put (a third of its cost)
+            _warm_put(self.block_size)
         _OPEN.add(self)
 
     # ------------------------------------------------------------ public API
@@ -143,21 +176,9 @@ class PrefixStore:
         ``LayoutError`` for arrays that do not fit the tokens; storage faults are logged, never raised.
         """
         self._check_open(write=True)
-        toks = as_tokens(tokens)
-        n = len(toks)
-        layers = captured_layers(layers, n)  # the values of now, whatever the caller changes later
-        if n == 0:
-            return 0
-        # Evaluate here: mlx streams are per thread, so the background thread cannot evaluate a lazy graph
-        # built on the caller's (a no-op when the engine evaluated its cache, as it does after every step).
-        mx.eval([a for l in layers for a in layer_arrays(l)])
-        has_state = any(isinstance(l, StateLayer) for l in layers)
-        late = [l for l in layers if isinstance(l, KVLayer) and l.start > 0]  # layers lacking early rows
-        root = self._root(model_key)
-        chain = KeyChain(root.key, toks, self.block_size)
-        self._counters.count("puts")
-        job = self._table.index_put(root, chain, n, has_state, late,
-                                    lambda new: Job(new, root.key, toks, layers, sum(l.nbytes for l in layers)))
+        n, job = _index_put(self._table, lambda: self._root(model_key), tokens, layers, self.block_size)
+        if n:
+            self._counters.count("puts")
         if job is None:
             return 0
         self._writer.submit(job)

@@ -17,7 +17,7 @@ from . import buffers, cuda
 from .codec import Block, block_arrays
 from .errors import BlockDecodeError
 from .header import (FORMAT_VERSION, MAGIC, NAME_OF, PREFIX, ArraySpec, Header, KVSpec, LayerSpec, StateSpec,
-                     TensorSpec, aligned, check_key, read_header)
+                     TensorSpec, aligned, check_key, interned, read_header)
 from .layers import KVLayer, Layer, Quantized, StateLayer, Tensor, tensor_rows
 
 # --------------------------------------------------------------- serialization
@@ -129,7 +129,7 @@ class _Plan:
         self.layout = w = _Layout()
         self.key, self.n = bytes(key), int(len(block.tokens))
         self.tok = w.add(mx.array(block.tokens))
-        self.layers = tuple(w.layer(l, self.n) for l in block.layers)
+        self.layers = interned(tuple(w.layer(l, self.n) for l in block.layers))
         self.fields = {"key": self.key, "n": self.n, "size": w.size, "sum": _SUM_PLACEHOLDER, "tok": self.tok.wire(),
                        "L": [None if l is None else l.wire() for l in self.layers]}
         self.start = self._payload_start()

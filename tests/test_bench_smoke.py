@@ -119,15 +119,25 @@ def test_cost_bench_runs_each_policy_after_each_policy_equally_often():
             request_order(unequal)
 
 
-def test_put_cost_and_the_issue_table_run_and_write_their_json(tmp_path):
-    """``tools/put_cost.py`` and ``tools/hot_path_table.py`` (run on GPUs against old trees too) work end to end."""
+def test_put_cost_gc_pauses_and_the_issue_table_run_and_write_their_json(tmp_path):
+    """``tools/put_cost.py``, ``tools/gc_pauses.py`` and ``tools/hot_path_table.py`` (run on GPUs against old
+    trees too) work end to end."""
     from kvstore.adapters.tiny_models import ensure_tiny_model
     put = subprocess.run([sys.executable, "-m", "kvstore.tools.put_cost", "--tokens", "300", "--repeats", "1",
-                          "--layers", "2", "--heads", "2", "--dim", "16", "--out", str(tmp_path / "put")],
-                         capture_output=True, text=True, timeout=300)
+                          "--layers", "2", "--heads", "2", "--dim", "16", "--first-puts", "1", "--pause", "0.01",
+                          "--out", str(tmp_path / "put")], capture_output=True, text=True, timeout=300)
     assert put.returncode == 0, put.stderr[-3000:]
-    (row,) = json.loads((tmp_path / "put" / "put.json").read_text())["rows"]
+    got = json.loads((tmp_path / "put" / "put.json").read_text())
+    (row,) = got["rows"]
     assert row["tokens"] == 300 and row["store_cache_ms"] > 0 and row["insert_ms"] > 0
+    assert len(got["first_puts_ms"]) == 1 and got["first_puts_ms"][0] > 0 and got["pause_s"] == 0.01
+    gc = subprocess.run([sys.executable, "-m", "kvstore.tools.gc_pauses", "--tokens", "600", "--puts", "2",
+                         "--layers", "2", "--heads", "1", "--dim", "16", "--out", str(tmp_path / "gc.json")],
+                        capture_output=True, text=True, timeout=300)
+    assert gc.returncode == 0, gc.stderr[-3000:]
+    got = json.loads((tmp_path / "gc.json").read_text())
+    assert got["ram_blocks"] == 2 * 3 and got["tracked_objects_per_block"] > 0 and set(got["gen2"]) == {
+        "count", "total_ms", "longest_ms"}
     model = ensure_tiny_model("llama", max_position_embeddings=1024)
     table = subprocess.run([sys.executable, "-m", "kvstore.tools.hot_path_table", "--model", str(model), "--rows",
                             "300:q4", "--repeats", "1", "--dir", str(tmp_path), "--out", str(tmp_path / "t.json")],

@@ -2,10 +2,11 @@
 engine's thread, and nothing the engine writes afterwards reaches the store.
 
 ``store_cache`` (``generate``'s put) and the server adapters' snapshot (what
-mlx-lm's server and vllm-mlx insert) take views of the cache's arrays; mlx
-never writes in place into data another array shares, so the views keep the
-values of the moment. Memory is read through mlx's own counters: a copy of
-the KV would show as that many bytes more.
+mlx-lm's server and vllm-mlx insert) take new array objects on the cache's
+buffers (``KVLayer(rows=n)`` where a buffer holds spare rows); mlx never
+writes in place into data another array shares, so they keep the values of
+the moment. Memory is read through mlx's own counters: a copy of the KV
+would show as that many bytes more.
 """
 
 import mlx.core as mx
@@ -72,7 +73,31 @@ def test_what_the_engine_writes_after_a_snapshot_never_reaches_it():
     mx.eval([c.state for c in cache])
     layers = cache_to_layers(frozen, copy=False)
     for want, layer in zip(held, layers):
-        assert np.array_equal(np.array(layer.keys), want)
+        assert layer.stop == want.shape[2]
+        assert np.array_equal(np.array(layer.keys[:, :, : layer.stop]), want)
+
+
+def test_store_cache_stores_an_engines_quantized_cache_up_to_its_offset():
+    """mlx-lm's ``QuantizedKVCache`` (data, scales and biases in buffers of
+    256-row steps) goes to the store as the same views, up to its offset, and
+    comes back as the engine held it."""
+    cache = []
+    for i in range(LAYERS):
+        c = C.QuantizedKVCache(group_size=64, bits=8)
+        k = mx.random.normal((1, HEADS, ROWS, DIM), key=mx.random.key(i)).astype(mx.float16)
+        c.update_and_fetch(k, -k)
+        cache.append(c)
+    mx.eval([c.state for c in cache])
+    with PrefixStore(budget_gb=1, block_size=256, kv_bits=8, kv_group_size=64, fetch_policy="always") as store:
+        assert store_cache(store, "m", list(range(ROWS)), cache) == 4
+        store.flush()
+        hit = store.fetch("m", list(range(ROWS)), quantized=(8, 64))
+    assert hit.length == ROWS
+    for c, layer in zip(cache, hit.layers):
+        for got, engine in ((layer.keys, c.keys), (layer.values, c.values)):
+            assert engine[0].shape[2] > ROWS  # the engine's buffers have spare rows
+            for a, b in zip(got.arrays(), engine):
+                assert np.array_equal(np.array(a), np.array(b[:, :, :ROWS]))
 
 
 def test_a_snapshot_copies_a_recurrent_state_so_a_batch_view_does_not_keep_the_batch():

@@ -13,6 +13,7 @@ token ids outside signed 64 bits ([2**63, 0])  ``InputError``       ``ValueError
 ``trim_ram``/``trim_disk`` "5" or -1           ``InputError``       ``ValueError``, ``TypeError``
 ``register_model`` info not a dict             ``InputError``       ``ValueError``, ``TypeError``
 layers [] / not layers / shapes that disagree  ``LayoutError``      ``ValueError``
+``rows=`` past the arrays' rows, not an int    ``LayoutError``      ``ValueError``
 KV of int32, float64 (mlx or numpy), lists     ``LayoutError``      ``ValueError``
 ``kv_bits`` "8", 7, (8,); ``kv_group_size`` 48 ``ConfigError``      ``ValueError``
 ``block_size`` 0, 2.5, 2**40                   ``ConfigError``      ``ValueError``
@@ -82,6 +83,12 @@ def _calls_on_a_store():
         ("no layers", lambda s: s.put(M, P, []), LayoutError, "non-empty list"),
         ("a layer that is not one", lambda s: s.put(M, P, ["kv"]), LayoutError, "expected KVLayer"),
         ("rows that do not fit the tokens", lambda s: s.put(M, P + [1], good), LayoutError, "rows cover"),
+        ("rows= short of the tokens", lambda s: s.put(M, P, [KVLayer(l.keys, l.values, rows=len(P) - 1)
+                                                             for l in good]), LayoutError, "rows cover"),
+        ("rows= past the arrays", lambda s: s.put(M, P + [1], [KVLayer(l.keys, l.values, rows=len(P) + 1)
+                                                               for l in good]), LayoutError, "arrays hold 16 rows"),
+        ("rows= not an int", lambda s: s.put(M, P, [KVLayer(l.keys, l.values, rows=True) for l in good]),
+         LayoutError, "rows an int or None"),
         ("int32 KV", lambda s: s.put(M, P, [KVLayer(l.keys.astype(mx.int32), l.values.astype(mx.int32))
                                           for l in good]), LayoutError, "int32 cannot be stored"),
         ("numpy float64 KV", lambda s: s.put(M, P, [KVLayer(np.zeros(l.keys.shape), np.zeros(l.values.shape))

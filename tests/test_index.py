@@ -68,6 +68,15 @@ class IndexModel(RuleBasedStateMachine):
             parent = node
 
     @rule(m=st.sampled_from(MODELS), path=paths)
+    def insert_run(self, m, path):
+        """``add_run`` indexes a path's blocks in one call, as ``insert`` does block by block."""
+        nodes = self.index.add_run(self.root(m), self.keys(m, path), 0, 1, list(path))
+        assert [n.key for n in nodes] == self.keys(m, path)
+        assert [(n.start, n.end, n.first) for n in nodes] == [(d, d + 1, t) for d, t in enumerate(path)]
+        assert nodes[0].parent is self.root(m) and all(b.parent is a for a, b in zip(nodes, nodes[1:]))
+        self.model[m].update(path[: d + 1] for d in range(len(path)))
+
+    @rule(m=st.sampled_from(MODELS), path=paths)
     def match(self, m, path):
         """``match`` returns the longest indexed prefix, block by block."""
         want = max((d for d in range(len(path) + 1) if path[:d] in self.model[m] or d == 0))
@@ -138,10 +147,14 @@ def test_add_checks_parent_and_position():
     a = idx.add(root, b"a" * 16, 0, 4)
     with pytest.raises(ValueError):
         idx.add(a, b"b" * 16, 5, 4)
+    with pytest.raises(ValueError):
+        idx.add_run(a, [b"b" * 16], 5, 4, [0])
     b = idx.add(a, b"b" * 16, 4, 4)
     idx.remove(a)
     with pytest.raises(KeyError):
         idx.add(b, b"c" * 16, 8, 4)
+    with pytest.raises(KeyError):
+        idx.add_run(b, [b"c" * 16], 8, 4, [0])
     assert len(idx) == 0 and idx.match(root, [b"a" * 16]).length == 0
 
 

@@ -94,6 +94,27 @@ def test_an_mlx_lm_cache_writing_its_next_tokens_after_put_does_not_change_what_
     assert mx.array_equal(hit.layers[0].values, want.values).item()
 
 
+def test_an_engine_buffer_with_spare_rows_is_stored_up_to_rows(store):
+    """``KVLayer(..., rows=n)``: arrays with room after the prompt's rows (an
+    engine's buffer) are stored as given, up to row n. The spare rows (NaN
+    here) are never read, and what the engine writes after the put, there or
+    over the prompt's rows, is not stored."""
+    p = toks(2 * BS + 3)
+    bufs = [[mx.concatenate([t, mx.full((*t.shape[:2], 5, t.shape[3]), float("nan"), t.dtype)], axis=2)
+             for t in (l.keys, l.values)] for l in kv_layers(p)]
+    mx.eval(bufs)
+    go = held(store)
+    assert store.put(M, p, [KVLayer(k, v, rows=len(p)) for k, v in bufs]) == 3
+    for kv in bufs:
+        for t in kv:
+            t[..., len(p) :, :] = 1
+            t[..., :4, :] = 0
+    mx.eval(bufs)
+    go.set()
+    store.flush()
+    assert_hit_is(store.fetch(M, p), p, len(p))
+
+
 def test_a_state_snapshot_changed_after_put_is_stored_as_given(store):
     p = toks(BS)
     state = state_at(p)

@@ -11,6 +11,7 @@ tests/test_persistence.py; opening a path tests/test_open.py."""
 
 from __future__ import annotations
 
+import gc
 import threading
 
 import mlx.core as mx
@@ -400,6 +401,27 @@ def test_a_path_or_an_unknown_setting_is_a_config_error_naming_what_to_pass(tmp_
 def test_set_budget_refuses_nan(store):
     with pytest.raises(ConfigError, match="budget_gb"):
         store.set_budget(float("nan"))
+
+
+# ------------------------------------------------------------ python objects
+
+
+def test_blocks_held_in_ram_share_one_layer_table(ssd):
+    """Every whole block of a model is laid out alike: the tiers keep one
+    table of its arrays for them all, not a few objects per array per block,
+    which Python's garbage collector would walk, holding the engine's thread
+    (the GIL), at every full collection."""
+    s = ssd()
+    first, second = toks(40 * BS), toks(40 * BS, start=10**6)
+    s.put(M, first, kv_layers(first, n_layers=8))
+    s.flush()
+    gc.collect()
+    before = len(gc.get_objects())
+    s.put(M, second, kv_layers(second, n_layers=8))
+    s.flush()
+    gc.collect()
+    assert s.stats()["ram_blocks"] == 80
+    assert (len(gc.get_objects()) - before) / 40 < 15  # a table each: 8 layers x 2 tensors x 4 objects and more
 
 
 # --------------------------------------------------------------- concurrency

@@ -29,7 +29,7 @@ import numpy as np
 
 from kvstore import PrefixStore, probe
 from kvstore.config import StoreConfig
-from kvstore.tools.bench.common import drop_page_cache, resident_fraction
+from kvstore.tools.bench.common import drop_page_cache, resident_fraction, write_json
 from kvstore.tools.ssd_bench import KV, _layers, _ready
 
 VARIANTS = ("always", "always_after_probe", "auto", "auto_no_probe")
@@ -81,9 +81,7 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     res = run(args.tokens, args.kv, args.rounds, args.dir)
     print(json.dumps(res))
-    if args.out is not None:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps(res, indent=1))
+    write_json(args.out, res)
     return 0
 
 

@@ -15,6 +15,7 @@
 #   bash tools/gpu_bench.sh ramhit OUT     # where a RAM hit's time goes, after a hit / a cold prefill
 #   KVS="q4 fp16" bash tools/gpu_bench.sh coldab OUT   # cold fetches by policy, in turn (tools/cold_policy_ab.py)
 #   bash tools/gpu_bench.sh put OUT        # what storing a cache blocks the caller, through the adapters
+#   bash tools/gpu_bench.sh gc OUT         # the garbage collector's pauses during puts (tools/gc_pauses.py)
 #   bash tools/gpu_bench.sh table OUT      # issue 28's table (tools/hot_path_table.py; PARTS="ram device": some only)
 set -euo pipefail
 source /tmp/site/env.sh
@@ -45,7 +46,8 @@ max_position_embeddings=65536)" ;;
   cost) [[ -f $M/config.json ]] || bash "$0" model "$2"
         python3 -m kvstore.tools.cost_bench --model "$M" --lengths ${LENGTHS:-2048 8192 32768} --kv ${KVS:-fp16 q8 q4} \
           --repeats "${REPEATS:-3}" ${FRESH:+--fresh} ${SOURCES:+--sources $SOURCES} --out "$2" ;;
-  put) python3 -m kvstore.tools.put_cost --repeats "${REPEATS:-7}" --out "$2" ;;
+  put) python3 -m kvstore.tools.put_cost --repeats "${REPEATS:-7}" --first-puts "${FIRST_PUTS:-5}" --out "$2" ;;
+  gc) python3 -m kvstore.tools.gc_pauses --puts "${PUTS:-10}" --out "$2/gc.json" ;;
   table) [[ -f $M/config.json ]] || bash "$0" model "$2"
          python3 -m kvstore.tools.hot_path_table --model "$M" --dir /tmp ${PARTS:+--parts $PARTS} --out "$2/table.json" ;;
 esac
