@@ -168,13 +168,14 @@ class StateSpec(NamedTuple):
 LayerSpec = Union[KVSpec, StateSpec, None]
 
 
-@functools.lru_cache(maxsize=1024)
+@functools.lru_cache(maxsize=64)
 def interned(layers: tuple[LayerSpec, ...]) -> tuple[LayerSpec, ...]:
     """One object for all equal layer tables. Every whole block of a model is
     laid out alike, and each block held in RAM keeps its header: shared, the
     tables cost the tier a few objects per block instead of hundreds, each of
     which the garbage collector would walk on the engine's time (its pauses:
-    docs/benchmarks.md, put)."""
+    docs/benchmarks.md, put). Kept few: a prompt's last block has a table of
+    its own length, and the whole blocks' tables, in constant use, stay."""
     return layers
 
 
