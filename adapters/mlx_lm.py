@@ -667,13 +667,16 @@ def _warm() -> None:
     """The engine-side put path (``caches_to_layers``, ``snapshot``) once, at
     import, on a throwaway cache of one-row layers that is never evaluated:
     Python's first pass over code costs about twice its later ones, and it
-    would otherwise land on the engine's first put (docs/benchmarks.md, put)."""
-    k = mx.zeros((1, 1, 1, 8), mx.float16)
-    cache = [C.KVCache() for _ in range(WARM_LAYERS)]
-    for c in cache:
-        c.update_and_fetch(k, k)
-    caches_to_layers([cache], copy=False)
-    snapshot(cache)
+    would otherwise land on the engine's first put (docs/benchmarks.md, put).
+    Its ops go to the CPU's stream: importing never starts a GPU context (a
+    process may fork after it)."""
+    with mx.stream(mx.cpu):
+        k = mx.zeros((1, 1, 1, 8), mx.float16)
+        cache = [C.KVCache() for _ in range(WARM_LAYERS)]
+        for c in cache:
+            c.update_and_fetch(k, k)
+        caches_to_layers([cache], copy=False)
+        snapshot(cache)
 
 
 _warm()

@@ -68,7 +68,12 @@ def _index_put(table: BlockTable, root_of: Callable[[], Node], tokens, layers: S
         return 0, None
     # Evaluate here: mlx streams are per thread, so the background thread cannot evaluate a lazy graph
     # built on the caller's (a no-op when the engine evaluated its cache, as it does after every step).
-    mx.eval([a for l in layers for a in layer_arrays(l)])
+    # The second call marks each array's record available, here: mlx does that the first time it finds the
+    # computation done, from whichever thread asks, and the writer may hold the engine's own records (the
+    # engine's buffers, passed with ``rows``), whose status the engine's next step reads and writes.
+    arrays = [a for l in layers for a in layer_arrays(l)]
+    mx.eval(arrays)
+    mx.eval(arrays)
     has_state = any(isinstance(l, StateLayer) for l in layers)
     late = [l for l in layers if isinstance(l, KVLayer) and l.start > 0]  # layers lacking early rows
     root = root_of()

@@ -49,7 +49,9 @@ class _Layout:
     def tensor(self, t: Tensor) -> TensorSpec:
         if isinstance(t, Quantized):
             self.rotated = self.rotated or t.rotation is not None
-            return TensorSpec(tuple(self.add(x) for x in t.arrays()), t.bits, t.group_size, t.rotation)
+            # (int(): a caller's settings may be numpy ints, which msgpack refuses and equal tables would share)
+            return TensorSpec(tuple(self.add(x) for x in t.arrays()), int(t.bits), int(t.group_size),
+                              None if t.rotation is None else int(t.rotation))
         return TensorSpec((self.add(t),))
 
     def layer(self, layer: Optional[Layer], ntokens: int) -> LayerSpec:

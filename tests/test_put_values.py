@@ -115,6 +115,24 @@ def test_an_engine_buffer_with_spare_rows_is_stored_up_to_rows(store):
     assert_hit_is(store.fetch(M, p), p, len(p))
 
 
+def test_quantized_kv_with_numpy_int_settings_is_stored_like_any_other():
+    """``Quantized`` settings given as numpy ints (a caller's own arithmetic
+    makes them) store, and do not stop later puts of the same layout from
+    storing (equal layouts share one header table)."""
+    from kvstore.layers import Quantized
+
+    with PrefixStore(block_size=BS, kv_bits=4, kv_group_size=64) as s:
+        for i, settings in enumerate([(np.int64(4), np.int64(64)), (4, 64)]):
+            p = toks(2 * BS, start=1000 + 100 * i)
+            k = mx.random.normal((1, 1, len(p), 64), key=mx.random.key(i)).astype(mx.float16)
+            q = Quantized(*mx.quantize(k, group_size=64, bits=4), *settings)
+            assert s.put(M, p, [KVLayer(q, q)]) == 2
+            s.flush()
+            hit = s.fetch(M, p, quantized=(4, 64))
+            assert hit.length == len(p)
+            assert np.array_equal(np.array(hit.layers[0].keys.data), np.array(q.data))
+
+
 def test_a_state_snapshot_changed_after_put_is_stored_as_given(store):
     p = toks(BS)
     state = state_at(p)
