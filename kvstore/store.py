@@ -25,6 +25,7 @@ storage fault into the engine.
 from __future__ import annotations
 
 import atexit
+import gc
 import logging
 import time
 import weakref
@@ -169,6 +170,9 @@ class PrefixStore:
         if not cfg.readonly:
             self._writer.later(lambda: None)  # starts its thread here, not in the first put (a third of its cost)
             _warm_put(self.block_size)
+            # The young generations collected now, not in the first put: after a process's imports they hold
+            # most of its objects, and the put's allocations would set off their collection (docs/benchmarks.md).
+            gc.collect(1)
         _OPEN.add(self)
 
     # ------------------------------------------------------------ public API
