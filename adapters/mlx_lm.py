@@ -256,7 +256,7 @@ def _flatten(c: Any, where: str, out: list[Layer], length: Optional[int], copy: 
     if type(c) is C.KVCache and not copy and c.keys is not None and c.keys.shape[0] == 1 \
             and (length is None or length <= c.offset):
         # the common leaf as _kv_entry takes it, without its general checks (a put's hot loop)
-        out.append(KVLayer(c.keys[...], c.values[...], 0, None, c.offset if length is None else length))
+        out.append(_kv(c.keys, c.values, c.offset if length is None else length, copy=False))
         return
     if isinstance(c, _BATCHED):
         raise ValueError(
