@@ -90,7 +90,8 @@ class StoreConfig:
     # Seconds a write transaction stays open while blocks are encoded: it holds LMDB's write lock, which
     # other processes' writes wait for.
     write_seconds: float = 1.0
-    # Bytes of queued puts past which a put is done in the caller (None: max(256 MiB, the RAM budget)).
+    # Bytes of queued puts past which a put is done in the caller (None: max(256 MiB, the RAM budget)); a queued
+    # put counts the arrays it keeps alive, an engine's buffers passed with rows= whole.
     max_pending_bytes: Optional[int] = None
     # Rows of a layer quantized at once, then cut into blocks (quantizing works row by row); on CUDA, rows of
     # consecutive blocks encoded and laid out together (``encode.encoded``: kernels per run, not per block).

@@ -80,7 +80,8 @@ def _index_put(table: BlockTable, root_of: Callable[[], Node], tokens, layers: S
     root = root_of()
     chain = KeyChain(root.key, toks, block_size)
     return n, table.index_put(root, chain, n, has_state, late,
-                              lambda new: Job(new, root.key, toks, layers, sum(l.nbytes for l in layers)))
+                              lambda new: Job(new, root.key, toks, layers, sum(l.nbytes for l in layers),
+                                              held=sum(a.nbytes for a in arrays)))
 
 
 def _warm_put(block_size: int) -> None:

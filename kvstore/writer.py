@@ -56,10 +56,17 @@ class Job:
     root: bytes
     tokens: np.ndarray
     layers: list[Layer]
-    nbytes: int
+    nbytes: int  # of the layers' rows (what encoding has to go through)
     done: threading.Event = field(default_factory=threading.Event)
     found: Optional[dict[bytes, Entry]] = None  # blocks read from the remote tier, already encoded
     compressed: dict[int, Rows] = field(default_factory=dict)  # per layer: rows compressed at once
+    # of the arrays it keeps alive until done (an engine's buffers whole, spare rows included): what the queue
+    # bound counts (None: ``nbytes``)
+    held: Optional[int] = None
+
+    def __post_init__(self) -> None:
+        if self.held is None:
+            self.held = self.nbytes
 
 
 class Writer:
@@ -90,9 +97,9 @@ class Writer:
         with self.lock:
             if self._pid != os.getpid():  # a forked child: the parent's queued jobs are the parent's to write
                 self._pid, self.pending_bytes = os.getpid(), 0
-            inline = self.pending_bytes > 0 and self.pending_bytes + job.nbytes > self.max_pending
+            inline = self.pending_bytes > 0 and self.pending_bytes + job.held > self.max_pending
             if not inline:
-                self.pending_bytes += job.nbytes
+                self.pending_bytes += job.held
         if inline:
             self.counters.count("puts_inline")
             self.run(job)
@@ -102,7 +109,7 @@ class Writer:
                 self.run(job)
             finally:
                 with self.lock:
-                    self.pending_bytes -= job.nbytes
+                    self.pending_bytes -= job.held
 
     def later(self, fn: Callable[[], None]) -> None:
         """Run ``fn`` on the writer thread after the jobs queued before it
@@ -162,7 +169,7 @@ class Writer:
                         self.run(job)
                     finally:
                         with self.lock:
-                            self.pending_bytes -= job.nbytes
+                            self.pending_bytes -= job.held
                 else:
                     job()  # from later()
             except Exception:  # the writer lives on: the next put's blocks still get stored

@@ -3,7 +3,8 @@ thread encodes the blocks (quantizing many rows at once) into reused
 buffers, and a commit thread writes them to disk in transactions that
 stream blocks in while the next ones are encoded.
 
-- Queued work is bounded: past the bound a put runs in the caller.
+- Queued work is bounded: past the bound a put runs in the caller. The bound
+  counts what a queued put keeps alive: an engine's buffers whole.
 - A put never waits on a disk transaction.
 - A put of many batches lands whole; a failed write leaves the writer free
   and RAM serving; where no thread can start (an exiting interpreter) the
@@ -17,9 +18,11 @@ from __future__ import annotations
 
 import threading
 
+import mlx.core as mx
 import pytest
 
 from kvstore.hashing import root_key
+from kvstore.layers import KVLayer
 from kvstore.store import PrefixStore
 
 from ._helpers import BS, M, assert_hit_is, block_by_block, kv_layers, put, toks
@@ -53,6 +56,38 @@ def test_put_runs_in_the_caller_when_the_background_thread_is_far_behind(ssd, mo
     s.flush()
     assert_hit_is(s.fetch(M, a), a, 20)
     assert s.stats()["puts_inline"] == 1
+
+
+def test_the_queue_bound_counts_the_whole_buffers_a_put_keeps(ssd, monkeypatch):
+    """A put given an engine's buffers with ``rows=n`` keeps them whole until
+    its blocks are written, spare rows included: the queued bytes count all of
+    them, not only the rows stored."""
+    import kvstore.encode as encoding
+
+    gate = threading.Event()
+    real = encoding.encode
+
+    def encode(*a):
+        if threading.current_thread().name == "kvstore-writer":
+            gate.wait(30)
+        return real(*a)
+
+    monkeypatch.setattr(encoding, "encode", encode)
+    s = ssd()
+    p = toks(20)
+    spare = 4 * len(p)  # rows of each buffer: a KVCache's step leaves most of them unused
+    layers = [KVLayer(mx.random.normal((1, 1, spare, 32)).astype(mx.float16),
+                      mx.random.normal((1, 1, spare, 32)).astype(mx.float16), rows=len(p)) for _ in range(2)]
+    assert s.put(M, p, layers) > 0
+    held = sum(l.keys.nbytes + l.values.nbytes for l in layers)
+    assert s.stats()["pending_bytes"] == held == 4 * sum(l.nbytes for l in layers)
+    gate.set()
+    s.flush()
+    assert s.stats()["pending_bytes"] == 0
+    hit = s.fetch(M, p)
+    assert hit.length == 20
+    for got, given in zip(hit.layers, layers):
+        assert mx.array_equal(got.keys, given.keys[:, :, :20]) and mx.array_equal(got.values, given.values[:, :, :20])
 
 
 # ---------------------------------------------------- encoding and transactions
