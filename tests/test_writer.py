@@ -30,9 +30,9 @@ from ._helpers import BS, M, assert_hit_is, block_by_block, kv_layers, put, toks
 # ------------------------------------------------------------ the queue bound
 
 
-def test_put_runs_in_the_caller_when_the_background_thread_is_far_behind(ssd, monkeypatch):
-    """Queued work is bounded: a put that would pass the bound is done in the
-    caller (counted as ``puts_inline``), and both puts are stored."""
+def _writer_held(monkeypatch) -> threading.Event:
+    """The writer thread waits before encoding anything until the returned
+    event is set (at most 30 s); puts encoded in the caller go on."""
     import kvstore.encode as encoding
 
     gate = threading.Event()
@@ -40,10 +40,17 @@ def test_put_runs_in_the_caller_when_the_background_thread_is_far_behind(ssd, mo
 
     def encode(*a):
         if threading.current_thread().name == "kvstore-writer":
-            gate.wait(30)  # the background thread is stuck behind the first put
+            gate.wait(30)
         return real(*a)
 
     monkeypatch.setattr(encoding, "encode", encode)
+    return gate
+
+
+def test_put_runs_in_the_caller_when_the_background_thread_is_far_behind(ssd, monkeypatch):
+    """Queued work is bounded: a put that would pass the bound is done in the
+    caller (counted as ``puts_inline``), and both puts are stored."""
+    gate = _writer_held(monkeypatch)  # the background thread is stuck behind the first put
     block_by_block(monkeypatch)
     s = ssd()
     s._writer.max_pending = 1
@@ -62,17 +69,7 @@ def test_the_queue_bound_counts_the_whole_buffers_a_put_keeps(ssd, monkeypatch):
     """A put given an engine's buffers with ``rows=n`` keeps them whole until
     its blocks are written, spare rows included: the queued bytes count all of
     them, not only the rows stored."""
-    import kvstore.encode as encoding
-
-    gate = threading.Event()
-    real = encoding.encode
-
-    def encode(*a):
-        if threading.current_thread().name == "kvstore-writer":
-            gate.wait(30)
-        return real(*a)
-
-    monkeypatch.setattr(encoding, "encode", encode)
+    gate = _writer_held(monkeypatch)
     s = ssd()
     p = toks(20)
     spare = 4 * len(p)  # rows of each buffer: a KVCache's step leaves most of them unused
