@@ -90,9 +90,11 @@ class StoreConfig:
     # Seconds a write transaction stays open while blocks are encoded: it holds LMDB's write lock, which
     # other processes' writes wait for.
     write_seconds: float = 1.0
-    # Bytes of queued puts past which a put is done in the caller (None: max(256 MiB, the RAM budget)); a queued
-    # put counts the arrays it keeps alive, an engine's buffers passed with rows= whole.
+    # Bytes of queued puts past which a put is skipped whole (None: max(256 MiB, the RAM budget)); a queued put
+    # counts the arrays it keeps alive until encoded, an engine's buffers passed with rows= whole.
     max_pending_bytes: Optional[int] = None
+    # Seconds the writer waits at most, between two blocks, for an engine's fetch or put to end (``priority``).
+    writer_patience_s: float = 0.05
     # Rows of a layer quantized at once, then cut into blocks (quantizing works row by row); on CUDA, rows of
     # consecutive blocks encoded and laid out together (``encode.encoded``: kernels per run, not per block).
     compress_rows: int = 2048
@@ -188,8 +190,8 @@ class StoreConfig:
         return self.max_pending_bytes if self.max_pending_bytes is not None else max(256 << 20, self.ram_bytes)
 
 
-_POSITIVE = ("write_batch_bytes", "write_ahead_bytes", "write_seconds", "max_pending_bytes", "compress_rows",
-             "full_pause_s", "evict_rounds", "remote_queue_bytes", "remote_batch_bytes", "remote_batch_blocks",
+_POSITIVE = ("write_batch_bytes", "write_ahead_bytes", "write_seconds", "max_pending_bytes", "writer_patience_s",
+             "compress_rows", "full_pause_s", "evict_rounds", "remote_queue_bytes", "remote_batch_bytes", "remote_batch_blocks",
              "remote_close_wait", "remote_probe_blocks", "remote_read_bytes", "prior_ram_gbps",
              "prior_ssd_cached_gbps", "prior_ssd_cold_gbps", "unprobed_cold_gbps", "probe_bytes")
 

@@ -48,10 +48,12 @@ from .hashing import KeyChain, as_tokens, root_key
 from .index import Node
 from .layers import WARM_LAYERS, KVLayer, Layer, StateLayer, captured_layers
 from .planner import Planner
+from .priority import EngineFirst
 from .reader import Reader
 from .remote_sync import Remote
 from .table import BlockTable
 from .tiers.lmdb import LmdbTier
+from .warmup import warm_device
 from .writer import Job, Writer
 
 log = logging.getLogger("kvstore")
@@ -159,8 +161,9 @@ class PrefixStore:
             self._disk = Disk(tier, self._table, self._counters, cfg, self._warn)
         self._reader = Reader(self._table, self._disk, self._counters, writable=not cfg.readonly)
         self._planner = Planner(self._cost, self._table, self._disk, self._counters, cfg)
+        self._engine = EngineFirst(cfg.writer_patience_s)
         self._writer = Writer(self._table, self._disk, self.codec, self._counters, cfg, on_idle=self._save,
-                              remote=None if cfg.readonly else self._remote)
+                              remote=None if cfg.readonly else self._remote, engine=self._engine)
         self._discovery = None if self._remote is None else Discovery(
             self._remote, self._table, self._counters, cfg,
             keep_on_disk=self._disk is not None and not cfg.readonly)
@@ -168,6 +171,7 @@ class PrefixStore:
         if self._disk is not None:
             self._disk.load_index()
         self._planner.start()  # measured rates saved earlier, else priors (``probe``)
+        warm_device(cfg)  # on CUDA, what a process's first hits would pay (``warmup``), once
         if not cfg.readonly:
             self._writer.later(lambda: None)  # starts its thread here, not in the first put (a third of its cost)
             _warm_put(self.block_size)
@@ -182,17 +186,18 @@ class PrefixStore:
         """Keep the KV of ``tokens``: the blocks not stored yet are queued.
 
         ``layers`` holds, per model layer, a ``KVLayer`` whose rows end at ``len(tokens)`` or a
-        ``StateLayer`` taken after the last token. Returns the number of new blocks. Raises
+        ``StateLayer`` taken after the last token. Returns the number of new blocks queued: 0 also when the
+        writer is so far behind that the put is skipped whole (``puts_skipped``; it never waits). Raises
         ``LayoutError`` for arrays that do not fit the tokens; storage faults are logged, never raised.
         """
         self._check_open(write=True)
-        n, job = _index_put(self._table, lambda: self._root(model_key), tokens, layers, self.block_size)
+        with self._engine.engine():
+            n, job = _index_put(self._table, lambda: self._root(model_key), tokens, layers, self.block_size)
         if n:
             self._counters.count("puts")
         if job is None:
             return 0
-        self._writer.submit(job)
-        return len(job.nodes)
+        return len(job.nodes) if self._writer.submit(job) else 0
 
     def fetch(self, model_key: Union[str, bytes], tokens, *, limit: Optional[int] = None,
               quantized: Optional[tuple[int, int]] = None) -> Hit:
@@ -223,11 +228,12 @@ class PrefixStore:
         try:
             for job in self._table.unwritten_jobs(pinned, skip=found.blocks.keys()):
                 job.done.wait()
-            plan = self._planner.plan(root.key, len(toks), pinned, length, found.blocks)
-            path = [p for p in pinned if p.start < plan.length]
-            t0 = time.perf_counter()
-            got = self._reader.read(path, toks, plan.length, quantized, plan.cold, found.blocks, found.fill)
-            t_load = time.perf_counter() - t0
+            with self._engine.engine():  # (not around the wait above: the writer would wait for it)
+                plan = self._planner.plan(root.key, len(toks), pinned, length, found.blocks)
+                path = [p for p in pinned if p.start < plan.length]
+                t0 = time.perf_counter()
+                got = self._reader.read(path, toks, plan.length, quantized, plan.cold, found.blocks, found.fill)
+                t_load = time.perf_counter() - t0
         finally:
             self._table.unpin(pinned)
             for job in copies:

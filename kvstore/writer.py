@@ -6,10 +6,15 @@ batch is encoded while one is written.
 
 ``put`` only hashes, indexes and queues, so the engine waits well under a
 millisecond; blocks another process wrote meanwhile are found here, not on
-the engine's thread. The queue is bounded by bytes: past the bound a put is
-done in the caller rather than queued without limit. A block's ``job`` stays
-set until the block is durable where it is going (RAM for a RAM-only store,
-disk otherwise): a fetch that needs a block not in RAM waits for its job.
+the engine's thread. The queue is bounded by the bytes of the engine's
+arrays that queued puts keep alive (a job lets go of them once encoded):
+past the bound a put is skipped whole, never done on the engine's thread
+and never kept in part (a prefix cache may keep less under a burst; it must
+not make the engine wait). The writer runs its device work on a stream of
+its own and waits between blocks while an engine call runs
+(``priority``). A block's ``job`` stays set until the block is durable
+where it is going (RAM for a RAM-only store, disk otherwise): a fetch that
+needs a block not in RAM waits for its job.
 
 With a remote tier, each batch is offered to its write-behind queue after
 the local write. A job of blocks read from the remote (``found``) is only
@@ -27,6 +32,7 @@ from concurrent.futures import Future, wait
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Callable, Iterator, Optional, Union
 
+import mlx.core as mx
 import numpy as np
 
 from . import buffers
@@ -38,6 +44,7 @@ from .disk import Disk
 from .encode import About, Rows, encoded
 from .index import Node
 from .layers import Layer
+from .priority import EngineFirst
 from .record import BlockRecord, Entry
 from .table import BlockTable
 from .wire import Stored
@@ -63,6 +70,7 @@ class Job:
     # of the arrays it keeps alive until done (an engine's buffers whole, spare rows included): what the queue
     # bound counts (None: ``nbytes``)
     held: Optional[int] = None
+    holding: bool = False  # counted in the writer's pending bytes (queued, not yet encoded)
 
     def __post_init__(self) -> None:
         if self.held is None:
@@ -71,8 +79,10 @@ class Job:
 
 class Writer:
     def __init__(self, table: BlockTable, disk: Optional[Disk], codec: Codec, counters: Counters,
-                 config: StoreConfig, on_idle: Callable[[], None], remote: Optional["Remote"] = None):
+                 config: StoreConfig, on_idle: Callable[[], None], remote: Optional["Remote"] = None,
+                 engine: Optional[EngineFirst] = None):
         self.table = table
+        self.engine = engine if engine is not None else EngineFirst(config.writer_patience_s)
         self.disk = disk if disk is not None and not config.readonly else None
         self.remote = remote
         self.codec = codec
@@ -91,25 +101,42 @@ class Writer:
     def pending_jobs(self) -> int:
         return self._queue.qsize()
 
-    def submit(self, job: Job) -> None:
-        """Queue a job, or run it here when the queue is full (its bytes
-        already over the bound). Call without the store lock."""
+    def submit(self, job: Job) -> bool:
+        """Queue a job; never run it here. Past the bound (queued jobs keep
+        more than ``max_pending`` bytes of arrays alive) the job is skipped
+        whole: its blocks leave the index as if never put, and it is counted
+        (``puts_skipped``, ``blocks_skipped``). False when skipped. Call
+        without the store lock."""
         with self.lock:
             if self._pid != os.getpid():  # a forked child: the parent's queued jobs are the parent's to write
                 self._pid, self.pending_bytes = os.getpid(), 0
-            inline = self.pending_bytes > 0 and self.pending_bytes + job.held > self.max_pending
-            if not inline:
+            skip = self.pending_bytes > 0 and self.pending_bytes + job.held > self.max_pending
+            if not skip:
                 self.pending_bytes += job.held
-        if inline:
-            self.counters.count("puts_inline")
-            self.run(job)
-            return
+                job.holding = True
+        if skip:
+            self.counters.count("puts_skipped")
+            self.counters.count("blocks_skipped", len(job.nodes))
+            self._drop(job)
+            return False
         if not self._queued(job):
-            try:  # no thread can start (an interpreter exiting, Python 3.12+): done here
-                self.run(job)
-            finally:
-                with self.lock:
-                    self.pending_bytes -= job.held
+            self.run(job)  # no thread can start (an interpreter exiting, Python 3.12+): done here
+        return True
+
+    def _drop(self, job: Job) -> None:
+        """A job not stored: its blocks leave the index (a later put stores them)."""
+        self.table.job_done(job, job.nodes, dropped=True)
+        self.table.release_job(job, job.nodes)
+        self._let_go(job)
+        job.done.set()
+
+    def _let_go(self, job: Job) -> None:
+        """The job is done with the engine's arrays: they no longer count against the bound."""
+        job.layers, job.compressed = [], {}
+        with self.lock:
+            if job.holding:
+                job.holding = False
+                self.pending_bytes -= job.held
 
     def later(self, fn: Callable[[], None]) -> None:
         """Run ``fn`` on the writer thread after the jobs queued before it
@@ -159,24 +186,22 @@ class Writer:
                 self._thread, self._queue = thread, jobs
 
     def _loop(self, jobs: "queue.Queue") -> None:
-        while True:
-            job = jobs.get()
-            try:
-                if job is None:
-                    return
-                if isinstance(job, Job):
-                    try:
+        # a stream of its own: the writer's kernels and copies never queue behind or in front of an engine's
+        with mx.stream(mx.new_stream(mx.default_device())):
+            while True:
+                job = jobs.get()
+                try:
+                    if job is None:
+                        return
+                    if isinstance(job, Job):
                         self.run(job)
-                    finally:
-                        with self.lock:
-                            self.pending_bytes -= job.held
-                else:
-                    job()  # from later()
-            except Exception:  # the writer lives on: the next put's blocks still get stored
-                log.exception("kvstore: a background write failed")
-            finally:
-                job = None  # (not kept while waiting: a job holds the engine's arrays)
-                jobs.task_done()
+                    else:
+                        job()  # from later()
+                except Exception:  # the writer lives on: the next put's blocks still get stored
+                    log.exception("kvstore: a background write failed")
+                finally:
+                    job = None  # (not kept while waiting: a job holds the engine's arrays)
+                    jobs.task_done()
 
     # ------------------------------------------------------------- one job
 
@@ -204,6 +229,7 @@ class Writer:
                 if feed.nbytes >= cfg.write_batch_bytes or time.monotonic() - feed.opened >= cfg.write_seconds:
                     feed, full = None, feed
                     full.close()
+            self._let_go(job)  # encoded: the next put may queue while this one's blocks are written
             if feed is not None:
                 feed, last = None, feed
                 last.close()
@@ -220,7 +246,7 @@ class Writer:
             if not isinstance(e, Exception):
                 raise
         finally:
-            job.compressed.clear()
+            self._let_go(job)
             self.table.release_job(job, job.nodes)
             job.done.set()
             self.on_idle()
@@ -241,6 +267,7 @@ class Writer:
             return n.key not in elsewhere and self.table.is_job(n, job)
 
         for node, held, about in encoded(job, self.codec, self.config.compress_rows, wanted):
+            self.engine.yield_to_engine()
             if not self.table.admit(node, job, held, ram_only=not to_disk):
                 continue
             self.counters.count("blocks_stored")

@@ -3,13 +3,15 @@ thread encodes the blocks (quantizing many rows at once) into reused
 buffers, and a commit thread writes them to disk in transactions that
 stream blocks in while the next ones are encoded.
 
-- Queued work is bounded: past the bound a put runs in the caller. The bound
-  counts what a queued put keeps alive: an engine's buffers whole.
+- Queued work is bounded: past the bound a put is skipped whole, never run
+  in the caller. The bound counts what a queued put keeps alive until it is
+  encoded: an engine's buffers whole.
 - A put never waits on a disk transaction.
 - A put of many batches lands whole; a failed write leaves the writer free
   and RAM serving; where no thread can start (an exiting interpreter) the
   blocks are still written, by the writer or in the caller's thread.
-- An interrupt part-way through an inline put leaves no transaction open.
+- An interrupt part-way through a put run in the caller (no thread could
+  start) leaves no transaction open.
 
 What ``put`` is given is what is stored, whatever the caller does after:
 tests/test_put_values.py."""
@@ -47,22 +49,59 @@ def _writer_held(monkeypatch) -> threading.Event:
     return gate
 
 
-def test_put_runs_in_the_caller_when_the_background_thread_is_far_behind(ssd, monkeypatch):
-    """Queued work is bounded: a put that would pass the bound is done in the
-    caller (counted as ``puts_inline``), and both puts are stored."""
+def test_a_put_past_the_bound_is_skipped_whole_and_the_caller_never_waits(ssd, monkeypatch):
+    """Queued work is bounded: a put that would pass the bound is skipped
+    whole (counted as ``puts_skipped`` and ``blocks_skipped``), never done in
+    the caller's thread; the put before it is stored, no block of the skipped
+    one is indexed, and the same prompt put again once the writer has caught
+    up is stored."""
     gate = _writer_held(monkeypatch)  # the background thread is stuck behind the first put
     block_by_block(monkeypatch)
     s = ssd()
     s._writer.max_pending = 1
     a, b = toks(20), toks(20, start=5000)
     put(s, a)
-    put(s, b)  # pending work is over the bound: done here, while the writer waits
-    assert s.stats()["puts_inline"] == 1
-    assert_hit_is(s.fetch(M, b), b, 20)
+    assert put(s, b) == 0  # pending work is over the bound: skipped (the writer still waits)
+    st = s.stats()
+    assert (st["puts_skipped"], st["blocks_skipped"]) == (1, 20 // BS + (20 % BS > 0))
+    assert s.contains(M, b) == 0 and s.fetch(M, b).length == 0
     gate.set()
     s.flush()
     assert_hit_is(s.fetch(M, a), a, 20)
-    assert s.stats()["puts_inline"] == 1
+    assert put(s, b) > 0
+    s.flush()
+    assert_hit_is(s.fetch(M, b), b, 20)
+    assert s.stats()["puts_skipped"] == 1
+
+
+def test_a_job_lets_go_of_the_engines_arrays_once_encoded_not_once_written(ssd, monkeypatch):
+    """The bound counts arrays the queue keeps alive: a job's share leaves
+    ``pending_bytes`` as soon as its blocks are encoded, while the disk
+    transaction is still being written, so the next put queues instead of
+    being skipped behind a slow disk."""
+    from kvstore.tiers.lmdb import LmdbTier
+
+    written = threading.Event()
+    real = LmdbTier.store
+
+    def store(self, *a, **kw):  # the disk write waits (10 s at most)
+        written.wait(10)
+        return real(self, *a, **kw)
+
+    monkeypatch.setattr(LmdbTier, "store", store)
+    s = ssd()
+    a = toks(20)
+    put(s, a)
+    for _ in range(500):  # until the writer has encoded the put and waits on the disk
+        if s.stats()["pending_bytes"] == 0:
+            break
+        threading.Event().wait(0.01)
+    assert s.stats()["pending_bytes"] == 0 and s.stats()["ssd_blocks"] == 0  # encoded, not yet written
+    s._writer.max_pending = 1
+    assert put(s, toks(20, start=5000)) > 0  # queued, not skipped
+    written.set()
+    s.flush()
+    assert s.stats()["puts_skipped"] == 0 and s.stats()["ssd_blocks"] > 0
 
 
 def test_the_queue_bound_counts_the_whole_buffers_a_put_keeps(ssd, monkeypatch):
@@ -85,6 +124,35 @@ def test_the_queue_bound_counts_the_whole_buffers_a_put_keeps(ssd, monkeypatch):
     assert hit.length == 20
     for got, given in zip(hit.layers, layers):
         assert mx.array_equal(got.keys, given.keys[:, :, :20]) and mx.array_equal(got.values, given.values[:, :, :20])
+
+
+# ------------------------------------------------------- the engine comes first
+
+
+def test_the_writer_waits_between_blocks_while_an_engine_call_runs(ssd):
+    """While an engine's fetch or put runs, the writer encodes nothing more
+    (it would take the interpreter from the engine's thread at every call
+    that leaves it); it goes on once the call ends."""
+    s = ssd(writer_patience_s=30)
+    p = toks(4 * BS)
+    with s._engine.engine():  # an engine call under way (as fetch and put hold it)
+        assert put(s, p) == 4
+        threading.Event().wait(0.5)
+        assert s.stats()["blocks_stored"] == 0
+    s.flush(timeout=30)
+    assert s.stats()["blocks_stored"] == 4
+    assert_hit_is(s.fetch(M, p), p, 4 * BS)
+
+
+def test_engine_calls_without_a_gap_slow_the_writer_but_never_stop_it(ssd):
+    """The writer's wait at each block is bounded (``writer_patience_s``): an
+    engine that is always inside the store still sees its puts stored."""
+    s = ssd(writer_patience_s=0.01)
+    p = toks(4 * BS)
+    with s._engine.engine():
+        assert put(s, p) == 4
+        s.flush(timeout=30)
+        assert s.stats()["blocks_stored"] == 4
 
 
 # ---------------------------------------------------- encoding and transactions
@@ -300,8 +368,8 @@ def test_where_no_thread_can_start_a_put_is_written_in_the_callers_thread(ssd, m
 
 
 def test_an_interrupt_while_the_engine_thread_encodes_leaves_no_transaction_open(ssd, monkeypatch):
-    """A put run in the engine's thread (the writer's queue over its bound)
-    that is interrupted (Ctrl-C) part-way: the interrupt reaches the engine
+    """A put run in the engine's thread (where no thread can start, an
+    exiting interpreter) that is interrupted (Ctrl-C) part-way: the interrupt reaches the engine
     once the blocks handed over are written, the others are stored by the
     next put, and the store closes (no write transaction left waiting for
     blocks that never come)."""
