@@ -16,14 +16,18 @@ it, keeps it from being reused. At most ``_KEEP`` bytes wait here.
 
 from __future__ import annotations
 
+import logging
 import sys
 import threading
+import time
 import weakref
 from collections import deque
 
 import numpy as np
 
 from . import cuda
+
+log = logging.getLogger("kvstore")
 
 _KEEP = 640 << 20  # bytes of handed-back buffers kept for reuse: a write transaction's worth, and more
 _MIN = 1 << 20  # smaller buffers come and go through numpy's own cache
@@ -32,6 +36,8 @@ _lock = threading.Lock()
 _waiting: "deque[np.ndarray]" = deque()
 _waiting_bytes = 0
 _reserved: dict[int, int] = {}  # id(owner) -> bytes it asked to keep (``reserve``)
+_arenas: dict[int, list] = {}  # id(owner) -> [page-locked arena made at open, bytes carved from it] (``prefill``)
+_PAGE = 4096
 _released: "deque[int]" = deque()  # owners gone without saying so (``_release``)
 
 
@@ -51,7 +57,39 @@ def take(n: int, new_pinned: bool = True) -> np.ndarray:
                     _waiting_bytes -= raw.nbytes
                     return raw
     rt = cuda.runtime() if n >= _MIN and new_pinned else None
-    return rt.pinned(n) if rt is not None else np.empty(n, np.uint8)
+    if rt is not None:
+        with _lock:
+            carved = _carve(n)
+        return carved if carved is not None else rt.pinned(n)
+    return np.empty(n, np.uint8)
+
+
+def prefill(owner: object, nbytes: int) -> float:
+    """On CUDA, make ``nbytes`` of page-locked memory now, for ``owner``'s
+    next new buffers: a store's first fill would otherwise make them while
+    the engine runs, holding up its kernels (``reserve``). Seconds it took
+    (0 elsewhere). Dropped with ``reserve(owner, 0)``; parts still in use
+    keep the memory until they go."""
+    rt = cuda.runtime()
+    if rt is None or nbytes < _MIN:
+        return 0.0
+    t0 = time.perf_counter()
+    arena = rt.pinned(int(nbytes))
+    with _lock:
+        _arenas[id(owner)] = [arena, 0]
+    seconds = time.perf_counter() - t0
+    log.info("kvstore: made %.2f GiB of page-locked memory for the RAM tier in %.2f s", nbytes / (1 << 30), seconds)
+    return seconds
+
+
+def _carve(n: int) -> "np.ndarray | None":
+    """``n`` bytes from an arena with room left (page-aligned), or None. Lock held."""
+    for spot in _arenas.values():
+        arena, used = spot
+        if used + n <= arena.nbytes:
+            spot[1] = used + (n + _PAGE - 1) // _PAGE * _PAGE
+            return np.asarray(cuda.Carved(arena, used, n))
+    return None
 
 
 def give_back(view) -> None:
@@ -86,6 +124,7 @@ def reserve(owner: object, nbytes: int) -> None:
             _reserved[id(owner)] = int(nbytes)
         else:
             _reserved.pop(id(owner), None)
+            _arenas.pop(id(owner), None)
         _trim()
 
 
@@ -97,7 +136,9 @@ def _release(owner_id: int) -> None:
 
 def _drain() -> None:
     while _released:
-        _reserved.pop(_released.popleft(), None)
+        gone = _released.popleft()
+        _reserved.pop(gone, None)
+        _arenas.pop(gone, None)
 
 
 def _trim() -> None:

@@ -133,10 +133,23 @@ class _Pinned:
             pass
 
 
+class Carved:
+    """Bytes ``[offset, offset + nbytes)`` of a page-locked arena, as an
+    array of their own (its base is this, not the arena: a buffer handed
+    back is this part, never the whole arena); keeps the arena alive."""
+
+    def __init__(self, arena: np.ndarray, offset: int, nbytes: int):
+        self.arena = arena
+        self.__array_interface__ = {"shape": (nbytes,), "typestr": "|u1",
+                                    "data": (arena.ctypes.data + offset, False), "version": 3}
+
+
 def is_pinned(buf) -> bool:
     """Whether ``buf`` (an array or memoryview, or a view of one) lies in
     page-locked memory this module allocated."""
     for _ in range(16):
+        if isinstance(buf, Carved):
+            buf = buf.arena
         if isinstance(buf, _Pinned):
             return True
         buf = buf.obj if isinstance(buf, memoryview) else buf.base if isinstance(buf, np.ndarray) else None

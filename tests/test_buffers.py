@@ -88,3 +88,45 @@ def test_an_owner_collected_while_the_pool_is_locked_neither_deadlocks_nor_keeps
         del owner  # its finalizer runs here, on this thread, with the (non-reentrant) lock held
     buffers.reserve(Owner(), 0)  # the next use of the pool
     assert key not in buffers._reserved
+
+
+class _PinningRuntime:
+    """``cuda.Runtime.pinned`` on host memory, counting what it is asked to make."""
+
+    def __init__(self):
+        self.made: list[int] = []
+
+    def pinned(self, nbytes: int) -> np.ndarray:
+        from kvstore import cuda
+
+        self.made.append(nbytes)
+        host = np.empty(nbytes, np.uint8)
+        p = cuda._Pinned.__new__(cuda._Pinned)  # (as cudaHostAlloc's memory is wrapped, over host memory)
+        p.host, p._free, p.ptr = host, lambda ptr: None, host.ctypes.data
+        p.__array_interface__ = dict(host.__array_interface__)
+        return np.asarray(p)
+
+
+def test_page_locked_memory_made_at_open_is_carved_into_the_first_fills_buffers(monkeypatch):
+    """On CUDA a RAM tier makes its first fill's page-locked memory when it
+    opens (``prefill``): the next new buffers are parts of it, each its own
+    buffer to hand back, and nothing more is made until it is used up."""
+    from kvstore import cuda
+
+    rt = _PinningRuntime()
+    monkeypatch.setattr(cuda, "runtime", lambda: rt)
+    owner = type("Owner", (), {})()
+    buffers.reserve(owner, 64 * MiB)
+    buffers.prefill(owner, 10 * MiB)
+    assert rt.made == [10 * MiB]
+    a, b = buffers.take(4 * MiB), buffers.take(4 * MiB + 1)
+    assert rt.made == [10 * MiB]  # carved, not made
+    assert b.ctypes.data - a.ctypes.data == 4 * MiB and cuda.is_pinned(a) and cuda.is_pinned(b[10:])
+    buffers.give_back(memoryview(b[64:]))
+    assert buffers._waiting_bytes == 4 * MiB + 1  # the part, never the arena
+    del b
+    assert buffers.take(4 * MiB).ctypes.data == a.ctypes.data + 4 * MiB  # reused as any buffer is
+    buffers.take(4 * MiB)  # more than the arena has left: made
+    assert rt.made == [10 * MiB, 4 * MiB]
+    buffers.reserve(owner, 0)  # the owner closing drops what it did not carve
+    assert buffers._arenas == {}

@@ -19,11 +19,16 @@ from .. import buffers
 from ..wire import Stored
 
 
+PREFILL = 8 << 30  # page-locked bytes made at open at most (making them is slow: ``buffers.reserve``)
+
+
 class RamTier:
     def __init__(self, budget_bytes: int):
         self.nbytes = 0
         self._blocks: "OrderedDict[bytes, Stored]" = OrderedDict()
         self.set_budget(budget_bytes)
+        # on CUDA the first fill's page-locked buffers, made now: made while an engine runs, they hold up its kernels
+        buffers.prefill(self, min(self.budget, PREFILL))
 
     def set_budget(self, budget_bytes: int) -> None:
         """The budget; the buffers blocks leave behind are kept for reuse up
