@@ -17,6 +17,8 @@
 #   bash tools/gpu_bench.sh put OUT        # what storing a cache blocks the caller, through the adapters
 #   bash tools/gpu_bench.sh gc OUT         # the garbage collector's pauses during puts (tools/gc_pauses.py)
 #   bash tools/gpu_bench.sh table OUT      # issue 28's table (tools/hot_path_table.py; PARTS="ram device": some only)
+#   BUDGETS="0.25 0.1" bash tools/gpu_bench.sh replay OUT   # issue 42's live replay on it (tools/replay_gpu.py;
+#                                                           SYSTEMS="lru kvstore_fp16": some only; --warm rounds)
 set -euo pipefail
 source /tmp/site/env.sh
 ln -sfn ../adapters kvstore/adapters
@@ -25,7 +27,8 @@ export PYTHONUNBUFFERED=1
 M=/tmp/llama-8b
 case $1 in
   tests) python3 -m pytest -q -p no:cacheprovider tests/test_gather.py tests/test_store.py tests/test_adapter_store.py \
-           tests/test_restart.py tests/test_device_tier.py tests/test_cuda_staging.py tests/test_encode_runs.py 2>&1 | tail -15 ;;
+           tests/test_restart.py tests/test_device_tier.py tests/test_cuda_staging.py tests/test_encode_runs.py \
+           tests/test_warmup.py tests/test_writer.py tests/test_buffers.py tests/test_engine_handoff.py 2>&1 | tail -15 ;;
   write) python3 -m kvstore.tools.write_profile --tokens "${TOKENS:-8192}" --kv ${KVS:-fp16 q8 q4} --out "$2" ;;
   pinned) python3 -m kvstore.tools.pinned_costs --gib 1 4 --out "$2/pinned.json" ;;
   address) python3 -m kvstore.tools.address_cost --gib 4 --out "$2/address.json" ;;
@@ -50,4 +53,7 @@ max_position_embeddings=65536)" ;;
   gc) python3 -m kvstore.tools.gc_pauses --puts "${PUTS:-10}" --out "$2/gc.json" ;;
   table) [[ -f $M/config.json ]] || bash "$0" model "$2"
          python3 -m kvstore.tools.hot_path_table --model "$M" --dir /tmp ${PARTS:+--parts $PARTS} --out "$2/table.json" ;;
+  replay) [[ -f $M/config.json ]] || bash "$0" model "$2"
+          python3 -m kvstore.tools.replay_gpu --model "$M" --budgets ${BUDGETS:-0.25 0.1} \
+            --systems ${SYSTEMS:-none lru kvstore_fp16 kvstore_q8} --warm --out "$2" ;;
 esac
