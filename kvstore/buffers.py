@@ -38,6 +38,7 @@ _waiting_bytes = 0
 _reserved: dict[int, int] = {}  # id(owner) -> bytes it asked to keep (``reserve``)
 _arenas: dict[int, list] = {}  # id(owner) -> [page-locked arena made at open, bytes carved from it] (``prefill``)
 _PAGE = 4096
+made = [0, 0.0]  # page-locked bytes this process made outside an arena, and the seconds that took
 _released: "deque[int]" = deque()  # owners gone without saying so (``_release``)
 
 
@@ -60,7 +61,14 @@ def take(n: int, new_pinned: bool = True) -> np.ndarray:
     if rt is not None:
         with _lock:
             carved = _carve(n)
-        return carved if carved is not None else rt.pinned(n)
+        if carved is not None:
+            return carved
+        t0 = time.perf_counter()
+        raw = rt.pinned(n)
+        with _lock:
+            made[0] += n
+            made[1] += time.perf_counter() - t0
+        return raw
     return np.empty(n, np.uint8)
 
 

@@ -36,7 +36,7 @@ from typing import Callable, Optional, Sequence, Union
 import mlx.core as mx
 import numpy as np
 
-from . import lookup
+from . import buffers, lookup
 from .codec import Codec, layer_arrays
 from .config import StoreConfig, gib
 from .cost import CostModel
@@ -299,7 +299,8 @@ class PrefixStore:
         self._check_open()
         out = self._counters.snapshot()
         out.update(self._table.stats(), pending_bytes=self._writer.pending_bytes,
-                   pending_jobs=self._writer.pending_jobs, orphans=self.orphans)
+                   pending_jobs=self._writer.pending_jobs, orphans=self.orphans,
+                   pinned_made_bytes=buffers.made[0], pinned_made_s=buffers.made[1])  # (this process's, on CUDA)
         if self._disk is not None:
             tier = self._disk.tier
             out.update(ssd_bytes=tier.usage(), ssd_budget=tier.budget, ssd_blocks=self._table.disk_blocks,

@@ -207,6 +207,14 @@ class Writer:
 
     def run(self, job: Job) -> None:
         """Encode the job's blocks into RAM and write them through."""
+        t0 = time.perf_counter()
+        try:
+            self._run(job)
+        finally:
+            self.counters.count("writer_us", int((time.perf_counter() - t0) * 1e6))
+            self.on_idle()  # (after the count: it saves the counters)
+
+    def _run(self, job: Job) -> None:
         cfg = self.config
         to_disk = self.disk is not None
         to_remote = self.remote is not None and job.found is None
@@ -249,7 +257,6 @@ class Writer:
             self._let_go(job)
             self.table.release_job(job, job.nodes)
             job.done.set()
-            self.on_idle()
 
     def _entries(self, job: Job, elsewhere: set[bytes], to_disk: bool, to_remote: bool
                  ) -> Iterator[tuple[Node, Entry]]:

@@ -94,7 +94,20 @@ def replay(system: str, frac: float, model_arg: str, trace_name: str, warm: bool
            "requests": len(trace["requests"]), "prompt_tokens": trace["prompt_tokens"],
            "unique_tokens": trace["unique_tokens"], "kv_bytes_per_token": bpt,
            "longest": max(len(r["prompt"]) for r in trace["requests"]), "bus_gbps": _bus_gbps(), "runs": []}
+    import gc
+
+    pauses = [0.0, 0.0]  # (start of the collection running, seconds in full collections)
+
+    def timed_gc(phase: str, info: dict) -> None:
+        if info["generation"] == 2:
+            if phase == "start":
+                pauses[0] = time.perf_counter()
+            else:
+                pauses[1] += time.perf_counter() - pauses[0]
+
+    gc.callbacks.append(timed_gc)
     for round_ in range(2 if warm and system.startswith("kvstore") else 1):
+        pauses[1] = 0.0
         lru = store = None
         t0 = time.perf_counter()
         if system == "lru":
@@ -142,6 +155,7 @@ def replay(system: str, frac: float, model_arg: str, trace_name: str, warm: bool
             row["put_s"] = time.perf_counter() - t1
             rows.append(row)
             del cache
+        run["gc_full_s"] = pauses[1]
         if store is not None:
             store.flush()
             st = store.stats()
@@ -219,7 +233,9 @@ def _table(results: dict) -> dict:
             lru = results.get(f"lru@{res['budget_frac']:g}")
             if lru is not None:
                 row["vs_lru"] = run["ttft_total_s"] / lru["runs"][0]["ttft_total_s"]
-            for k in ("puts_skipped", "blocks_skipped", "evictions_ram"):
+            row["gc_full_s"] = run["gc_full_s"]
+            for k in ("puts_skipped", "blocks_skipped", "evictions_ram", "writer_us", "pinned_made_bytes",
+                      "pinned_made_s"):
                 if k in run.get("stats", {}):
                     row[k] = run["stats"][k]
             table["runs"][key] = row
