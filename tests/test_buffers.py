@@ -16,7 +16,10 @@ MiB = 1 << 20
 
 
 @pytest.fixture(autouse=True)
-def empty_pool():
+def empty_pool(monkeypatch):
+    """An empty pool, and no reservation or arena of stores other tests left open (on CUDA they count)."""
+    monkeypatch.setattr(buffers, "_reserved", {})
+    monkeypatch.setattr(buffers, "_arenas", {})
     buffers._waiting.clear()
     buffers._waiting_bytes = 0
     yield

@@ -24,7 +24,7 @@ def test_without_cuda_nothing_is_warmed():
 
 @needs_cuda
 def test_a_store_opening_on_cuda_makes_the_landing_buffer_whole_once_per_codec():
-    s = PrefixStore(budget_gb=0.5, kv_bits=6)  # a codec no other test warms
+    s = PrefixStore(budget_gb=0.5, block_size=96)  # settings no other test warms; dense fp16 lands in one buffer
     landing = [cuda._landing.get_nowait() for _ in range(cuda._landing.qsize())]
     for b in landing:
         cuda._landing.put(b)
