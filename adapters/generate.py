@@ -10,7 +10,6 @@ prompt that shares only part of this one still finds a snapshot to start from.
 
 from __future__ import annotations
 
-import json
 import time
 import weakref
 from dataclasses import dataclass, field
@@ -20,7 +19,6 @@ from typing import Any, Iterator, Optional, Sequence, Union
 import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
-import xxhash
 from mlx.utils import tree_flatten
 from mlx_lm.generate import generate_step, generation_stream, maybe_quantize_kv_cache
 from mlx_lm.generate import stream_generate as _mlx_stream_generate
@@ -30,7 +28,7 @@ from kvstore import Hit, PrefixStore
 from kvstore.hashing import as_tokens
 
 from .gguf import gguf_fingerprint, is_gguf
-from .mlx_lm import caches_to_layers, layers_to_caches, layout_signature, model_fingerprint
+from .mlx_lm import caches_to_layers, layers_to_caches, loaded_model_fingerprint, model_fingerprint
 
 __all__ = ["model_key", "models_key", "fetch_cache", "prefill", "store_cache", "stream_generate", "generate",
            "Generation", "calibrate", "calibrate_once"]
@@ -41,10 +39,10 @@ _KEYS: dict[int, dict[Optional[str], str]] = {}
 
 def model_key(model: nn.Module, model_path: Union[str, Path, None] = None, extra: str = "") -> str:
     """The store key of a loaded model: its folder's (or GGUF file's)
-    fingerprint when the path is known, else a digest of the loaded weights (config, every
-    parameter's name, shape, dtype and first and last 64 KiB) — never a name.
-    Remembered per model and folder, so the answer never depends on which
-    call came first."""
+    fingerprint when the path is known (the files must be the ones loaded),
+    else a digest of the loaded model itself (``loaded_model_fingerprint``)
+    — never a name. Remembered per model and folder, so the answer never
+    depends on which call came first."""
     folder = str(Path(model_path).resolve()) if model_path is not None else None
     known = _KEYS.get(id(model), {})
     if extra == "" and folder in known:
@@ -54,17 +52,7 @@ def model_key(model: nn.Module, model_path: Union[str, Path, None] = None, extra
     elif folder is not None and is_gguf(folder):
         key = gguf_fingerprint(folder, model, extra)
     else:
-        h = xxhash.xxh3_128(b"kvstore-loaded-model-v1")
-        args = getattr(model, "args", None)
-        h.update(json.dumps(getattr(args, "__dict__", {}) or {}, sort_keys=True, default=str).encode())
-        for name, p in sorted(tree_flatten(model.parameters()), key=lambda kv: kv[0]):
-            raw = memoryview(p.view(mx.uint16) if p.dtype == mx.bfloat16 else p).cast("B")
-            h.update(f"{name}:{p.shape}:{p.dtype}".encode())
-            h.update(raw[: 1 << 16])
-            h.update(raw[-(1 << 16):])
-        h.update(layout_signature(model).encode())
-        h.update(extra.encode())
-        key = h.hexdigest()
+        key = loaded_model_fingerprint(model, extra)
     if extra == "":
         if id(model) not in _KEYS:
             _KEYS[id(model)] = {}

@@ -32,6 +32,8 @@ import mlx.core as mx
 import mlx.nn as nn
 import xxhash
 
+from .file_digests import file_digests
+
 __all__ = ["load_gguf", "load_model", "resolve_model", "default_dtype", "smollm2_path", "gemma3_path",
            "gguf_fingerprint", "gguf_architecture", "is_gguf", "SMOLLM2_PACKAGE", "GEMMA3_PACKAGE"]
 
@@ -232,22 +234,16 @@ def load_gguf(path: Union[str, os.PathLike], dtype: Optional[mx.Dtype] = None):
 
 
 def gguf_fingerprint(path: Union[str, os.PathLike], model: Optional[nn.Module] = None, extra: str = "") -> str:
-    """What a GGUF model *is*, as an xxh3-128 hex digest: the file's size, its
-    first 4 MiB (header, metadata, tensor table) and last MiB, and, given the
-    loaded model, its cache layout and dtypes (the same file loaded in fp32
-    gives other KV than in fp16). Read in milliseconds, never the whole file."""
+    """What a GGUF model *is*, as an xxh3-128 hex digest: the file's whole
+    content (its digest remembered per file identity: see ``file_digests``)
+    and, given the loaded model, its cache layout and dtypes (the same file
+    loaded in fp32 gives other KV than in fp16)."""
     from mlx.utils import tree_flatten
 
     from .mlx_lm import _field, layout_signature
 
-    p = Path(path)
-    size = p.stat().st_size
     h = xxhash.xxh3_128()
-    _field(h, "kvstore-gguf-v1", size.to_bytes(8, "little"))
-    with open(p, "rb") as f:
-        _field(h, "head", f.read(4 << 20))
-        f.seek(max(0, size - (1 << 20)))
-        _field(h, "tail", f.read(1 << 20))
+    _field(h, "kvstore-gguf-v2", file_digests([path])[0])
     if model is not None:
         _field(h, "layout", layout_signature(model).encode())
         dtypes = sorted({str(v.dtype) for _, v in tree_flatten(model.parameters())})

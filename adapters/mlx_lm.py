@@ -51,10 +51,13 @@ from typing import Any, Callable, Iterable, Iterator, Optional, Sequence, Union
 import mlx.core as mx
 import mlx.nn as nn
 import xxhash
+from mlx.utils import tree_flatten
 from mlx_lm.models import cache as C
 
 from kvstore.codec import convert, densify, layer_arrays
 from kvstore.layers import WARM_LAYERS, KVLayer, Layer, Quantized, StateLayer, Tensor, own, take_rows
+
+from .file_digests import file_digests
 
 __all__ = [
     "cache_to_layers",
@@ -67,6 +70,9 @@ __all__ = [
     "layers_to_caches",
     "snapshot",
     "model_fingerprint",
+    "adapter_fingerprint",
+    "loaded_model_fingerprint",
+    "ADAPTER_FILES",
 ]
 
 # mlx-lm's allocation step for KVCache / QuantizedKVCache buffers.
@@ -586,9 +592,10 @@ def layers_to_caches(layers: Sequence[Layer], models: Sequence[nn.Module], *, le
 # model fingerprint
 # ---------------------------------------------------------------------------
 
-_FP_TAG = b"kvstore-mlx-lm-fingerprint-v1"
-_MIB = 1 << 20
-_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
+_FP_TAG = b"kvstore-mlx-lm-fingerprint-v2"
+# what transformers' AutoTokenizer reads that maps text to ids
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "special_tokens_map.json",
+                    "added_tokens.json", "vocab.json", "merges.txt")
 
 
 def _field(h: "xxhash.xxh3_128", name: str, data: bytes) -> None:
@@ -598,29 +605,10 @@ def _field(h: "xxhash.xxh3_128", name: str, data: bytes) -> None:
     h.update(data)
 
 
-def _weight_digest(path: Path) -> bytes:
-    """Size, safetensors header and the first and last MiB of one weight file.
-
-    Reading whole multi-GB shards would make startup slow; the header pins
-    every tensor's name, dtype, shape and byte range, and the edge MiBs catch a
-    re-quantization or re-export that keeps the shapes.
-    """
-    size = path.stat().st_size
-    h = xxhash.xxh3_128()
-    h.update(size.to_bytes(8, "little"))
-    with open(path, "rb") as f:
-        raw = f.read(8)
-        if len(raw) != 8:
-            raise ValueError(f"{path}: not a safetensors file (too short)")
-        n = int.from_bytes(raw, "little")
-        if n > size - 8:
-            raise ValueError(f"{path}: not a safetensors file (bad header length)")
-        _field(h, "header", f.read(n))
-        f.seek(0)
-        _field(h, "head", f.read(_MIB))
-        f.seek(max(0, size - _MIB))
-        _field(h, "tail", f.read(_MIB))
-    return h.digest()
+def _canonical_json(path: Path) -> bytes:
+    """A JSON file's content without its formatting and key order."""
+    data = json.loads(path.read_text(encoding="utf-8"))
+    return json.dumps(data, sort_keys=True, separators=(",", ":"), ensure_ascii=False).encode("utf-8")
 
 
 def model_fingerprint(
@@ -630,36 +618,63 @@ def model_fingerprint(
 ) -> str:
     """What the model *is* (not what it is called), as an xxh3-128 hex digest.
 
-    Hashes the canonical JSON of ``config.json``, the tokenizer files present
-    (``tokenizer.json``, ``tokenizer_config.json``, ``tokenizer.model``), every
-    ``*.safetensors`` file's name, size, header and first/last MiB, the cache
+    Hashes the canonical JSON of ``config.json``, the whole content of the
+    tokenizer files present and of every ``*.safetensors`` file (each file's
+    digest is remembered per file identity: see ``file_digests``), the cache
     layout of ``prompt_cache_or_model`` when given (pass it: the same weights
     under another cache layout, e.g. ``max_kv_size``, must not share entries),
-    and ``extra`` (e.g. an adapter or dtype override the caller applies).
-    Only explicit bytes are hashed, so the value is the same in every process.
+    and ``extra`` (e.g. an adapter's fingerprint or a dtype override the caller
+    applies). Only explicit bytes are hashed, so the value is the same in every process.
     """
     root = Path(model_path)
     h = xxhash.xxh3_128()
     h.update(_FP_TAG)
-
-    config = json.loads((root / "config.json").read_text(encoding="utf-8"))
-    canon = json.dumps(config, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
-    _field(h, "config.json", canon.encode("utf-8"))
-
-    for name in _TOKENIZER_FILES:
-        p = root / name
-        if p.is_file():
-            _field(h, name, p.read_bytes())
-
+    _field(h, "config.json", _canonical_json(root / "config.json"))
     weights = sorted(root.glob("*.safetensors"))
     if not weights:
         raise FileNotFoundError(f"no *.safetensors weight files in {root}")
-    for p in weights:
-        _field(h, "weights:" + p.name, _weight_digest(p))
-
+    names = [n for n in _TOKENIZER_FILES if (root / n).is_file()]
+    for name, digest in zip(names + ["weights:" + p.name for p in weights],
+                            file_digests([root / n for n in names] + weights)):
+        _field(h, name, digest)
     if prompt_cache_or_model is not None:
         _field(h, "layout", layout_signature(prompt_cache_or_model).encode())
     _field(h, "extra", extra.encode("utf-8"))
+    return h.hexdigest()
+
+
+def loaded_model_fingerprint(model: nn.Module, extra: str = "") -> str:
+    """What a loaded model computes with: its config, every module's kind and
+    scalar settings (a LoRA layer's scale, a norm's eps), every parameter's
+    name, shape, dtype and all its bytes (an adapter's too), and its cache
+    layout. Hashed in memory (docs/benchmarks.md, fingerprint cost)."""
+    h = xxhash.xxh3_128(b"kvstore-loaded-model-v2")
+    args = getattr(model, "args", None)
+    h.update(json.dumps(getattr(args, "__dict__", {}) or {}, sort_keys=True, default=str).encode())
+    for name, module in model.named_modules():
+        settings = {k: v for k, v in vars(module).items()
+                    if not k.startswith("_") and isinstance(v, (bool, int, float, str, type(None)))}
+        h.update(f"{name}:{type(module).__name__}:{sorted(settings.items())}".encode())
+    for name, p in sorted(tree_flatten(model.parameters()), key=lambda kv: kv[0]):
+        h.update(f"{name}:{p.shape}:{p.dtype}".encode())
+        h.update(memoryview(p.view(mx.uint16) if p.dtype == mx.bfloat16 else p).cast("B"))
+    h.update(layout_signature(model).encode())
+    h.update(extra.encode())
+    return h.hexdigest()
+
+
+ADAPTER_FILES = ("adapter_config.json", "adapters.safetensors")  # what mlx-lm's load_adapters reads
+
+
+def adapter_fingerprint(adapter_path: Union[str, os.PathLike]) -> str:
+    """What an mlx-lm adapter folder holds, by content: the canonical JSON of
+    ``adapter_config.json`` (layers, rank, scale, kind) and every byte of
+    ``adapters.safetensors``, never its path (an adapter retrained in place
+    keeps its path)."""
+    root = Path(adapter_path)
+    h = xxhash.xxh3_128(b"kvstore-mlx-lm-adapter-v1")
+    _field(h, ADAPTER_FILES[0], _canonical_json(root / ADAPTER_FILES[0]))
+    _field(h, ADAPTER_FILES[1], file_digests([root / ADAPTER_FILES[1]])[0])
     return h.hexdigest()
 
 

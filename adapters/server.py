@@ -31,10 +31,11 @@ from mlx_lm.models import cache as C
 
 from kvstore import Hit, PrefixStore
 
+from .file_digests import changed_since
 from .generate import calibrate_once, models_key, needs_snapshots, prefill
 from .gguf import TRAINED, is_gguf, load_model, resolve_model
 from .inserts import Inserts
-from .mlx_lm import cache_offset, layers_to_caches, snapshot
+from .mlx_lm import ADAPTER_FILES, adapter_fingerprint, cache_offset, layers_to_caches, snapshot
 
 log = logging.getLogger("kvstore")
 
@@ -255,8 +256,7 @@ class StorePromptCache:
             return None
         models = [provider.model] if draft is None else [provider.model, provider.draft_model]
         local, draft_local = _folder(path), _folder(draft)
-        key = models_key(provider.model, local, draft_model=models[1] if draft is not None else None,
-                         extra=f"adapter={adapter}" if adapter else "")
+        key = _loaded_key(provider.model, local, adapter, models[1] if draft is not None else None)
         if local:
             info = {"path": str(local.resolve()), "name": local.name}
             if draft is not None:
@@ -278,6 +278,22 @@ def _folder(path: Any) -> Optional[Path]:
     return local if (local / "config.json").is_file() or is_gguf(local) else None
 
 
+def _loaded_key(model: nn.Module, local: Optional[Path], adapter: Optional[str],
+                draft_model: Optional[nn.Module]) -> str:
+    """The store key of what the server loaded: by its files' content (each
+    file's digest remembered: a restart reads no weights) where they are local
+    and unchanged since the load began, else by the loaded model itself: a hub
+    name, or files written since (an adapter retrained while serving must not
+    key the old weights' KV by the new file)."""
+    files = [] if local is None else [local] if local.is_file() else [p for p in local.iterdir() if p.is_file()]
+    files += [Path(adapter, n) for n in ADAPTER_FILES] if adapter else []
+    loaded = getattr(model, "_kvstore_loaded_ns", None)
+    if local is None or loaded is None or changed_since(files, loaded):
+        return models_key(model, None, draft_model=draft_model)
+    return models_key(model, local, draft_model=draft_model,
+                      extra=f"adapter={adapter_fingerprint(adapter)}" if adapter else "")
+
+
 def _load_gguf_too(load):
     """mlx-lm's ``load``, which also takes a GGUF file or a trained model's
     name (``smollm2``, ``gemma3``) and reads it with ``load_gguf``."""
@@ -285,10 +301,15 @@ def _load_gguf_too(load):
         return load
 
     def load_any(path, *args, return_config: bool = False, **kwargs):
+        started = time.time_ns()
         if str(path) in TRAINED or is_gguf(Path(str(path)).expanduser()):
             model, tokenizer, _ = load_model(path)
-            return (model, tokenizer, {}) if return_config else (model, tokenizer)
-        return load(path, *args, return_config=return_config, **kwargs)
+            out = (model, tokenizer, {}) if return_config else (model, tokenizer)
+        else:
+            out = load(path, *args, return_config=return_config, **kwargs)
+        if isinstance(out[0], nn.Module):  # files written since are not what it holds (_loaded_key)
+            out[0]._kvstore_loaded_ns = started
+        return out
 
     load_any.reads_gguf = True
     return load_any

@@ -1,7 +1,9 @@
 """Shared pytest options: ``--soak`` runs the long reliability variants
 (tests marked ``soak``); without it they are skipped. Shared fixtures:
 ``store`` (RAM only) and ``ssd`` (a factory of stores on one path), both of
-``_helpers.BS``-token blocks; a module's own fixture of the same name wins."""
+``_helpers.BS``-token blocks; a module's own fixture of the same name wins.
+Model-file digests are remembered in the session's own folder
+(``$KVSTORE_CACHE_DIR``, inherited by server processes), not the user's."""
 
 from __future__ import annotations
 
@@ -15,6 +17,14 @@ from ._helpers import BS
 def pytest_addoption(parser):
     parser.addoption("--soak", action="store_true", default=False,
                      help="run the long reliability soak tests (marked `soak`)")
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _digest_memory(tmp_path_factory):
+    mp = pytest.MonkeyPatch()
+    mp.setenv("KVSTORE_CACHE_DIR", str(tmp_path_factory.mktemp("kvstore-cache")))
+    yield
+    mp.undo()
 
 
 def pytest_collection_modifyitems(config, items):
