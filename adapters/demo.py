@@ -10,11 +10,14 @@ would, and the requests are replayed: their prefixes now come from SSD.
 
 from __future__ import annotations
 
+import logging
 import shutil
+from contextlib import contextmanager
 from pathlib import Path
-from typing import Optional
+from typing import Iterator, Optional
 
 from rich.console import Console
+from rich.logging import RichHandler
 from rich.progress import Progress
 from rich.table import Table
 
@@ -93,35 +96,53 @@ def run_demo(model_path: Optional[str] = None, ssd_path: Optional[str] = None, u
                   f"block {block_size} tokens)")
     rows = []
     reqs = list(_requests(users, turns))
-    for phase in ("first run", "after restart"):
-        history = {u: [{"role": "system", "content": SYSTEM}] for u in range(users)}
-        asked: dict[int, list] = {u: [] for u in range(users)}
-        with PrefixStore(budget_gb=budget_gb, ssd_path=ssd_path, kv_bits=kv_bits, block_size=block_size) as store:
-            with Progress(console=console, transient=True) as progress:
-                task = progress.add_task(f"{phase}: {len(reqs)} requests", total=len(reqs))
-                for u, turn, question in reqs:
-                    history[u].append({"role": "user", "content": question})
-                    if base:
-                        prompt = tokenizer.encode(transcript(SYSTEM, asked[u] + [(question, None)]))
-                    else:
-                        prompt = tokenizer.apply_chat_template(history[u], add_generation_prompt=True)
-                    res: Generation = generate(model, tokenizer, prompt, store=store, model_path=model_path,
-                                               max_tokens=max_tokens)
-                    if base:
-                        res.text = _answer(res.text)
-                        asked[u].append((question, res.text))
-                    history[u].append({"role": "assistant", "content": res.text})
-                    rows.append(dict(phase=phase, user=u, turn=turn + 1, prompt=res.prompt_tokens,
-                                     ram=res.ram_tokens, ssd=res.ssd_tokens, computed=res.computed_tokens,
-                                     ttft_ms=1000 * res.ttft_s, answer=res.text))
-                    progress.advance(task)
-            stats = store.stats()
-        console.print(_table(phase, [r for r in rows if r["phase"] == phase]))
-        console.print(f"  RAM {stats['ram_bytes'] / 2**20:.1f} MiB in {stats['ram_blocks']} blocks, "
-                      f"SSD {stats.get('ssd_bytes', 0) / 2**20:.1f} MiB; token hit rate "
-                      f"{100 * stats['token_hit_rate']:.0f}%")
+    with _store_log(console):  # the store's warnings and the calibration's log line on the console
+        for phase in ("first run", "after restart"):
+            history = {u: [{"role": "system", "content": SYSTEM}] for u in range(users)}
+            asked: dict[int, list] = {u: [] for u in range(users)}
+            with PrefixStore(budget_gb=budget_gb, ssd_path=ssd_path, kv_bits=kv_bits, block_size=block_size) as store:
+                with Progress(console=console, transient=True) as progress:
+                    task = progress.add_task(f"{phase}: {len(reqs)} requests", total=len(reqs))
+                    for u, turn, question in reqs:
+                        history[u].append({"role": "user", "content": question})
+                        if base:
+                            prompt = tokenizer.encode(transcript(SYSTEM, asked[u] + [(question, None)]))
+                        else:
+                            prompt = tokenizer.apply_chat_template(history[u], add_generation_prompt=True)
+                        res: Generation = generate(model, tokenizer, prompt, store=store, model_path=model_path,
+                                                   max_tokens=max_tokens)
+                        if base:
+                            res.text = _answer(res.text)
+                            asked[u].append((question, res.text))
+                        history[u].append({"role": "assistant", "content": res.text})
+                        rows.append(dict(phase=phase, user=u, turn=turn + 1, prompt=res.prompt_tokens,
+                                         ram=res.ram_tokens, ssd=res.ssd_tokens, computed=res.computed_tokens,
+                                         ttft_ms=1000 * res.ttft_s, answer=res.text))
+                        progress.advance(task)
+                stats = store.stats()
+            console.print(_table(phase, [r for r in rows if r["phase"] == phase]))
+            console.print(f"  RAM {stats['ram_bytes'] / 2**20:.1f} MiB in {stats['ram_blocks']} blocks, "
+                          f"SSD {stats.get('ssd_bytes', 0) / 2**20:.1f} MiB; token hit rate "
+                          f"{100 * stats['token_hit_rate']:.0f}%")
     console.print(f"\nLook inside: [bold]kvstore inspect {ssd_path}[/bold]")
     return rows
+
+
+@contextmanager
+def _store_log(console: Console) -> Iterator[None]:
+    """The store's warnings, and the calibration of the model's prefill (the
+    first request's wait), printed on the demo's console while it runs."""
+    handler = RichHandler(console=console, show_time=False, show_path=False, show_level=False)
+    handler.addFilter(lambda r: r.levelno >= logging.WARNING or r.name == "kvstore.calibrate")
+    calib = logging.getLogger("kvstore.calibrate")
+    store, level = logging.getLogger("kvstore"), calib.level
+    store.addHandler(handler)
+    calib.setLevel(logging.INFO)
+    try:
+        yield
+    finally:
+        store.removeHandler(handler)
+        calib.setLevel(level)
 
 
 def _table(title: str, rows: list[dict]) -> Table:

@@ -20,13 +20,14 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 from mlx.utils import tree_flatten
-from mlx_lm.generate import generate_step, generation_stream, maybe_quantize_kv_cache
+from mlx_lm.generate import generation_stream, maybe_quantize_kv_cache
 from mlx_lm.generate import stream_generate as _mlx_stream_generate
 from mlx_lm.models import cache as C
 
 from kvstore import Hit, PrefixStore
 from kvstore.hashing import as_tokens
 
+from .calibration import calibrate, calibrate_once
 from .gguf import gguf_fingerprint, is_gguf
 from .mlx_lm import caches_to_layers, layers_to_caches, loaded_model_fingerprint, model_fingerprint
 
@@ -176,7 +177,7 @@ class Generation:
     remote_tokens: int = 0
     computed_tokens: int = 0
     ttft_s: float = 0.0  # prompt arrival to first generated token (less calibrate_s)
-    calibrate_s: float = 0.0  # once per model and store: a few timed prefills (``calibrate_once``)
+    calibrate_s: float = 0.0  # once per model and store: timed prefills within ``calibrate_budget_s`` (``calibrate_once``)
     total_s: float = 0.0
     finish_reason: Optional[str] = None
 
@@ -249,102 +250,3 @@ def generate(model: nn.Module, tokenizer, prompt: Union[str, Sequence[int]], *, 
     for _ in stream_generate(model, tokenizer, prompt, store=store, result=res, **kwargs):
         pass
     return res
-
-
-def calibrate(store: PrefixStore, key: str, models: Sequence[nn.Module],
-              sizes: Sequence[tuple[int, int]] = ((0, 128), (0, 512), (0, 1024), (512, 1024)),
-              longer: Sequence[int] = (4096, 8192), budget_s: float = 0.4, step: int = 2048) -> None:
-    """Time a few prefills of random tokens (``(cached, total)`` each) and
-    report them to the store, so ``fetch_policy="auto"`` has a prefill model
-    for ``key`` before the first real request (engines whose prefills the
-    adapter cannot time, like mlx-lm's server, call this once). Then each of
-    ``longer`` whose prefill the last one predicts under ``budget_s``: a GPU
-    runs 1K tokens far below its throughput (an 8B model on the H200 took
-    half the time per token it takes at 8K), so where long prefills are
-    cheap enough to time, they are what the model is fitted to. Each is
-    timed as a request's prefill runs: mlx-lm's ``generate_step`` to the
-    first token, in chunks of ``step`` (the cache grows and is copied
-    between chunks, and mlx's buffer cache is emptied after each: timing the
-    forward passes alone predicted 0.7x of what an 8K prompt took the engine
-    on the H100), the faster of two runs."""
-    def once(m: nn.Module, tokens: mx.array, start: int) -> float:
-        cache = C.make_prompt_cache(m)
-        if start:
-            m(tokens[None, :start], cache=cache)
-            mx.eval([c.state for c in cache])
-        steps = generate_step(tokens[start:], m, max_tokens=1, prompt_cache=cache, prefill_step_size=step)
-        t = time.perf_counter()
-        next(steps)
-        seconds = time.perf_counter() - t
-        steps.close()
-        mx.synchronize()  # (the next token, queued before the first was read, is not the next timing's)
-        return seconds
-
-    def timed(start: int, stop: int) -> float:
-        # the faster of two: a process's first prefill of a length compiles kernels for it (on CUDA
-        # 3-10x the time of the next one), which would have this model predict every prefill far too slow
-        tokens = mx.random.randint(0, 1000, (stop,), key=mx.random.key(stop))  # the caller's seed left alone
-        seconds = sum(min(once(m, tokens, start) for _ in range(2)) for m in models)
-        store.observe_prefill(key, start, stop, seconds)
-        return seconds
-
-    last = max(((stop, timed(start, stop)) for start, stop in sizes if start == 0), default=None)
-    for start, stop in sizes:
-        if start:
-            timed(start, stop)
-    for n in longer:
-        if last is None or last[1] * n / last[0] > budget_s:
-            break
-        last = (n, timed(0, n))
-
-
-def calibrate_once(store: PrefixStore, key: str, models: Sequence[nn.Module]) -> float:
-    """``calibrate`` where ``fetch_policy="auto"`` will weigh a hit against a
-    prefill it knows nothing of (a model whose prefills this store, or an
-    earlier run on this machine, never saw); returns the seconds it took.
-    Without it the first hits of a model were served whatever they cost. A
-    few prefills of 128 tokens to 1K, then 4K and 8K where they are cheap
-    (``calibrate``; what that takes: docs/benchmarks.md, cost). The model's
-    shape goes to the store every time (``context_ratio``)."""
-    if store.fetch_policy != "auto":
-        return 0.0
-    store.set_context_ratio(key, context_ratio(models))
-    if store.knows_prefill(key):
-        return 0.0
-    t = time.perf_counter()
-    calibrate(store, key, models)
-    return time.perf_counter() - t
-
-
-_TERMS: dict[int, tuple[int, int]] = {}  # id(model) -> _shape_terms, while the model lives
-
-
-def context_ratio(models: Sequence[nn.Module]) -> float:
-    """Multiply-adds of attention per token of context (scores and weighted
-    sum, over full-attention layers: a sliding window's cost stops growing)
-    over multiply-adds per token through the weights, for ``models`` run
-    together; 0.0 where the model's shape cannot be read."""
-    weights = attention = 0
-    for m in models:
-        if id(m) not in _TERMS:
-            _TERMS[id(m)] = _shape_terms(m)
-            weakref.finalize(m, _TERMS.pop, id(m), None)
-        w, a = _TERMS[id(m)]
-        weights, attention = weights + w, attention + a
-    return attention / weights if weights and attention else 0.0
-
-
-def _shape_terms(model: nn.Module) -> tuple[int, int]:
-    args = getattr(model, "args", None)
-    heads = getattr(args, "num_attention_heads", None)
-    if not heads:
-        return 0, 0
-    head_dim = getattr(args, "head_dim", None) or getattr(args, "hidden_size", 0) // heads
-    full = sum(1 for c in C.make_prompt_cache(model) if type(c) is C.KVCache)
-    weights = 0
-    for _, mod in tree_flatten(model.leaf_modules(), is_leaf=lambda x: isinstance(x, nn.Module)):
-        if isinstance(mod, nn.QuantizedLinear):
-            weights += mod.weight.shape[0] * mod.weight.shape[1] * 32 // mod.bits
-        elif isinstance(mod, nn.Linear):
-            weights += mod.weight.size
-    return weights, full * heads * head_dim * 2

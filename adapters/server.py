@@ -335,10 +335,13 @@ def _parser() -> argparse.ArgumentParser:
     g.add_argument("--store-kv-bits", default=None,
                    help="bits of stored entries: 8, 4, or K,V like 8,4 (default: as the engine holds them)")
     g.add_argument("--store-group-size", type=int, default=64, help="quantization group size (default 64)")
-    g.add_argument("--block-size", type=int, default=256, help="tokens per stored block (default 256)")
+    g.add_argument("--block-size", type=int, default=None,
+                   help="tokens per stored block of a new store (default 256; a store keeps the one it was made with)")
     g.add_argument("--namespace", default=None, help="a tenant: stores of other namespaces share nothing")
     g.add_argument("--fetch-policy", default="auto", choices=["auto", "always", "never"],
                    help="auto: load a hit only where that beats recomputing it (rates measured here)")
+    g.add_argument("--calibrate-budget-s", type=float, default=3.0,
+                   help="auto: seconds a model's first request may spend timing its prefill (default 3; 0: none)")
     g.add_argument("--remote", default=None,
                    help="a Redis / Valkey server or cluster shared by hosts: redis://[:password@]host:port/db, "
                         "rediss://..., unix:///path.sock (password also from $KVSTORE_REMOTE_PASSWORD)")
@@ -421,7 +424,7 @@ def parse_args(argv: Sequence[str]) -> tuple[dict, list[str]]:
     store_args = dict(budget_gb=budget_gb, ssd_path=opts.ssd_path, block_size=opts.block_size, kv_bits=bits,
                       kv_group_size=opts.store_group_size, namespace=opts.namespace,
                       disk_budget_gb=opts.disk_budget_gb, fetch_policy=opts.fetch_policy, remote=opts.remote,
-                      remote_timeout=opts.remote_timeout)
+                      remote_timeout=opts.remote_timeout, calibrate_budget_s=opts.calibrate_budget_s)
     return store_args, rest
 
 

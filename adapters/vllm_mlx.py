@@ -521,9 +521,10 @@ def _serve_parser() -> argparse.ArgumentParser:
     p.add_argument("--disk-budget-gb", type=float, default=None)
     p.add_argument("--kv-bits", default=None)
     p.add_argument("--store-group-size", type=int, default=64)
-    p.add_argument("--block-size", type=int, default=256)
+    p.add_argument("--block-size", type=int, default=None)  # None: the store's own (256 for a new one)
     p.add_argument("--namespace", default=None)
     p.add_argument("--fetch-policy", default="auto", choices=["auto", "always", "never"])
+    p.add_argument("--calibrate-budget-s", type=float, default=3.0)  # 0: no calibration of the model's prefill
     p.add_argument("--remote", default=None)
     p.add_argument("--remote-timeout", type=float, default=0.5)
     return p
@@ -550,7 +551,7 @@ def parse_serve_args(argv: Sequence[str]) -> tuple[dict, list[str]]:
     store_args = dict(budget_gb=opts.budget_gb, ssd_path=opts.ssd_path, block_size=opts.block_size, kv_bits=bits,
                       kv_group_size=opts.store_group_size, namespace=opts.namespace,
                       disk_budget_gb=opts.disk_budget_gb, fetch_policy=opts.fetch_policy, remote=opts.remote,
-                      remote_timeout=opts.remote_timeout)
+                      remote_timeout=opts.remote_timeout, calibrate_budget_s=opts.calibrate_budget_s)
     if "--continuous-batching" not in rest and "--prefix-trie-cache" not in rest:
         rest.append("--continuous-batching")
     return store_args, rest

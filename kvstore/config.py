@@ -17,6 +17,7 @@ from typing import Optional, Union
 from .errors import ConfigError
 
 GB = 1 << 30
+DEFAULT_BLOCK = 256  # tokens per block of a new store
 MAX_BLOCK = 1 << 16  # tokens per block: one block of an 8B model at fp16 is then 8 GiB, far past any use
 POLICIES = ("auto", "always", "never")
 
@@ -61,7 +62,9 @@ class StoreConfig:
     device_budget_gb: Optional[float] = None
     ssd_path: Optional[Union[str, os.PathLike]] = None  # an LMDB store there (None: RAM only)
     disk_budget_gb: Optional[float] = None  # None: half the free space, at most 64 GiB
-    block_size: int = 256  # tokens per block
+    # tokens per block; None: the store's own (recorded at its creation), DEFAULT_BLOCK for a new one. A store
+    # reopened with another is served in its own, with a warning (its blocks' keys depend on it).
+    block_size: Optional[int] = None
     kv_bits: KvBits = None  # an int, (key_bits, value_bits), or None: the engine's dtype
     kv_group_size: int = 64
     rotate_keys: Optional[bool] = None  # None: at 4 bits or fewer (``rotate_*_at_or_below``)
@@ -77,6 +80,10 @@ class StoreConfig:
     # Keep the cost model's estimates in the store per machine, and start from them at open (False: every
     # open starts knowing nothing, as a first request on a new machine does; benchmarks of that case).
     remember_rates: bool = True
+    # fetch_policy="auto": seconds the first fetch of a model (``generate``) or its load (the servers) may spend
+    # timing prefills of it before its first request, so a hit is weighed against what recomputing costs
+    # (adapters/calibration.py). 0: none; hits are served until requests' own prefills have been timed.
+    calibrate_budget_s: float = 3.0
 
     # --------------------------------------------------------------- tuning
     # Rotation before quantizing is the default at or below these bits: it measured better at 4 bits and not
@@ -136,8 +143,9 @@ class StoreConfig:
 
     def __post_init__(self):
         bs = self.block_size
-        if isinstance(bs, bool) or not isinstance(bs, int) or not 1 <= bs <= MAX_BLOCK:
-            raise ConfigError(f"block_size must be an int in [1, {MAX_BLOCK}] (tokens per block), got {bs!r}")
+        if bs is not None and (isinstance(bs, bool) or not isinstance(bs, int) or not 1 <= bs <= MAX_BLOCK):
+            raise ConfigError(f"block_size must be an int in [1, {MAX_BLOCK}] (tokens per block) or None, "
+                              f"got {bs!r}")
         if self.namespace is not None and not isinstance(self.namespace, str):  # ("" is a namespace of its own)
             raise ConfigError(f"namespace must be a str or None, got {self.namespace!r}")
         for name in ("readonly", "remember_rates"):
@@ -153,6 +161,9 @@ class StoreConfig:
         if self.disk_budget_gb is not None:
             gib(self.disk_budget_gb, "disk_budget_gb")
         check_policy(self.fetch_policy)
+        c = self.calibrate_budget_s
+        if isinstance(c, bool) or not isinstance(c, (int, float)) or not math.isfinite(c) or c < 0:
+            raise ConfigError(f"calibrate_budget_s must be a number of seconds >= 0 (0: no calibration), got {c!r}")
         t = self.remote_timeout
         if isinstance(t, bool) or not isinstance(t, (int, float)) or not math.isfinite(t) or t <= 0:
             raise ConfigError(f"remote_timeout must be a number of seconds > 0, got {t!r}")

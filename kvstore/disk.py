@@ -17,7 +17,7 @@ from typing import Callable, Iterable, Iterator, Optional, Sequence
 
 import numpy as np
 
-from .config import StoreConfig
+from .config import DEFAULT_BLOCK, StoreConfig
 from .counters import Counters
 from .errors import StoreOpenError
 from .index import Node
@@ -37,6 +37,10 @@ class Disk:
         self.config = config
         self.warn = warn
         self.orphans = 0  # blocks found at open whose parent is missing (ignored)
+        # what the index says of the block size: the smallest start past 0 (a second block starts one block
+        # in), the longest first block (a full one is one block long)
+        self._second_start: Optional[int] = None
+        self._first_length = 0
         self._full_at: Optional[float] = None  # when a full device last stopped writes to it
 
     # ------------------------------------------------------------- writes
@@ -129,6 +133,29 @@ class Disk:
             self.counters.restore(uses, deltas)
             self.failed("updating use times in", e)
 
+    def block_size(self, asked: Optional[int]) -> int:
+        """The store's block size (call after ``load_index``): the one recorded
+        at its creation. A store without the record (made before kvstore kept
+        one) takes the one its blocks show, else ``asked`` (or the default),
+        and records it. ``asked`` other than the store's is logged, not used:
+        a block's key hashes its tokens, so blocks of another size would never
+        be found again."""
+        layout = self.tier.get_info("layout")
+        size = layout.get("block_size") if isinstance(layout, dict) else None
+        if not isinstance(size, int) or size < 1:
+            want = asked or DEFAULT_BLOCK
+            size = self._second_start or max(self._first_length, want)
+            if not self.tier.readonly:
+                try:
+                    size = self.tier.set_info_once("layout", {"block_size": size})["block_size"]
+                except Exception as e:  # (a full device) recorded at a later open
+                    self.failed("recording the block size in", e)
+        if asked is not None and asked != size:
+            log.warning("kvstore: %s holds blocks of %d tokens: block_size=%d is not used for it (blocks are keyed "
+                        "by their size; for another, use a new ssd_path or delete this store)", self.tier.path,
+                        size, asked)
+        return size
+
     def register_model(self, root: bytes, info: dict) -> None:
         try:
             self.tier.register_model(root, info)
@@ -189,6 +216,10 @@ class Disk:
                 for rec in self.tier.records(txn, bad):
                     by_parent.setdefault(rec.parent, []).append(rec)
                     roots.add(rec.root)
+                    if rec.start == 0:
+                        self._first_length = max(self._first_length, rec.length)
+                    elif self._second_start is None or rec.start < self._second_start:
+                        self._second_start = rec.start
         except Exception as e:  # LMDB's own pages are corrupt
             self.tier.close()
             raise StoreOpenError(f"{self.tier.path}: the store's index cannot be read ({e}). It is corrupt: "

@@ -38,7 +38,7 @@ import numpy as np
 
 from . import buffers, lookup
 from .codec import Codec, layer_arrays
-from .config import StoreConfig, gib
+from .config import DEFAULT_BLOCK, StoreConfig, gib
 from .cost import CostModel
 from .counters import Counters
 from .discovery import Discovery, Found
@@ -137,7 +137,7 @@ class PrefixStore:
         except TypeError as e:  # an unknown keyword
             raise ConfigError(f"PrefixStore: {e} (settings: kvstore.config.StoreConfig's fields)") from None
         self.config = cfg = config
-        self.block_size = cfg.block_size
+        self.block_size = cfg.block_size or DEFAULT_BLOCK  # an LMDB store's own, once it is open (below)
         self.codec = Codec.from_bits(cfg.kv_bits, cfg.kv_group_size, cfg.rotate_keys, cfg.rotate_values,
                                      cfg.rotate_keys_at_or_below, cfg.rotate_values_at_or_below,
                                      cfg.full_attention_bits)
@@ -170,6 +170,8 @@ class PrefixStore:
         self._closed = False
         if self._disk is not None:
             self._disk.load_index()
+            self.block_size = self._disk.block_size(cfg.block_size)
+        self.config = cfg = replace(cfg, block_size=self.block_size)
         self._planner.start()  # measured rates saved earlier, else priors (``probe``)
         warm_device(cfg)  # on CUDA, what a process's first hits would pay (``warmup``), once
         if not cfg.readonly:

@@ -441,7 +441,7 @@ def test_calibration_reports_each_length_without_the_processs_first_run_of_it(tm
         told = s.observe_prefill
         s.observe_prefill = lambda key, start, stop, secs: (reported.append((start, stop, secs)),
                                                             told(key, start, stop, secs))
-        calibrate(s, model_key(model), [model], sizes=((0, 64), (0, 128), (64, 128)), longer=())
+        calibrate(s, model_key(model), [model], sizes=((0, 64), (0, 128), (64, 128)), budget_s=60)
     assert [(a, b) for a, b, _ in reported] == [(0, 64), (0, 128), (64, 128)]
     assert {63, 127} <= seen  # generate_step prefilled these lengths (the last token goes alone): each stalled once
     assert all(secs < stall for _, _, secs in reported), reported

@@ -10,6 +10,7 @@ serves, as a state machine, tests/test_store_state.py."""
 from __future__ import annotations
 
 import lmdb
+import msgpack
 import pytest
 
 from kvstore.codec import Codec
@@ -45,6 +46,55 @@ def test_reopening_with_other_kv_bits_reads_old_entries(ssd):
     assert hit.length == 24
     for layer, ref in zip(hit.layers, kv_layers(b)):
         assert same(layer.values[..., 16:, :], Codec.from_bits(4, 32).compress_values(ref.values[..., 16:, :]).dequantize())
+
+
+@pytest.mark.parametrize("asked", [None, 32, 4, 5])
+def test_a_store_keeps_the_block_size_it_was_made_with(ssd, caplog, asked):
+    """A block's key hashes its tokens, so a store is served in the block size
+    its blocks were written in: reopened with another (or none), it keeps its
+    own, serves the whole stored prefix, and says so when another was asked
+    for (issue 41: written with 64, reopened with 256: ``hit 64 of 600``)."""
+    a = toks(75)
+    s = ssd(block_size=8)
+    put(s, a)
+    s.close()
+    caplog.clear()
+    s = ssd(block_size=asked)
+    assert s.block_size == 8 and s.config.block_size == 8
+    assert_hit_is(s.fetch(M, a), a, 75)
+    b = a + toks(30, 9000)
+    assert put(s, b) == 5  # in the store's size: 72..80 (the stored tail's block, whole now), 80..88, .., 104..105
+    assert_hit_is(s.fetch(M, b), b, 105)
+    warned = [r.getMessage() for r in caplog.records if r.levelname == "WARNING" and "block_size" in r.getMessage()]
+    if asked is None:
+        assert warned == []
+    else:
+        assert len(warned) == 1 and "holds blocks of 8 tokens" in warned[0] and f"block_size={asked}" in warned[0]
+    s.close()
+    assert ssd(block_size=8, readonly=True).block_size == 8
+
+
+def test_a_store_made_before_the_block_size_was_recorded_takes_it_from_its_blocks(ssd, tmp_path):
+    """Stores written by an earlier kvstore have no layout record: the index's
+    second blocks start one block in, so the size is known from them (and
+    recorded at the first writable open)."""
+    a = toks(40)
+    s = ssd(block_size=16)
+    put(s, a)
+    s.close()
+    env = lmdb.open(str(tmp_path / "store"), max_dbs=8, subdir=True)
+    with env.begin(write=True) as txn:
+        assert txn.delete(b"layout", db=env.open_db(b"meta", txn=txn, create=False))
+    env.close()
+    s = ssd(block_size=None)
+    assert s.block_size == 16
+    assert_hit_is(s.fetch(M, a), a, 40)
+    s.close()
+    env = lmdb.open(str(tmp_path / "store"), max_dbs=8, subdir=True, readonly=True)
+    with env.begin() as txn:
+        assert msgpack.unpackb(txn.get(b"layout", db=env.open_db(b"meta", txn=txn, create=False))) == \
+            {"block_size": 16}
+    env.close()
 
 
 # ---------------------------------------------------------- corrupt blocks

@@ -52,6 +52,9 @@ def stop(proc):
 
 
 def test_serve_reports_cached_tokens_and_keeps_them_across_restart(tmp_path):
+    """Restarted with another --block-size, the server serves the store in the
+    block size it was written with and says so; its log shows the model's
+    calibration (issue 41: a silent first request, a silent miss)."""
     model = make_tiny_model("llama", tmp_path / "model")
     store = tmp_path / "store"
     port = free_port()
@@ -66,9 +69,12 @@ def test_serve_reports_cached_tokens_and_keeps_them_across_restart(tmp_path):
         # the shared system prompt (a few hundred tokens) came from the store
         assert second["prompt_tokens_details"]["cached_tokens"] > 0.8 * first["prompt_tokens"]
 
-        proc = start(model, store, port, log)
+        proc = start(model, store, port, log, "--block-size", "256")
         try:
             third = chat(port, "what is new")
         finally:
             stop(proc)
     assert third["prompt_tokens_details"]["cached_tokens"] > 0.8 * first["prompt_tokens"]
+    text = (tmp_path / "server.log").read_text()
+    assert text.count("holds blocks of 64 tokens: block_size=256 is not used") == 1
+    assert "timing prefills of model" in text and "kvstore: timed " in text

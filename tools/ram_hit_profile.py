@@ -28,14 +28,16 @@ def run(model_path: str, tokens: int, repeats: int) -> dict:
     from mlx_lm import load
 
     from kvstore import PrefixStore, rowcopy
+    from kvstore.adapters.calibration import vocab_size
     from kvstore.adapters.generate import fetch_cache, model_key, prefill, store_cache
     from mlx_lm.models import cache as C
 
     model, _ = load(model_path)
     key = model_key(model)
     rng = np.random.default_rng(0)
-    prompt = rng.integers(0, 1000, tokens).tolist()
-    other = rng.integers(0, 1000, tokens).tolist()
+    vocab = min(1000, vocab_size([model]) or 1000)  # ids the model can embed (past its table: a crash on the CPU)
+    prompt = rng.integers(0, vocab, tokens).tolist()
+    other = rng.integers(0, vocab, tokens).tolist()
     uploads: list[float] = []  # per hit, the time its blocks took to land in GPU memory (copy engine + copy out)
     real = rowcopy._land
 

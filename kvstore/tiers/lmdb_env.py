@@ -413,3 +413,16 @@ class LmdbEnv:
 
     def set_info(self, name: str, value) -> None:
         self.write(lambda txn: txn.put(name.encode(), pack(value), db=self.dbs[b"meta"]))
+
+    def set_info_once(self, name: str, value):
+        """Write ``meta`` record ``name`` unless there is one; returns the one
+        stored (of processes racing to write it, the first wins)."""
+        stored = []
+
+        def put(txn: lmdb.Transaction) -> None:
+            raw = txn.get(name.encode(), db=self.dbs[b"meta"])
+            if raw is None:
+                txn.put(name.encode(), pack(value), db=self.dbs[b"meta"])
+            stored[:] = [value if raw is None else unpack(raw)]
+        self.write(put)
+        return stored[0]
