@@ -299,7 +299,10 @@ def _measured_rates(saved: dict, cat: Catalog) -> dict:
 @app.command()
 def verify(path: Path = PathArg,
            repair: bool = typer.Option(False, help="Remove bad blocks (and the blocks under them) and orphans.")):
-    """Check every block's header, checksum and tokens. Exit code 0 when all is well, 1 when not.
+    """Check every block's header, checksum and tokens. Exit code 0 when all is well, 1 when a block is bad.
+
+    Orphans (blocks whose parent was removed, e.g. by a clear while an older kvstore wrote) are never served
+    and are no damage: they are counted apart and do not fail the check; --repair removes them too.
 
     Example: [bold]kvstore verify ~/.cache/kvstore/store --repair[/bold]
     """
@@ -314,21 +317,32 @@ def verify(path: Path = PathArg,
                 why = check_block(disk, txn, rec)
                 if why:
                     bad[rec.key] = why
-        for key in cat.orphans():
-            bad.setdefault(key, "parent block missing (orphan)")
         for key in cat.bad:
             bad[key] = "index record unreadable"
+        orphans: list[bytes] = []
+        for key in cat.orphans():
+            if key in bad:
+                continue
+            if cat.records[key].parent in bad:  # its parent's record is damaged: part of that damage
+                bad[key] = "parent block's index record unreadable"
+            else:
+                orphans.append(key)
+                bad[key] = "parent block missing (orphan)"
         for key, why in bad.items():
             r = cat.records.get(key)
             where = f"tokens {r.start}-{r.end}" if r else "tokens ?"
-            out.print(f"[red]bad[/red] {key.hex()[:16]} {where}: {why}")
+            tag = "[yellow]orphan[/yellow]" if key in orphans else "[red]bad[/red]"
+            out.print(f"{tag} {key.hex()[:16]} {where}: {why}")
         if bad and repair:
             n = len(disk.remove(cat.with_descendants(bad)))
             out.print(f"removed {n} blocks")
     finally:
         disk.close()
-    out.print(f"{len(cat.records) + len(cat.bad)} blocks checked, {len(bad)} bad")
-    raise typer.Exit(1 if bad else 0)
+    n_bad = len(bad) - len(orphans)
+    out.print(f"{len(cat.records) + len(cat.bad)} blocks checked, {n_bad} bad, {len(orphans)} orphans"
+              + (" (blocks whose parent was removed, by a clear or an eviction, while they were written: never "
+                 "served, no damage; --repair removes them)" if orphans and not repair else ""))
+    raise typer.Exit(1 if n_bad else 0)
 
 
 @app.command()
@@ -396,6 +410,7 @@ def _clear_local(path: Path, model: Optional[str], age: Optional[float], yes: bo
         if not keys:
             out.print("nothing matches")
             return
+        _warn_users(disk)
         if not yes and not typer.confirm(f"Delete {len(keys)} blocks ({_size(nbytes)}) from {path}?", default=False):
             out.print("nothing deleted")
             raise typer.Exit(1)
@@ -404,11 +419,22 @@ def _clear_local(path: Path, model: Optional[str], age: Optional[float], yes: bo
         with Progress(*Progress.get_default_columns(), console=err, transient=True) as bar:
             task = bar.add_task("deleting", total=len(keys))
             for i in range(0, len(keys), _DELETE_BATCH):  # (one stopped part-way leaves servable prefixes)
-                n += len(disk.remove(keys[i : i + _DELETE_BATCH]))
+                n += len(disk.remove(keys[i : i + _DELETE_BATCH], clearing=True))
                 bar.advance(task, min(_DELETE_BATCH, len(keys) - i))
         out.print(f"deleted {n} blocks ({_size(nbytes)})")
     finally:
         disk.close()
+
+
+def _warn_users(disk: LmdbTier) -> None:
+    """Say which other processes have the store open: the clear is safe beside them (their next write learns of
+    it and stores no block whose parent is gone), but they keep serving what they hold in RAM."""
+    pids = disk.other_processes()
+    if pids:
+        err.print(f"[yellow]warning:[/yellow] {len(pids)} other process{'es' if len(pids) > 1 else ''} "
+                  f"(pid {', '.join(map(str, pids))}) {'have' if len(pids) > 1 else 'has'} this store open: they "
+                  f"keep serving the cleared prompts they hold in RAM until their next write to the store, which "
+                  f"makes them forget what was cleared. Restart them for a clean slate.")
 
 
 def main() -> None:

@@ -254,3 +254,58 @@ def test_a_base_model_is_asked_in_a_plain_transcript_sharing_the_system_text():
     assert two.startswith(one) and "Answer: With PrefixStore." in two  # turn 2 extends turn 1's prompt
     assert _answer(" Use open().\nQuestion: next one") == "Use open()."
     assert _answer(" Use open().\n\nAnother paragraph") == "Use open()."
+
+
+def test_clear_beside_a_running_engine_warns_and_leaves_no_orphans(tmp_path):
+    """`kvstore clear --all --yes` while another process has the store open:
+    clear names that process; the engine's next write stores no block whose
+    parent the clear removed (it learns of the clear and forgets what it knew
+    on disk), its put after that stores the whole prompt again, and `verify`
+    finds nothing wrong."""
+    from ._clear_child import LONG
+
+    path = tmp_path / "store"
+    child = subprocess.Popen([sys.executable, "-m", "tests._clear_child", str(path)], stdin=subprocess.PIPE,
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        assert child.stdout.readline().strip() == "ready", child.stderr.read()
+        cleared = kvstore("clear", path, "--all", "--yes")
+        assert cleared.returncode == 0 and "deleted 4 blocks" in cleared.stdout, cleared.stderr
+        assert "warning" in cleared.stderr and f"pid {child.pid}" in cleared.stderr, cleared.stderr
+        out, errs = child.communicate("go\n", timeout=120)
+    finally:
+        child.kill()
+    assert child.returncode == 0, errs
+    got = json.loads(out.strip().splitlines()[-1])
+    assert got == {"first": 4, "second": 8, "fetched": len(LONG)}  # the second put stored the cleared blocks again
+    check = kvstore("verify", path)
+    assert check.returncode == 0 and "0 bad, 0 orphans" in check.stdout, check.stdout
+    assert json.loads(kvstore("stats", path, "--json").stdout)["blocks"] == 8
+
+
+def test_clear_with_no_other_process_says_nothing_of_them(store_path):
+    res = kvstore("clear", store_path, "--all", "--yes")
+    assert res.returncode == 0 and "warning" not in res.stderr, res.stderr
+
+
+def test_verify_counts_orphans_apart_from_damage_and_repair_removes_them(store_path):
+    """An orphan (a block whose parent is gone: what a clear beside an older
+    kvstore's engine left) is never served and is no damage: verify lists it
+    as an orphan and exits 0; --repair removes it."""
+    from kvstore.catalog import Catalog
+    from kvstore.tiers.lmdb import LmdbTier
+
+    tier = LmdbTier.open(store_path)
+    try:
+        cat = Catalog.read(tier)
+        kids = cat.children()
+        parent = next(k for k, r in cat.records.items() if r.parent == r.root and len(kids.get(k, [])) == 1)
+        tier.remove([parent])  # its child (and the blocks under it) stay behind
+    finally:
+        tier.close()
+    res = kvstore("verify", store_path)
+    assert res.returncode == 0, res.stdout
+    assert "0 bad, 1 orphans" in res.stdout and "orphan" in res.stdout.splitlines()[0]
+    fixed = kvstore("verify", store_path, "--repair")
+    assert fixed.returncode == 0 and "removed 8 blocks" in fixed.stdout, fixed.stdout
+    assert "0 bad, 0 orphans" in kvstore("verify", store_path).stdout
