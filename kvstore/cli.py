@@ -15,13 +15,14 @@ from typing import Optional
 
 import typer
 from rich.console import Console
+from rich.markup import escape
 from rich.progress import Progress
 from rich.table import Table
 
 from . import __version__
 from .catalog import Catalog, check_block, parse_age, select
 from .cost import CostModel
-from .errors import RemoteConfigError, StoreOpenError
+from .errors import KVStoreError, RemoteConfigError, StoreOpenError
 from .remote_catalog import RemoteCatalog
 from .tiers.lmdb import LmdbTier
 from .tiers.remote import RemoteTier, RemoteURL
@@ -438,7 +439,14 @@ def _warn_users(disk: LmdbTier) -> None:
 
 
 def main() -> None:
-    app()
+    """Run the commands. kvstore's own errors (a bad setting, a store it cannot
+    open, a model it cannot load) end as one line on stderr, exit code 2, for
+    every command alike; anything else is a bug and keeps its traceback."""
+    try:
+        app()
+    except KVStoreError as e:
+        err.print("[red]error:[/red]", escape(" ".join(str(e).split())))
+        raise SystemExit(2) from None
 
 
 if __name__ == "__main__":

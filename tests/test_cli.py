@@ -1,6 +1,7 @@
 """The `kvstore` command, driven as a real subprocess against stores a test wrote."""
 
 import json
+import re
 import subprocess
 import sys
 
@@ -131,6 +132,10 @@ def test_demo_runs_end_to_end_and_hits_from_ssd_after_restart(tmp_path):
     # from the store but its last token (blocks read from SSD are promoted to RAM)
     assert cells[0][4] == cells[0][2] - 1
     assert all(c[5] == 1 and c[3] + c[4] == c[2] - 1 for c in cells)
+    # the first run's summary counts what it stored (it was read before the writer had written it: 0 blocks)
+    ram_mib, blocks, ssd_mib = re.search(r"RAM ([\d.]+) MiB in (\d+) blocks, SSD ([\d.]+) MiB",
+                                         res.stdout.split("after restart")[0]).groups()
+    assert float(ram_mib) > 0 and int(blocks) > 0 and float(ssd_mib) > 0
 
 
 def test_stats_shows_the_measured_rates_and_prefill_model(tmp_path):
