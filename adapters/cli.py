@@ -10,7 +10,16 @@ from typing import Optional
 
 import typer
 
-from kvstore.cli import app, err, main as run, out
+from kvstore.cli import TOKENIZER_LOADERS, app, err, main as run, out
+
+
+def _gguf_tokenizer(path: Path):
+    from .loading import gguf_tokenizer
+
+    return gguf_tokenizer(path)
+
+
+TOKENIZER_LOADERS.append(_gguf_tokenizer)  # `kvstore inspect` shows a GGUF model's prompts as text
 
 
 @app.command()

