@@ -58,7 +58,7 @@ def check_dir(p: Path, readonly: bool) -> None:
 def _check_dir(p: Path, readonly: bool) -> None:
     if p.exists() and not p.is_dir():
         raise StoreOpenError(
-            f"{p} is a file, not a kvstore store directory. " + ("Check the path; nothing was read or changed."
+            f"{p} is a file, not a kvstore store directory. " + ("Check the path; nothing was written."
                                                                    if readonly else
                                                                    "Point ssd_path at a directory kvstore may own "
                                                                    "(a new path is created); nothing was written."))
@@ -69,7 +69,8 @@ def _check_dir(p: Path, readonly: bool) -> None:
         if entries and "data.mdb" not in entries and entries != {"lock.mdb"}:
             raise StoreOpenError(
                 f"{p} holds files that are not a kvstore store ({', '.join(sorted(entries)[:3])}...). "
-                + ("Check the path; nothing was read or changed." if readonly else
+                + ("Check the path: a store is a directory kvstore made (from an empty or new directory, opened "
+                   "writable); nothing was written." if readonly else
                    "Choose an empty or new directory for ssd_path; nothing was written."))
         if "data.mdb" in entries:
             return
