@@ -4,12 +4,22 @@ each command, so ``kvstore inspect`` never loads mlx-lm."""
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 from typing import Optional
 
 import typer
 
-from kvstore.cli import app, err, out
+from kvstore.cli import TOKENIZER_LOADERS, app, err, main as run, out
+
+
+def _gguf_tokenizer(path: Path):
+    from .loading import gguf_tokenizer
+
+    return gguf_tokenizer(path)
+
+
+TOKENIZER_LOADERS.append(_gguf_tokenizer)  # `kvstore inspect` shows a GGUF model's prompts as text
 
 
 @app.command()
@@ -36,6 +46,72 @@ def demo(
     except DemoError as e:
         err.print(f"[red]error:[/red] {e}")
         raise typer.Exit(2)
+
+
+@app.command()
+def generate(
+    model: str = typer.Option(..., help="A local mlx-lm model folder, a GGUF file, 'smollm2' or 'gemma3'."),
+    prompt: str = typer.Option(..., help="The prompt ('-': read it from stdin)."),
+    system_prompt: Optional[str] = typer.Option(None, help="A system message (with the chat template)."),
+    ignore_chat_template: bool = typer.Option(False, help="Tokenize the prompt as it is."),
+    max_tokens: int = typer.Option(256, "--max-tokens", "-m", min=1, help="Tokens to generate at most."),
+    temp: float = typer.Option(0.0, min=0.0, help="Sampling temperature (0: greedy)."),
+    top_p: float = typer.Option(1.0, min=0.0, max=1.0, help="Nucleus sampling: the top-p mass."),
+    seed: Optional[int] = typer.Option(None, help="Seed of the sampler."),
+    ssd_path: Path = typer.Option(Path("~/.cache/kvstore/store"), help="Store directory (kept across runs)."),
+    budget_gb: float = typer.Option(1.0, help="RAM budget of the store in GiB."),
+    store_kv_bits: Optional[str] = typer.Option(None, help="Bits of stored entries: 8, 4, or K,V like 8,4 "
+                                                           "(default: as the model holds them)."),
+    block_size: int = typer.Option(256, help="Tokens per stored block (a prompt's last partial block is not "
+                                             "stored)."),
+    quiet: bool = typer.Option(False, "--quiet", "-q", help="Print the completion only (no cache line on stderr)."),
+):
+    """Generate a completion as [bold]mlx_lm.generate[/bold] does, the prompt's KV taken from and kept in the store.
+
+    Prints the completion on stdout and, on stderr, how many prompt tokens came from the store (RAM / SSD) and
+    how many were computed. A second run with the same prompt start (a shared system prompt) reads it from SSD.
+
+    Example: [bold]kvstore generate --model smollm2 --prompt "What is a KV cache?" --max-tokens 64[/bold]
+    """
+    import mlx.core as mx
+    from mlx_lm.sample_utils import make_sampler
+
+    from kvstore import PrefixStore
+    from kvstore.config import store_config
+
+    from .generate import Generation, stream_generate
+    from .gguf import load_model
+    from .loading import ModelLoadError
+    from .server import parse_kv_bits
+
+    try:
+        bits = parse_kv_bits(store_kv_bits)
+    except ValueError as e:
+        err.print(f"[red]error:[/red] --store-kv-bits: {e}")
+        raise typer.Exit(2)
+    config = store_config(ssd_path=ssd_path.expanduser(), budget_gb=budget_gb, kv_bits=bits, block_size=block_size)
+    text = sys.stdin.read() if prompt == "-" else prompt
+    try:
+        mlx_model, tokenizer, path = load_model(model)
+    except Exception as e:
+        raise ModelLoadError.of(model, e) from None
+    if not ignore_chat_template and getattr(tokenizer, "chat_template", None):
+        messages = [{"role": "system", "content": system_prompt}] if system_prompt else []
+        ids = tokenizer.apply_chat_template(messages + [{"role": "user", "content": text}], add_generation_prompt=True)
+    else:
+        ids = tokenizer.encode(text)
+    if seed is not None:
+        mx.random.seed(seed)
+    res = Generation()
+    with PrefixStore(config) as store:
+        for resp in stream_generate(mlx_model, tokenizer, ids, store=store, model_path=path, max_tokens=max_tokens,
+                                    sampler=make_sampler(temp, top_p), result=res):
+            print(resp.text, end="", flush=True)
+        print()
+    if not quiet:
+        err.print(f"kvstore: prompt {res.prompt_tokens} tokens: {res.cached_tokens} from the store (RAM "
+                  f"{res.ram_tokens}, SSD {res.ssd_tokens}), {res.computed_tokens} computed; first token after "
+                  f"{1000 * res.ttft_s:.0f} ms; {len(res.tokens)} tokens generated", highlight=False)
 
 
 @app.command(context_settings={"allow_extra_args": True, "ignore_unknown_options": True,
@@ -102,7 +178,7 @@ def vllm_mlx_serve(ctx: typer.Context):
 
 
 def main() -> None:
-    app()
+    run()
 
 
 if __name__ == "__main__":

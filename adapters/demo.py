@@ -13,6 +13,7 @@ from __future__ import annotations
 import logging
 import shutil
 from contextlib import contextmanager
+from dataclasses import replace
 from pathlib import Path
 from typing import Iterator, Optional
 
@@ -22,6 +23,7 @@ from rich.progress import Progress
 from rich.table import Table
 
 from kvstore import PrefixStore
+from kvstore.config import store_config
 
 from .generate import Generation, generate
 
@@ -77,6 +79,7 @@ def run_demo(model_path: Optional[str] = None, ssd_path: Optional[str] = None, u
     default: a small random-weight model, whose answers are noise."""
     from .gguf import load_model
 
+    config = store_config(budget_gb=budget_gb, ssd_path=ssd_path, kv_bits=kv_bits, block_size=block_size)
     base = model_path == "gemma3"  # the package ships the base model
     console = console or Console()
     if model_path is None:
@@ -92,6 +95,7 @@ def run_demo(model_path: Optional[str] = None, ssd_path: Optional[str] = None, u
         from platformdirs import user_cache_dir
         ssd_path = str(Path(user_cache_dir("kvstore")) / "demo-store")
         shutil.rmtree(ssd_path, ignore_errors=True)  # the demo's own store: start empty each run
+        config = replace(config, ssd_path=ssd_path)
     console.print(f"model: {model_path}\nstore: {ssd_path}  (RAM budget {budget_gb} GiB, entries kv_bits={kv_bits}, "
                   f"block {block_size} tokens)")
     rows = []
@@ -100,7 +104,7 @@ def run_demo(model_path: Optional[str] = None, ssd_path: Optional[str] = None, u
         for phase in ("first run", "after restart"):
             history = {u: [{"role": "system", "content": SYSTEM}] for u in range(users)}
             asked: dict[int, list] = {u: [] for u in range(users)}
-            with PrefixStore(budget_gb=budget_gb, ssd_path=ssd_path, kv_bits=kv_bits, block_size=block_size) as store:
+            with PrefixStore(config) as store:
                 with Progress(console=console, transient=True) as progress:
                     task = progress.add_task(f"{phase}: {len(reqs)} requests", total=len(reqs))
                     for u, turn, question in reqs:
@@ -119,6 +123,7 @@ def run_demo(model_path: Optional[str] = None, ssd_path: Optional[str] = None, u
                                          ram=res.ram_tokens, ssd=res.ssd_tokens, computed=res.computed_tokens,
                                          ttft_ms=1000 * res.ttft_s, answer=res.text))
                         progress.advance(task)
+                store.flush()  # the last answers' blocks are still being written: counted once they are
                 stats = store.stats()
             console.print(_table(phase, [r for r in rows if r["phase"] == phase]))
             console.print(f"  RAM {stats['ram_bytes'] / 2**20:.1f} MiB in {stats['ram_blocks']} blocks, "

@@ -23,6 +23,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any, Optional, Sequence, Union
 
 import mlx.core as mx
@@ -30,10 +31,12 @@ import mlx.nn as nn
 from mlx_lm.models import cache as C
 
 from kvstore import Hit, PrefixStore
+from kvstore.config import store_config
 
 from .file_digests import changed_since
 from .generate import calibrate_once, models_key, needs_snapshots, prefill
 from .gguf import TRAINED, is_gguf, load_model, resolve_model
+from .loading import ModelLoadError
 from .inserts import Inserts
 from .mlx_lm import ADAPTER_FILES, adapter_fingerprint, cache_offset, layers_to_caches, snapshot
 
@@ -315,6 +318,24 @@ def _load_gguf_too(load):
     return load_any
 
 
+def _empty_without_hf_cache(scan):
+    """huggingface_hub's ``scan_cache_dir``, which mlx-lm's ``GET /v1/models``
+    calls, giving no repos where there is no Hugging Face cache (it raises
+    ``CacheNotFound``: the request failed with a traceback in the log)."""
+    if getattr(scan, "empty_without_cache", False):
+        return scan
+    from huggingface_hub.errors import CacheNotFound
+
+    def scan_or_empty(*args, **kwargs):
+        try:
+            return scan(*args, **kwargs)
+        except CacheNotFound:
+            return SimpleNamespace(repos=frozenset())
+
+    scan_or_empty.empty_without_cache = True
+    return scan_or_empty
+
+
 # ---------------------------------------------------------------------------
 # kvstore serve
 # ---------------------------------------------------------------------------
@@ -474,18 +495,25 @@ def start(argv: Sequence[str]) -> Server:
         got.update(host=host, port=port, provider=model_provider)
 
     S.load = _load_gguf_too(S.load)  # the generation thread loads the model later, through this name
+    S.scan_cache_dir = _empty_without_hf_cache(S.scan_cache_dir)  # GET /v1/models
     run, argv0 = S.run, sys.argv
     S.run, sys.argv = capture, ["mlx_lm.server", *rest]
     try:
         S.main()  # parses mlx-lm's options as mlx-lm does, sets up logging, builds the ModelProvider
     finally:
         S.run, sys.argv = run, argv0
+    config = store_config(**store_args)  # a bad store option is an error now, before the model loads
+    provider = got["provider"]
+    try:  # here, not first in the generation thread: there a model that cannot load left a server answering 404s
+        provider.load_default()
+    except Exception as e:
+        raise ModelLoadError.of(provider.cli_args.model, e) from None
     if store_args["ssd_path"] is None:
         log.warning("kvstore serve: no --ssd-path: the store is RAM-only (its cache ends with the server); "
                     "give --ssd-path DIR to keep it across restarts")
-    store = PrefixStore(**store_args)
+    store = PrefixStore(config)
     try:
-        prompt_cache = StorePromptCache(store, got["provider"])
+        prompt_cache = StorePromptCache(store, provider)
         fingerprint = S.get_system_fingerprint()
         # as mlx-lm's _run_http_server: the address family the host resolves to (IPv6 too)
         family, _, _, _, address = socket.getaddrinfo(got["host"], got["port"], type=socket.SOCK_STREAM,
@@ -495,7 +523,7 @@ def start(argv: Sequence[str]) -> Server:
     except BaseException:
         store.close()
         raise
-    generator = S.ResponseGenerator(got["provider"], prompt_cache)  # starts the generation thread
+    generator = S.ResponseGenerator(provider, prompt_cache)  # starts the generation thread (the model is loaded)
     log.info("kvstore: mlx-lm server on the store at %s port %d", got["host"], httpd.server_address[1])
     return Server(store, prompt_cache, generator, httpd)
 

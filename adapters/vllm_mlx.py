@@ -53,6 +53,7 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from kvstore import PrefixStore
+from kvstore.config import store_config
 from kvstore.errors import ConfigError, KVStoreError
 
 from .generate import calibrate_once, model_key
@@ -565,11 +566,12 @@ def serve(argv: Sequence[str]) -> None:
     import sys
 
     store_args, rest = parse_serve_args(argv)
+    config = store_config(**store_args)  # a bad store option is an error now
     check_vllm_mlx()  # before anything starts: an unsupported version exits here
     import vllm_mlx.cli as vcli
 
     vargs = vcli.create_parser().parse_args(["serve", *rest])  # vllm-mlx's own reading of its options
-    store = PrefixStore(**store_args)
+    store = PrefixStore(config)
     installed = install(store, model_path=vargs.model, max_kv_size=vargs.max_kv_size or None)
 
     def stop(signum, frame):

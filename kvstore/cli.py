@@ -11,17 +11,18 @@ import json
 import sys
 from enum import Enum
 from pathlib import Path
-from typing import Optional
+from typing import Any, Callable, Optional
 
 import typer
 from rich.console import Console
+from rich.markup import escape
 from rich.progress import Progress
 from rich.table import Table
 
 from . import __version__
 from .catalog import Catalog, check_block, parse_age, select
 from .cost import CostModel
-from .errors import RemoteConfigError, StoreOpenError
+from .errors import KVStoreError, RemoteConfigError, StoreOpenError
 from .remote_catalog import RemoteCatalog
 from .tiers.lmdb import LmdbTier
 from .tiers.remote import RemoteTier, RemoteURL
@@ -85,20 +86,31 @@ def _size(n: float) -> str:
     return str(n)
 
 
+# Where a model's tokenizer is not a tokenizer.json in its folder: functions of the registered path giving a
+# tokenizer (``decode(ids, skip_special_tokens=False)``) or None. kvstore.adapters adds GGUF files'.
+TOKENIZER_LOADERS: list[Callable[[Path], Any]] = []
+
+
+def _tokenizer(path: Path):
+    if Path(path, "tokenizer.json").exists():
+        # the tokenizers library alone: transformers would say on stderr that PyTorch is missing
+        from tokenizers import Tokenizer
+        return Tokenizer.from_file(str(Path(path, "tokenizer.json")))
+    return next((t for load in TOKENIZER_LOADERS if (t := load(path)) is not None), None)
+
+
 def _decoder(catalog: Catalog):
     """Per model root, a function turning token ids into text, when the model
-    folder named at registration is still there."""
+    folder or file named at registration is still there."""
     cache = {}
 
     def decode(root_hex: str, ids: list[int]) -> Optional[str]:
         if root_hex not in cache:
             cache[root_hex] = None
-            info = catalog.models.get(bytes.fromhex(root_hex), {})
-            path = info.get("path")
-            if path and Path(path, "tokenizer.json").exists():
-                try:  # the tokenizers library alone: transformers would say on stderr that PyTorch is missing
-                    from tokenizers import Tokenizer
-                    cache[root_hex] = Tokenizer.from_file(str(Path(path, "tokenizer.json")))
+            path = catalog.models.get(bytes.fromhex(root_hex), {}).get("path")
+            if path and Path(path).exists():
+                try:
+                    cache[root_hex] = _tokenizer(Path(path))
                 except Exception:
                     pass
         tok = cache[root_hex]
@@ -299,7 +311,10 @@ def _measured_rates(saved: dict, cat: Catalog) -> dict:
 @app.command()
 def verify(path: Path = PathArg,
            repair: bool = typer.Option(False, help="Remove bad blocks (and the blocks under them) and orphans.")):
-    """Check every block's header, checksum and tokens. Exit code 0 when all is well, 1 when not.
+    """Check every block's header, checksum and tokens. Exit code 0 when all is well, 1 when a block is bad.
+
+    Orphans (blocks whose parent was removed, e.g. by a clear while an older kvstore wrote) are never served
+    and are no damage: they are counted apart and do not fail the check; --repair removes them too.
 
     Example: [bold]kvstore verify ~/.cache/kvstore/store --repair[/bold]
     """
@@ -314,21 +329,32 @@ def verify(path: Path = PathArg,
                 why = check_block(disk, txn, rec)
                 if why:
                     bad[rec.key] = why
-        for key in cat.orphans():
-            bad.setdefault(key, "parent block missing (orphan)")
         for key in cat.bad:
             bad[key] = "index record unreadable"
+        orphans: list[bytes] = []
+        for key in cat.orphans():
+            if key in bad:
+                continue
+            if cat.records[key].parent in bad:  # its parent's record is damaged: part of that damage
+                bad[key] = "parent block's index record unreadable"
+            else:
+                orphans.append(key)
+                bad[key] = "parent block missing (orphan)"
         for key, why in bad.items():
             r = cat.records.get(key)
             where = f"tokens {r.start}-{r.end}" if r else "tokens ?"
-            out.print(f"[red]bad[/red] {key.hex()[:16]} {where}: {why}")
+            tag = "[yellow]orphan[/yellow]" if key in orphans else "[red]bad[/red]"
+            out.print(f"{tag} {key.hex()[:16]} {where}: {why}")
         if bad and repair:
             n = len(disk.remove(cat.with_descendants(bad)))
             out.print(f"removed {n} blocks")
     finally:
         disk.close()
-    out.print(f"{len(cat.records) + len(cat.bad)} blocks checked, {len(bad)} bad")
-    raise typer.Exit(1 if bad else 0)
+    n_bad = len(bad) - len(orphans)
+    out.print(f"{len(cat.records) + len(cat.bad)} blocks checked, {n_bad} bad, {len(orphans)} orphans"
+              + (" (blocks whose parent was removed, by a clear or an eviction, while they were written: never "
+                 "served, no damage; --repair removes them)" if orphans and not repair else ""))
+    raise typer.Exit(1 if n_bad else 0)
 
 
 @app.command()
@@ -396,6 +422,7 @@ def _clear_local(path: Path, model: Optional[str], age: Optional[float], yes: bo
         if not keys:
             out.print("nothing matches")
             return
+        _warn_users(disk)
         if not yes and not typer.confirm(f"Delete {len(keys)} blocks ({_size(nbytes)}) from {path}?", default=False):
             out.print("nothing deleted")
             raise typer.Exit(1)
@@ -404,15 +431,33 @@ def _clear_local(path: Path, model: Optional[str], age: Optional[float], yes: bo
         with Progress(*Progress.get_default_columns(), console=err, transient=True) as bar:
             task = bar.add_task("deleting", total=len(keys))
             for i in range(0, len(keys), _DELETE_BATCH):  # (one stopped part-way leaves servable prefixes)
-                n += len(disk.remove(keys[i : i + _DELETE_BATCH]))
+                n += len(disk.remove(keys[i : i + _DELETE_BATCH], clearing=True))
                 bar.advance(task, min(_DELETE_BATCH, len(keys) - i))
         out.print(f"deleted {n} blocks ({_size(nbytes)})")
     finally:
         disk.close()
 
 
+def _warn_users(disk: LmdbTier) -> None:
+    """Say which other processes have the store open: the clear is safe beside them (their next write learns of
+    it and stores no block whose parent is gone), but they keep serving what they hold in RAM."""
+    pids = disk.other_processes()
+    if pids:
+        err.print(f"[yellow]warning:[/yellow] {len(pids)} other process{'es' if len(pids) > 1 else ''} "
+                  f"(pid {', '.join(map(str, pids))}) {'have' if len(pids) > 1 else 'has'} this store open: they "
+                  f"keep serving the cleared prompts they hold in RAM until their next write to the store, which "
+                  f"makes them forget what was cleared. Restart them for a clean slate.")
+
+
 def main() -> None:
-    app()
+    """Run the commands. kvstore's own errors (a bad setting, a store it cannot
+    open, a model it cannot load) end as one line on stderr, exit code 2, for
+    every command alike; anything else is a bug and keeps its traceback."""
+    try:
+        app()
+    except KVStoreError as e:
+        err.print("[red]error:[/red]", escape(" ".join(str(e).split())))
+        raise SystemExit(2) from None
 
 
 if __name__ == "__main__":

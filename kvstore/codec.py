@@ -154,6 +154,12 @@ class Codec:
             rotate_values = _default_rotation(v, rotate_values_at_or_below)
         return cls(k, v, group_size, bool(rotate_keys), bool(rotate_values), full)
 
+    @classmethod
+    def of(cls, cfg: StoreConfig) -> "Codec":
+        """The codec a store of ``cfg`` stores with (``ConfigError`` for bits or a group size it cannot use)."""
+        return cls.from_bits(cfg.kv_bits, cfg.kv_group_size, cfg.rotate_keys, cfg.rotate_values,
+                             cfg.rotate_keys_at_or_below, cfg.rotate_values_at_or_below, cfg.full_attention_bits)
+
     def for_layer(self, window: Optional[int], windowed_model: bool) -> "Codec":
         """The codec of one layer: ``full_attention`` for a full-attention layer (``window`` None) of a
         model with sliding-window layers (``windowed_model``), this one otherwise."""

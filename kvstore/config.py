@@ -9,9 +9,10 @@ tests and benchmarks vary them the same way.
 
 from __future__ import annotations
 
+import difflib
 import math
 import os
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, fields, replace
 from typing import Optional, Union
 
 from .errors import ConfigError
@@ -217,3 +218,25 @@ def gib(gb: float, name: str) -> int:
     if isinstance(gb, bool) or not isinstance(gb, (int, float)) or not math.isfinite(gb) or gb < 0:
         raise ConfigError(f"{name} must be a finite number of GiB >= 0, got {gb!r}")
     return int(gb * GB)
+
+
+def store_config(config: Optional[StoreConfig] = None, **settings) -> StoreConfig:
+    """``config`` varied by ``settings`` (or ``StoreConfig(**settings)``), each
+    checked as ``PrefixStore`` checks it, nothing opened: ``ConfigError``
+    names a setting out of range, or one that does not exist and the nearest
+    that do."""
+    if config is not None and not isinstance(config, StoreConfig):  # e.g. PrefixStore("/path/to/store")
+        raise ConfigError(f"PrefixStore: the one positional argument is a StoreConfig, not {config!r}; "
+                          "settings are keywords (ssd_path=..., budget_gb=...)")
+    names = [f.name for f in fields(StoreConfig)]
+    for key in settings:
+        if key not in names:
+            near = difflib.get_close_matches(key, names, n=3, cutoff=0.6)
+            raise ConfigError(f"PrefixStore: no setting {key!r}" + (f"; did you mean {' or '.join(near)}?"
+                                                                    if near else "")
+                              + " (the settings are kvstore.config.StoreConfig's fields)")
+    cfg = StoreConfig(**settings) if config is None else replace(config, **settings)
+    from .codec import Codec  # (it imports this module)
+
+    Codec.of(cfg)  # the bits, group size and rotation settings
+    return cfg

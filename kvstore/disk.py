@@ -41,6 +41,7 @@ class Disk:
         # in), the longest first block (a full one is one block long)
         self._second_start: Optional[int] = None
         self._first_length = 0
+        self.cleared = 0  # the store's clear count as this process last saw it (``LmdbTier.cleared``)
         self._full_at: Optional[float] = None  # when a full device last stopped writes to it
 
     # ------------------------------------------------------------- writes
@@ -54,10 +55,13 @@ class Disk:
         if first is None:
             return False
         pairs: list[tuple[Node, Entry]] = []
+        known: set[bytes] = set()  # blocks whose parent this process took for on disk (a clear may have removed it)
 
         def taken() -> Iterator[Entry]:
             for pair in itertools.chain((first,), source):
                 pairs.append(pair)
+                if pair[0].parent.on_disk:
+                    known.add(pair[0].key)
                 yield pair[1]
 
         if self._full_at is not None and time.monotonic() - self._full_at < self.config.full_pause_s:
@@ -65,7 +69,7 @@ class Disk:
                 pass
             return False  # the device is full and evicting did not help: RAM only for now
         try:
-            records = self.tier.store(taken(), nbytes)
+            written = self.tier.store(taken(), nbytes, lambda e: e.key in known)
         except Exception as e:
             for _ in source:
                 pass
@@ -75,8 +79,11 @@ class Disk:
                 self._full_at = time.monotonic()
             return False
         self._full_at = None
-        self.table.written(zip((n for n, _ in pairs), records))
-        self.counters.count("blocks_written", len(pairs))
+        recs = {r.key: r for r in written.records}
+        self.table.written((n, recs[n.key]) for n, _ in pairs if n.key in recs)
+        self.counters.count("blocks_written", len(recs))
+        if written.parentless or written.cleared != self.cleared:
+            self.recheck(written.cleared, len(written.parentless))
         try:
             if self.tier.usage() > self.tier.budget:
                 self.evict_to(int(self.tier.budget * self.config.evict_to))
@@ -113,6 +120,24 @@ class Disk:
         except Exception as e:
             self.failed("evicting from", e)
             return False
+
+    def recheck(self, cleared: int, parentless: int = 0) -> None:
+        """Blocks were removed under this process (a ``kvstore clear``, or
+        another process evicted a parent of blocks it wrote): the blocks it
+        knows on disk that are gone leave the index, with the blocks under
+        them, RAM copies too, so the next put stores them again rather than
+        keep them RAM-only."""
+        self.cleared = cleared
+        keys = self.table.disk_keys()
+        try:
+            with self.tier.reader() as txn:
+                gone = {k for k in keys if self.tier.record(txn, k) is None}
+        except Exception as e:
+            self.failed("reading", e)
+            return
+        dropped = self.table.disk_removed(gone)
+        log.info("kvstore: %s was cleared or evicted by another process: %d blocks not written (their parent was "
+                 "gone), %d blocks this process knew there forgotten", self.tier.path, parentless, dropped)
 
     def delete(self, keys: Sequence[bytes]) -> None:
         if keys:
@@ -212,6 +237,7 @@ class Disk:
         by_parent: dict[bytes, list[BlockRecord]] = {}
         bad: list[bytes] = []
         try:
+            self.cleared = self.tier.cleared()  # (before the records: a clear after them is seen at the next write)
             with self.tier.reader() as txn:
                 for rec in self.tier.records(txn, bad):
                     by_parent.setdefault(rec.parent, []).append(rec)

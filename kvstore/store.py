@@ -29,7 +29,8 @@ import gc
 import logging
 import time
 import weakref
-from dataclasses import dataclass, field, replace
+import inspect
+from dataclasses import dataclass, field, fields
 from functools import partial
 from typing import Callable, Optional, Sequence, Union
 
@@ -38,12 +39,12 @@ import numpy as np
 
 from . import buffers, lookup
 from .codec import Codec, layer_arrays
-from .config import DEFAULT_BLOCK, StoreConfig, gib
+from .config import DEFAULT_BLOCK, StoreConfig, gib, store_config
 from .cost import CostModel
 from .counters import Counters
 from .discovery import Discovery, Found
 from .disk import Disk
-from .errors import ConfigError, InputError, ReadOnlyError, StoreClosedError
+from .errors import InputError, ReadOnlyError, StoreClosedError
 from .hashing import KeyChain, as_tokens, root_key
 from .index import Node
 from .layers import WARM_LAYERS, KVLayer, Layer, StateLayer, captured_layers
@@ -129,18 +130,9 @@ class PrefixStore:
     """
 
     def __init__(self, config: Optional[StoreConfig] = None, **settings):
-        if config is not None and not isinstance(config, StoreConfig):  # e.g. PrefixStore("/path/to/store")
-            raise ConfigError(f"PrefixStore: the one positional argument is a StoreConfig, not {config!r}; "
-                              "settings are keywords (ssd_path=..., budget_gb=...)")
-        try:
-            config = StoreConfig(**settings) if config is None else replace(config, **settings)
-        except TypeError as e:  # an unknown keyword
-            raise ConfigError(f"PrefixStore: {e} (settings: kvstore.config.StoreConfig's fields)") from None
-        self.config = cfg = config
+        self.config = cfg = store_config(config, **settings)
         self.block_size = cfg.block_size or DEFAULT_BLOCK  # an LMDB store's own, once it is open (below)
-        self.codec = Codec.from_bits(cfg.kv_bits, cfg.kv_group_size, cfg.rotate_keys, cfg.rotate_values,
-                                     cfg.rotate_keys_at_or_below, cfg.rotate_values_at_or_below,
-                                     cfg.full_attention_bits)
+        self.codec = Codec.of(cfg)
         self.namespace = cfg.namespace
         self.readonly = cfg.readonly
         self._counters = Counters()
@@ -476,6 +468,19 @@ def _count(value, name: str) -> None:
     if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 0:
         raise InputError(f"{name} must be an int >= 0, got {value!r}")
 
+
+def _signature() -> inspect.Signature:
+    """``PrefixStore(config=None, *, <StoreConfig's fields>)``: what ``help()`` and editors show of the
+    keywords ``__init__`` takes as ``**settings``."""
+    params = [inspect.Parameter("self", inspect.Parameter.POSITIONAL_OR_KEYWORD),
+              inspect.Parameter("config", inspect.Parameter.POSITIONAL_OR_KEYWORD, default=None,
+                                annotation=Optional[StoreConfig])]
+    params += [inspect.Parameter(f.name, inspect.Parameter.KEYWORD_ONLY, default=f.default, annotation=f.type)
+               for f in fields(StoreConfig)]
+    return inspect.Signature(params)
+
+
+PrefixStore.__init__.__signature__ = _signature()
 
 _OPEN: "weakref.WeakSet[PrefixStore]" = weakref.WeakSet()
 

@@ -77,6 +77,24 @@ class DiskSide:
         self._mark(node, True)
         return node
 
+    def disk_keys(self) -> list[bytes]:
+        """Keys of the indexed blocks with a disk copy."""
+        with self._lock:
+            return [n.key for n in self._index if n.on_disk]
+
+    def disk_removed(self, keys: set[bytes]) -> int:
+        """Blocks removed from disk by another process (a clear) leave the
+        index with the blocks under them, in RAM or not (a RAM copy of a block
+        whose disk copy is gone would never be written again: the next put
+        stores it anew). Returns how many blocks with a disk copy left."""
+        with self._lock:
+            n = 0
+            for key in keys:
+                node = self._index.get(key)
+                if node is not None and node.on_disk:
+                    n += len(self._forget(node))
+            return n
+
     def disk_gone(self, node: Node) -> None:
         """A block the index has on disk is no longer there (another process
         removed it): it leaves the index with the blocks under it."""

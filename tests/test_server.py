@@ -1,6 +1,7 @@
 """`kvstore serve` is mlx-lm's server on the store: a real process on loopback."""
 
 import json
+import os
 import signal
 import socket
 import subprocess
@@ -21,10 +22,10 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def start(model, store, port, log, *extra):
+def start(model, store, port, log, *extra, env=None):
     cmd = [sys.executable, "-m", "kvstore.adapters.cli", "serve", "--model", str(model), "--ssd-path", str(store),
            "--budget-gb", "1", "--block-size", "64", "--host", "127.0.0.1", "--port", str(port), *extra]
-    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
+    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
     deadline = time.time() + 120
     while time.time() < deadline:
         assert proc.poll() is None, "server exited during start-up"
@@ -78,3 +79,45 @@ def test_serve_reports_cached_tokens_and_keeps_them_across_restart(tmp_path):
     text = (tmp_path / "server.log").read_text()
     assert text.count("holds blocks of 64 tokens: block_size=256 is not used") == 1
     assert "timing prefills of model" in text and "kvstore: timed " in text
+
+
+def serve_once(*args):
+    return subprocess.run([sys.executable, "-m", "kvstore.adapters.cli", "serve", *map(str, args)],
+                          capture_output=True, text=True, timeout=120)
+
+
+def test_serve_with_a_missing_model_exits_at_start_in_one_line_and_creates_nothing(tmp_path):
+    """It stayed up after mlx-lm's generation thread died and answered every
+    request 404 "generation thread died"."""
+    res = serve_once("--model", tmp_path / "nonexistent", "--ssd-path", tmp_path / "store", "--port", free_port())
+    assert res.returncode == 2 and "Traceback" not in res.stderr, res.stderr
+    lines = res.stderr.strip().splitlines()
+    assert len(lines) == 1 and "cannot load the model" in lines[0] and "no such file or folder" in lines[0], lines
+    assert not (tmp_path / "store").exists()
+
+
+@pytest.mark.parametrize("flag, says", [(["--store-kv-bits", "7"], "kv_bits"), (["--budget-gb", "-2"], "budget_gb"),
+                                        (["--block-size", "0"], "block_size")])
+def test_a_bad_store_option_is_one_line_before_the_model_loads(tmp_path, flag, says):
+    res = serve_once("--model", tmp_path / "nonexistent", "--ssd-path", tmp_path / "store", *flag)
+    assert res.returncode == 2 and "Traceback" not in res.stderr, res.stderr
+    lines = res.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: ") and says in lines[0], lines  # (not the model's error)
+    assert not (tmp_path / "store").exists()
+
+
+def test_models_endpoint_answers_without_a_hugging_face_cache(tmp_path):
+    """mlx-lm's GET /v1/models scans the Hugging Face cache: without one it
+    failed half-way with a CacheNotFound traceback in the log."""
+    model = make_tiny_model("llama", tmp_path / "model")
+    port = free_port()
+    env = dict(os.environ, HF_HUB_CACHE=str(tmp_path / "no-hf-cache"))
+    with open(tmp_path / "server.log", "wb") as log:
+        proc = start(model, tmp_path / "store", port, log, env=env)
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}/v1/models", timeout=60) as r:
+                listed = json.load(r)
+        finally:
+            stop(proc)
+    assert listed["object"] == "list" and [m["id"] for m in listed["data"]] == [str(model.resolve())]
+    assert "Traceback" not in (tmp_path / "server.log").read_text()

@@ -192,13 +192,13 @@ def test_a_transaction_copies_the_first_block_before_the_writer_has_encoded_the_
         events.append(f"encode {node.start // BS}")  # (after the wait: a transaction that waits for all fails)
         return real_encode(job, node, *a)
 
-    def store(self, entries, nbytes=None):
+    def store(self, entries, *args):
         def seen():
             for e in entries:
                 events.append(f"copy {e.record.start // BS}")
                 yield e
         events.append("transaction")
-        return real_store(self, seen(), nbytes)
+        return real_store(self, seen(), *args)
 
     monkeypatch.setattr(encoding, "encode", encode)
     block_by_block(monkeypatch)
@@ -304,12 +304,12 @@ def test_a_write_that_fails_part_way_leaves_the_writer_free_and_ram_serving(ssd,
     real_store = LmdbTier.store
     calls = []
 
-    def store(self, entries, nbytes=None):
+    def store(self, entries, *args):
         calls.append(1)
         if len(calls) == 1:
             next(iter(entries))
             raise OSError(5, "Input/output error")
-        return real_store(self, entries, nbytes)
+        return real_store(self, entries, *args)
 
     monkeypatch.setattr(LmdbTier, "store", store)
     s = ssd()

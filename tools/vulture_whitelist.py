@@ -24,6 +24,7 @@ _.exc             # __exit__(*exc): the context-manager protocol
 _.signum, _.frame  # signal handlers' signature (kvstore serve, kvstore vllm-mlx serve)
 _.demo            # typer: `kvstore demo` (a registered command)
 _._options        # typer: the app callback behind `kvstore --version`
+_.__signature__   # inspect: PrefixStore's settings as keywords, for help() and editors
 _.writeable       # numpy: arr.flags.writeable = False freezes checked bytes
 _.pre_tokenizer, _.normalizer, _.post_processor  # tokenizers: a Tokenizer's pipeline, set by assignment
 _._idx            # mlx-lm: RotatingKVCache's write position, set when the adapter builds one

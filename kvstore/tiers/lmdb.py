@@ -9,10 +9,13 @@ sub-databases:
 - ``children``: parent key -> child keys (dupsort), to find blocks other
                 processes wrote and to evict leaves only
 - ``models``:   root key -> what the model is (for ``kvstore inspect``)
-- ``meta``:     format name and version, lifetime counters
+- ``meta``:     format name and version, lifetime counters, how many times
+                the store was cleared (``cleared``)
 
 A block and its record commit in one transaction, so a reader never sees one
-without the other, and a crash leaves either both or neither. Which blocks to
+without the other, and a crash leaves either both or neither; and only with
+its parent on disk (in that transaction), so a ``kvstore clear`` or another
+process's eviction under a writer leaves no orphans. Which blocks to
 write or evict is the store's decision (``disk``, ``table``); the tier only
 keeps, finds and counts.
 """
@@ -21,8 +24,8 @@ from __future__ import annotations
 
 import os
 from concurrent.futures import Future
-from dataclasses import replace
-from typing import Iterable, Iterator, Mapping, Optional, Sequence
+from dataclasses import dataclass, field, replace
+from typing import Callable, Iterable, Iterator, Mapping, Optional, Sequence
 
 import lmdb
 
@@ -35,6 +38,18 @@ from .lmdb_layout import pack, unpack
 from .residency import address, can_start_writeback, prefill, resident_at, start_writeback, view_at
 
 _PAGE_HEADER = 16  # where LMDB puts a large value in its first overflow page (64-bit builds)
+_CLEARED = b"cleared"  # meta: how many times blocks were removed by a clear (``remove(..., clearing=True)``)
+
+
+@dataclass
+class Written:
+    """What one ``store`` transaction did."""
+
+    records: list[BlockRecord] = field(default_factory=list)  # as written (with where each value sits), in order
+    # blocks not written because their parent was not on disk (removed by a clear or another process's
+    # eviction since this process indexed it): a block is never indexed without its parent
+    parentless: list[bytes] = field(default_factory=list)
+    cleared: int = 0  # the store's clear count as of this transaction
 
 
 class LmdbTier(LmdbEnv):
@@ -43,9 +58,14 @@ class LmdbTier(LmdbEnv):
 
     # ------------------------------------------------------------ blocks
 
-    def store(self, entries: Iterable[Entry], nbytes: Optional[int] = None) -> list[BlockRecord]:
-        """Each payload and its record in one transaction; returns the records
-        as written (with where each value sits). ``entries`` may be a stream
+    def store(self, entries: Iterable[Entry], nbytes: Optional[int] = None,
+              parent_known: Optional[Callable[[Entry], bool]] = None) -> Written:
+        """Each payload and its record in one transaction, where its parent is
+        a root, on disk, or written before it here (the rest are skipped:
+        ``Written.parentless``). ``parent_known``: only entries for which it
+        is true are held to that (the writer took their parent for stored;
+        others have their parent still to come from the writer, in a later
+        transaction). ``entries`` may be a stream
         (the writer's blocks as it encodes them, ``nbytes`` about their
         total): each is copied into the map as it comes, so the disk writes
         the first while later ones are still being encoded, rather than
@@ -60,12 +80,21 @@ class LmdbTier(LmdbEnv):
                 taken.append(e)
                 yield e
 
-        written: list[BlockRecord] = []
+        written = Written()
 
         def fn(txn):
             ahead = _Prefill(self, txn, fd) if fd >= 0 else None
-            written.clear()
+            written.records, written.parentless = [], []
+            raw = txn.get(_CLEARED, db=dbs[b"meta"])
+            written.cleared = 0 if raw is None else unpack(raw)
+            here: set[bytes] = set()
             for e in attempt():
+                parent = e.record.parent
+                if parent != e.record.root and parent not in here and txn.get(parent, db=dbs[b"nodes"]) is None \
+                        and (parent_known is None or parent_known(e)):
+                    written.parentless.append(e.key)
+                    continue
+                here.add(e.key)
                 n = len(e.payload)
                 if ahead is not None:
                     ahead.before(n)
@@ -79,7 +108,7 @@ class LmdbTier(LmdbEnv):
                 rec = replace(e.record, offset=offset)
                 txn.put(e.key, rec.pack(), db=dbs[b"nodes"])
                 txn.put(rec.parent, e.key, db=dbs[b"children"], dupdata=True)
-                written.append(rec)
+                written.records.append(rec)
         if nbytes is None:
             items = list(source)
             source, nbytes = iter(items), sum(len(e.payload) for e in items)
@@ -98,13 +127,18 @@ class LmdbTier(LmdbEnv):
         used = 2 * psize + _pages(self.env.stat()) + sum(_pages(txn.stat(db)) for db in self.dbs.values())
         return end - used, end
 
-    def remove(self, keys: Sequence[bytes]) -> list[bytes]:
-        """Remove blocks and their records; returns the keys that were there."""
+    def remove(self, keys: Sequence[bytes], clearing: bool = False) -> list[bytes]:
+        """Remove blocks and their records; returns the keys that were there.
+        ``clearing``: count a clear in the same transaction, so engines with
+        the store open learn of it at their next write (``cleared``)."""
         done: list[bytes] = []
         dbs = self.dbs
 
         def fn(txn):
             done.clear()
+            if clearing:
+                raw = txn.get(_CLEARED, db=dbs[b"meta"])
+                txn.put(_CLEARED, pack((0 if raw is None else unpack(raw)) + 1), db=dbs[b"meta"])
             for key in keys:
                 raw = txn.get(key, db=dbs[b"nodes"])
                 if raw is None and txn.get(key, db=dbs[b"blocks"]) is None:
@@ -279,7 +313,11 @@ class LmdbTier(LmdbEnv):
         bad: list[bytes] = []
         with self.reader() as txn:
             keys = [r.key for r in self.records(txn, bad) if root is None or r.root == root]
-        return len(self.remove(keys + (bad if root is None else [])))
+        return len(self.remove(keys + (bad if root is None else []), clearing=True))
+
+    def cleared(self) -> int:
+        """How many times blocks were removed by a clear (0 for a store never cleared)."""
+        return self.get_info(_CLEARED.decode()) or 0
 
 
 def _pages(stat: dict) -> int:

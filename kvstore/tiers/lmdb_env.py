@@ -135,6 +135,7 @@ class LmdbEnv:
                     self.set_info("format", dict(fmt, version=FORMAT_VERSION, upgraded=time.time(),
                                                  writemap=False))
                 self.set_info("budget", self.budget)
+                self._note_user(True)
         except (lmdb.Error, OSError) as e:
             if not self.is_full(e):
                 self._env.close()
@@ -288,6 +289,11 @@ class LmdbEnv:
         if self._pid != os.getpid():  # never used in this forked child: its copy of the parent's is closed
             self._env.close()
             return
+        if not self.readonly:
+            try:
+                self._note_user(False)
+            except (lmdb.Error, OSError, StorageError):
+                pass  # (a full device, a store deleted under it: the next `clear` prunes this pid as dead)
         self._gate.lock_dir = None  # closing changes no map: no other process to wait for (the path may be gone)
         with self._gate.exclusive():
             self._env.close()
@@ -426,3 +432,37 @@ class LmdbEnv:
             stored[:] = [value if raw is None else unpack(raw)]
         self.write(put)
         return stored[0]
+
+    def _note_user(self, opened: bool) -> None:
+        """Add this process to (or remove it from) the ``users`` record: the
+        processes that have the store open writable, for ``kvstore clear`` to
+        name. Ids of dead processes are dropped as it goes."""
+        pid = os.getpid()
+
+        def fn(txn):
+            raw = txn.get(b"users", db=self.dbs[b"meta"])
+            users = [p for p in (unpack(raw) if raw is not None else []) if p != pid and _alive(p)]
+            txn.put(b"users", pack(users + [pid] if opened else users), db=self.dbs[b"meta"])
+        self.write(fn)
+
+    def other_processes(self) -> list[int]:
+        """Ids of the other live processes that have the store open: writable
+        ones from the ``users`` record, readers from LMDB's reader table
+        (where a read transaction holds a slot now)."""
+        pids = set(self.get_info("users") or [])
+        for line in self.env.readers().splitlines()[1:]:
+            fields = line.split()
+            if fields and fields[0].isdigit():
+                pids.add(int(fields[0]))
+        pids.discard(os.getpid())
+        return sorted(p for p in pids if _alive(p))
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's
+        return True
+    return True

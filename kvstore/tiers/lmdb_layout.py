@@ -58,8 +58,10 @@ def check_dir(p: Path, readonly: bool) -> None:
 def _check_dir(p: Path, readonly: bool) -> None:
     if p.exists() and not p.is_dir():
         raise StoreOpenError(
-            f"{p} is a file, not a kvstore store directory. Point ssd_path at a directory "
-            f"kvstore may own (a new path is created); nothing was written.")
+            f"{p} is a file, not a kvstore store directory. " + ("Check the path; nothing was written."
+                                                                   if readonly else
+                                                                   "Point ssd_path at a directory kvstore may own "
+                                                                   "(a new path is created); nothing was written."))
     if p.is_dir():
         entries = {e.name for e in p.iterdir()}
         # a lock file alone is a store another process is creating right now (it reserves the lock
@@ -67,7 +69,9 @@ def _check_dir(p: Path, readonly: bool) -> None:
         if entries and "data.mdb" not in entries and entries != {"lock.mdb"}:
             raise StoreOpenError(
                 f"{p} holds files that are not a kvstore store ({', '.join(sorted(entries)[:3])}...). "
-                f"Choose an empty or new directory for ssd_path; nothing was written.")
+                + ("Check the path: a store is a directory kvstore made (from an empty or new directory, opened "
+                   "writable); nothing was written." if readonly else
+                   "Choose an empty or new directory for ssd_path; nothing was written."))
         if "data.mdb" in entries:
             return
     if readonly:
