@@ -17,6 +17,9 @@
 #   bash tools/gpu_bench.sh put OUT        # what storing a cache blocks the caller, through the adapters
 #   bash tools/gpu_bench.sh gc OUT         # the garbage collector's pauses during puts (tools/gc_pauses.py)
 #   bash tools/gpu_bench.sh table OUT      # issue 28's table (tools/hot_path_table.py; PARTS="ram device": some only)
+#   bash tools/gpu_bench.sh live OUT       # issue 42's replay (tools/live_replay.py): each cache in a fresh process,
+#                                          # then 8 clients against mlx_lm.server and kvstore serve (~6 min; build the
+#                                          # model first: `model` takes ~4 min); SYSTEMS="none lru" BUDGETS="0.25" WARM=0
 set -euo pipefail
 source /tmp/site/env.sh
 ln -sfn ../adapters kvstore/adapters
@@ -50,4 +53,9 @@ max_position_embeddings=65536)" ;;
   gc) python3 -m kvstore.tools.gc_pauses --puts "${PUTS:-10}" --out "$2/gc.json" ;;
   table) [[ -f $M/config.json ]] || bash "$0" model "$2"
          python3 -m kvstore.tools.hot_path_table --model "$M" --dir /tmp ${PARTS:+--parts $PARTS} --out "$2/table.json" ;;
+  live) [[ -f $M/config.json ]] || bash "$0" model "$2"
+        python3 -m kvstore.tools.live_replay --model "$M" --trace gpu --systems ${SYSTEMS:-none lru kvstore_fp16 kvstore_q8} \
+          --budgets ${BUDGETS:-0.25 0.10} --fresh-process $([[ ${WARM:-1} == 1 ]] && echo --warm) --dir /tmp/live-replay \
+          --out "$2/live"
+        python3 -m kvstore.tools.live_replay serve --model "$M" --trace gpu --clients "${CLIENTS:-8}" --out "$2/live-serve" ;;
 esac
