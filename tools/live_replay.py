@@ -35,6 +35,7 @@ on a CPU) and the store's own measured RAM fetch rate.
 from __future__ import annotations
 
 import argparse
+import http.client
 import json
 import subprocess
 import sys
@@ -364,10 +365,8 @@ def serve_prompts(tokenizer, trace: dict) -> list[dict]:
 
 def client_replay(port: int, model: str, reqs: list[dict], clients: int, max_tokens: int) -> list[dict]:
     """``clients`` threads; each takes the first request whose session has no request in flight (a
-    session's turns stay in order), streams it and times the first chunk."""
-    from openai import OpenAI
-
-    client = OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none", timeout=900, max_retries=0)
+    session's turns stay in order), streams it from the OpenAI-compatible completions endpoint (plain
+    HTTP: the GPU machine has no ``openai`` package) and times the first chunk with a token."""
     left, busy, rows = list(range(len(reqs))), set(), [None] * len(reqs)
     cond = threading.Condition()
     origin = time.perf_counter()
@@ -390,17 +389,24 @@ def client_replay(port: int, model: str, reqs: list[dict], clients: int, max_tok
             r = reqs[i]
             row: dict[str, Any] = {"i": i, "session": r["session"], "ttft_s": None, "error": None}
             t0 = time.perf_counter()
+            body = {"model": model, "prompt": r["prompt"], "temperature": 0.0, "stream": True,
+                    "max_tokens": min(max_tokens, max(1, r["response_tokens"])), "stream_options": {"include_usage": True}}
             try:
-                stream = client.completions.create(model=model, prompt=r["prompt"], temperature=0.0, stream=True,
-                                                   max_tokens=min(max_tokens, max(1, r["response_tokens"])),
-                                                   stream_options={"include_usage": True})
-                for chunk in stream:
-                    if chunk.choices and row["ttft_s"] is None:
+                conn = http.client.HTTPConnection("127.0.0.1", port, timeout=900)
+                conn.request("POST", "/v1/completions", json.dumps(body), {"Content-Type": "application/json"})
+                resp = conn.getresponse()
+                if resp.status != 200:
+                    raise RuntimeError(f"HTTP {resp.status}: {resp.read()[:300]!r}")
+                for line in resp:  # server-sent events; ": keepalive" comments come during a long prefill
+                    if not line.startswith(b"data: ") or line[6:].strip() == b"[DONE]":
+                        continue
+                    chunk = json.loads(line[6:])
+                    if chunk.get("choices") and row["ttft_s"] is None:
                         row["ttft_s"] = time.perf_counter() - t0
-                    if chunk.usage:
-                        row["prompt_tokens"] = chunk.usage.prompt_tokens
-                        details = getattr(chunk.usage, "prompt_tokens_details", None)
-                        row["cached_tokens"] = getattr(details, "cached_tokens", None) if details else None
+                    if chunk.get("usage"):
+                        row["prompt_tokens"] = chunk["usage"]["prompt_tokens"]
+                        row["cached_tokens"] = (chunk["usage"].get("prompt_tokens_details") or {}).get("cached_tokens")
+                conn.close()
                 if row["ttft_s"] is None:
                     row["error"] = "no token streamed"
             except Exception as e:  # noqa: BLE001 - an error is a result here, counted
@@ -439,7 +445,9 @@ def serve(a: argparse.Namespace) -> int:
     budget = int(a.budget_frac * trace["unique_tokens"] * bpt)
     servers = {
         "mlx_lm_server": [sys.executable, "-m", "mlx_lm.server", "--prompt-cache-size", str(1 << 20)],
-        "kvstore_serve": [sys.executable, "-m", "kvstore.adapters.cli", "serve"],
+        # what `kvstore serve` runs (adapters/cli.py), without the CLI's typer, which the GPU machine may lack
+        "kvstore_serve": [sys.executable, "-c", "import sys; from kvstore.adapters.server import serve; "
+                          "serve(sys.argv[1:])"],
     }
     res: dict[str, Any] = {"model": str(path), "trace": {"name": a.trace, "seed": SEED, "requests": len(reqs)},
                            "clients": a.clients, "max_tokens": a.max_tokens, "budget_frac": a.budget_frac,
