@@ -429,7 +429,7 @@ def serve(a: argparse.Namespace) -> int:
     from mlx_lm.utils import load_tokenizer
 
     from kvstore.tools.bench.replay import make_trace
-    from kvstore.tools.servers import free_port, wait_answering
+    from kvstore.tools.servers import free_port, stop, wait_answering
 
     if a.model == "tiny":
         from kvstore.adapters.tiny_models import ensure_tiny_model
@@ -471,11 +471,7 @@ def serve(a: argparse.Namespace) -> int:
                 rows = client_replay(port, str(path), reqs, a.clients, a.max_tokens)
                 wall = time.perf_counter() - t
             finally:
-                proc.terminate()
-                try:
-                    proc.wait(60)
-                except subprocess.TimeoutExpired:
-                    proc.kill()
+                stop(proc)
         ttfts = [r["ttft_s"] for r in rows if r["ttft_s"] is not None]
         res["servers"][name] = {
             "command": cmd, "start_s": start_s, "wall_s": wall, "errors": sum(r["error"] is not None for r in rows),
