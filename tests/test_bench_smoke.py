@@ -146,3 +146,55 @@ def test_put_cost_gc_pauses_and_the_issue_table_run_and_write_their_json(tmp_pat
     (row,) = json.loads((tmp_path / "t.json").read_text())["rows"]
     assert row["ram"]["cached_tokens"] == row["ssd_cached"]["cached_tokens"] == row["ssd_cold"]["cached_tokens"] == 299
     assert row["cold"]["cached_tokens"] == 0 and row["ssd_cached"]["ram_tokens"] == 0
+
+
+def test_live_replay_runs_each_cache_in_its_own_process_and_writes_rows_and_summary(tmp_path):
+    """Issue 42's replay (``tools/live_replay.py``) at smoke size: none, LRU and kvstore fp16 in fresh
+    processes; per-request rows, the summary's figures, and a store that computes fewer tokens than none."""
+    out = tmp_path / "out"
+    proc = subprocess.run([sys.executable, "-m", "kvstore.tools.live_replay", "--model", "tiny", "--trace", "smoke",
+                           "--systems", "none", "lru", "kvstore_fp16", "--budgets", "0.5", "--fresh-process",
+                           "--out", str(out), "--dir", str(tmp_path / "d")], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stderr.count("process for ") == 3 and "| kvstore_fp16 | 50% |" in proc.stdout
+    runs = {n: json.loads((out / f"replay-{n}.json").read_text()) for n in ("none", "lru-0.5", "kvstore_fp16-0.5")}
+    n = runs["none"]["trace"]["requests"]
+    for r in runs.values():
+        assert len(r["rows"]) == n and r["prompt_tokens"] == runs["none"]["trace"]["prompt_tokens"]
+        for row in r["rows"]:
+            assert row["ttft_s"] >= row["fetch_s"] >= 0 and row["put_s"] >= 0
+            assert row["computed_tokens"] == row["prompt_tokens"] - row["cached_tokens"] >= 1
+    store = runs["kvstore_fp16-0.5"]
+    assert store["calibrate_s"] > 0 and store["store_stats"]["puts"] == n and store["copy_gbps"] > 0
+    assert store["budget_bytes"] == int(0.5 * store["unique_kv_bytes"])
+    assert store["tokens_computed"] < runs["none"]["tokens_computed"] == runs["none"]["prompt_tokens"]
+    assert sum(row["ram_tokens"] for row in store["rows"]) == store["cached_tokens"] > 0
+
+    summary = json.loads((out / "summary.json").read_text())
+    s = summary["runs"]["kvstore_fp16-0.5"]
+    for key in ("ttft_total_s", "ttft_p50_s", "ttft_p95_s", "ttft_max_s", "put_p50_s", "put_p99_s", "put_max_s",
+                "tokens_computed", "open_s", "calibrate_s", "floor_s", "vs_floor", "vs_lru", "vs_cold_max"):
+        assert s[key] is not None, key
+    assert s["vs_lru"] == pytest.approx(s["ttft_total_s"] / summary["runs"]["lru-0.5"]["ttft_total_s"])
+    assert s["floor_s"] < s["ttft_total_s"] / s["vs_floor"] * 1.0001
+    assert any(k.startswith("kvstore_fp16-0.5 put p99") for k in summary["checks"])
+
+
+def test_live_replay_serve_replays_sessions_in_order_through_both_servers(tmp_path):
+    """The server variant: mlx_lm.server and ``kvstore serve``, each a process, 2 clients; a session's
+    turns never overlap, nothing fails, and the store serves cached tokens."""
+    proc = subprocess.run([sys.executable, "-m", "kvstore.tools.live_replay", "serve", "--model", "tiny", "--trace",
+                           "smoke", "--clients", "2", "--max-tokens", "4", "--out", str(tmp_path)],
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    res = json.loads((tmp_path / "serve.json").read_text())
+    assert set(res["servers"]) == {"mlx_lm_server", "kvstore_serve"} and res["kvstore_vs_mlx_lm"] > 0
+    for s in res["servers"].values():
+        assert s["errors"] == 0 and len(s["rows"]) == res["trace"]["requests"]
+        by_session: dict = {}
+        for row in s["rows"]:
+            assert row["ttft_s"] > 0 and row["prompt_tokens"] > 0
+            by_session.setdefault(row["session"], []).append(row)
+        for turns in by_session.values():  # trace order within a session, one at a time
+            assert all(a["end_s"] <= b["start_s"] for a, b in zip(turns, turns[1:]))
+    assert res["servers"]["kvstore_serve"]["cached_tokens"] > 0

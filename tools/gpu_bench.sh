@@ -19,6 +19,9 @@
 #   bash tools/gpu_bench.sh table OUT      # issue 28's table (tools/hot_path_table.py; PARTS="ram device": some only)
 #   BUDGETS="0.25 0.1" bash tools/gpu_bench.sh replay OUT   # issue 42's live replay on it (tools/replay_gpu.py;
 #                                                           SYSTEMS="lru kvstore_fp16": some only; --warm rounds)
+#   bash tools/gpu_bench.sh live OUT       # issue 42's replay (tools/live_replay.py): each cache in a fresh process,
+#                                          # then 8 clients against mlx_lm.server and kvstore serve (~6 min; build the
+#                                          # model first: `model` takes ~4 min); SYSTEMS="none lru" BUDGETS="0.25" WARM=0
 set -euo pipefail
 source /tmp/site/env.sh
 ln -sfn ../adapters kvstore/adapters
@@ -56,4 +59,9 @@ max_position_embeddings=65536)" ;;
   replay) [[ -f $M/config.json ]] || bash "$0" model "$2"
           python3 -m kvstore.tools.replay_gpu --model "$M" --budgets ${BUDGETS:-0.25 0.1} \
             --systems ${SYSTEMS:-none lru kvstore_fp16 kvstore_q8} --warm --out "$2" ;;
+  live) [[ -f $M/config.json ]] || bash "$0" model "$2"
+        python3 -m kvstore.tools.live_replay --model "$M" --trace gpu --systems ${SYSTEMS:-none lru kvstore_fp16 kvstore_q8} \
+          --budgets ${BUDGETS:-0.25 0.10} --fresh-process $([[ ${WARM:-1} == 1 ]] && echo --warm) --dir /tmp/live-replay \
+          --out "$2/live"
+        python3 -m kvstore.tools.live_replay serve --model "$M" --trace gpu --clients "${CLIENTS:-8}" --out "$2/live-serve" ;;
 esac

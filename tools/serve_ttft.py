@@ -34,7 +34,7 @@ import time
 from pathlib import Path
 from typing import Optional
 
-from kvstore.tools.servers import free_port, wait_answering
+from kvstore.tools.servers import free_port, stop, wait_answering
 
 QUESTIONS = ("Summarize the text above in one sentence.", "Which names appear in the text above?")
 
@@ -103,11 +103,7 @@ def run(model: str, prefix: int = 1536, trials: int = 3, max_tokens: int = 8, po
                 rows.append({"text": name, "cold": cold, "hit": hit})
                 log(f"{name}: cold {cold['ttft_s'] * 1e3:.1f} ms, hit {hit['ttft_s'] * 1e3:.1f} ms")
         finally:
-            proc.terminate()
-            try:
-                proc.wait(60)
-            except subprocess.TimeoutExpired:
-                proc.kill()
+            stop(proc)
             serve_log_all = Path(d, "serve.log").read_text(errors="replace")
             serve_log = serve_log_all[-4000:]
     import mlx.core as mx

@@ -29,3 +29,12 @@ def wait_answering(url: str, proc: subprocess.Popen, timeout: float, what: str =
             time.sleep(0.5)
     proc.kill()
     raise TimeoutError(f"{what} did not answer {url} in {timeout:.0f} s")
+
+
+def stop(proc: subprocess.Popen, timeout: float = 60) -> None:
+    """SIGTERM (a server flushes and exits), then SIGKILL after ``timeout`` seconds."""
+    proc.terminate()
+    try:
+        proc.wait(timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()

@@ -72,9 +72,23 @@ def make_trace(c: dict, seed: int = 50) -> dict:
     used_sys = {sessions[s]["system"] for s in range(len(sessions))}
     unique = sum(len(systems[k]) for k in used_sys) + sum(len(ctx[s]) - len(systems[sessions[s]["system"]])
                                                          for s in range(len(sessions)))
-    return {"requests": requests, "sessions": sessions, "unique_tokens": int(unique),
+    return {"requests": requests, "sessions": sessions, "systems": systems, "unique_tokens": int(unique),
             "prompt_tokens": int(sum(len(r["prompt"]) for r in requests)), "ideal_cached_tokens": ideal,
             "n_chat": sum(s["kind"] == "chat" for s in sessions), "n_agent": sum(s["kind"] == "agent" for s in sessions)}
+
+
+def lru_fetch(lru, model, mkey: str, prompt: list[int]) -> tuple[list, int]:
+    """mlx-lm ``LRUPromptCache``'s nearest cache for ``prompt`` as its server uses it (an empty one on a
+    miss; an exact hit trimmed by one token, so the engine computes the last): (cache, cached tokens)."""
+    from mlx_lm.models import cache as C
+
+    cache, rest = lru.fetch_nearest_cache(mkey, prompt)
+    if cache is None:
+        return C.make_prompt_cache(model), 0
+    if not rest:
+        C.trim_prompt_cache(cache, 1)
+        rest = prompt[-1:]
+    return cache, len(prompt) - len(rest)
 
 
 def replay_one(system: str, trace: dict, model, mkey: str, budget: int, tmp: Path) -> dict:
@@ -95,16 +109,9 @@ def replay_one(system: str, trace: dict, model, mkey: str, budget: int, tmp: Pat
     t_start = time.perf_counter()
     for req in trace["requests"]:
         prompt = req["prompt"].tolist()
-        n = len(prompt)
         t0 = time.perf_counter()
         if lru is not None:
-            cache, rest = lru.fetch_nearest_cache(mkey, prompt)
-            if cache is None:
-                cache = C.make_prompt_cache(model)
-            elif not rest:
-                C.trim_prompt_cache(cache, 1)
-                rest = prompt[-1:]
-            got = n - len(rest)
+            cache, got = lru_fetch(lru, model, mkey, prompt)
         else:
             r = fetch_cache(store, model, mkey, prompt)
             cache, got = r.cache, r.cached_tokens
