@@ -19,7 +19,6 @@ from typing import Any, Iterator, Optional, Sequence, Union
 import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
-from mlx.utils import tree_flatten
 from mlx_lm.generate import generation_stream, maybe_quantize_kv_cache
 from mlx_lm.generate import stream_generate as _mlx_stream_generate
 from mlx_lm.models import cache as C

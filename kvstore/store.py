@@ -26,11 +26,11 @@ from __future__ import annotations
 
 import atexit
 import gc
+import inspect
 import logging
 import time
 import weakref
-import inspect
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field, fields, replace
 from functools import partial
 from typing import Callable, Optional, Sequence, Union
 

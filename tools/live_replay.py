@@ -486,7 +486,7 @@ def serve(a: argparse.Namespace) -> int:
                      res["kvstore_vs_mlx_lm"] is not None and res["kvstore_vs_mlx_lm"] <= TARGETS["serve_vs_mlx_lm"],
                      "0 errors": k["errors"] == 0 and m["errors"] == 0}
     (a.out / "serve.json").write_text(json.dumps(res, indent=1))
-    print(f"| server | total TTFT s | p50 / p95 ms | cached tokens | errors |\n|---|---|---|---|---|")
+    print("| server | total TTFT s | p50 / p95 ms | cached tokens | errors |\n|---|---|---|---|---|")
     for name, s in res["servers"].items():
         print(f"| {name} | {s['ttft_total_s']:.2f} | {s['ttft_p50_s'] * 1e3:.0f} / {s['ttft_p95_s'] * 1e3:.0f} "
               f"| {s['cached_tokens']:,} | {s['errors']} |")

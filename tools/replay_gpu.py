@@ -28,7 +28,7 @@ from pathlib import Path
 
 import numpy as np
 
-TRACES = {  # tools/bench/replay.make_trace settings
+TRACES = {  # settings of make_trace (tools/bench/replay.py)
     "gpu": dict(sys_lens=[4096, 2048], sys_p=[0.5, 0.5], sessions=10, concurrency=4, agent_frac=0.5,
                 chat_turns=(3, 5), user=(100, 600), resp=(100, 400), agent_turns=(4, 6), tool=(300, 1600),
                 action=(50, 200)),
