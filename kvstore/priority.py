@@ -41,7 +41,3 @@ class EngineFirst:
         if self._busy:  # (read without the lock: a stale answer costs one step's wait or one step's head start)
             with self._quiet:
                 self._quiet.wait_for(lambda: not self._busy, self.patience_s)
-
-    @property
-    def busy(self) -> bool:
-        return self._busy > 0
