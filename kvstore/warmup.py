@@ -1,8 +1,7 @@
 """What a process's first hit on CUDA would pay, paid when a store opens.
 
-Measured on an H200 in a replay of many sessions (docs/benchmarks.md, live
-replay): the first hits of a new process took 0.4-1.1 s where later ones of
-the same size took 15 ms. A hit lands in a GPU buffer that is made once and
+A new process's first hits were far slower than later ones of the same size
+(docs/benchmarks.md, live replay). A hit lands in a GPU buffer that is made once and
 kept (``cuda.landing``: its first use moves it into managed memory with a
 copy), its copies run on pinned staging buffers made on first use, and
 mlx compiles each kernel (the codec's quantize and dequantize, the copies,
