@@ -312,6 +312,9 @@ def _load_gguf_too(load):
             out = load(path, *args, return_config=return_config, **kwargs)
         if isinstance(out[0], nn.Module):  # files written since are not what it holds (_loaded_key)
             out[0]._kvstore_loaded_ns = started
+            # evaluated here: the model loads on the main thread (load_default) and runs on the generation
+            # thread, and mlx streams are per thread (an adapter's lazy weights failed there: "no Stream(cpu, 0)")
+            mx.eval(out[0].parameters())
         return out
 
     load_any.reads_gguf = True
