@@ -38,6 +38,7 @@ from .generate import calibrate_once, models_key, needs_snapshots, prefill
 from .gguf import TRAINED, is_gguf, load_model, resolve_model
 from .loading import ModelLoadError
 from .inserts import Inserts
+from .metrics import with_metrics
 from .mlx_lm import ADAPTER_FILES, adapter_fingerprint, cache_offset, layers_to_caches, snapshot
 
 log = logging.getLogger("kvstore")
@@ -522,7 +523,8 @@ def start(argv: Sequence[str]) -> Server:
         family, _, _, _, address = socket.getaddrinfo(got["host"], got["port"], type=socket.SOCK_STREAM,
                                                       flags=socket.AI_PASSIVE)[0]
         server_class = type("HTTPServer", (S.ThreadingHTTPServer,), {"address_family": family})
-        httpd = server_class(address, lambda *a, **k: S.APIHandler(generator, *a, system_fingerprint=fingerprint, **k))
+        handler = with_metrics(S.APIHandler, store)  # GET /metrics: the store's kvstore_* series
+        httpd = server_class(address, lambda *a, **k: handler(generator, *a, system_fingerprint=fingerprint, **k))
     except BaseException:
         store.close()
         raise

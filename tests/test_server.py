@@ -121,3 +121,41 @@ def test_models_endpoint_answers_without_a_hugging_face_cache(tmp_path):
             stop(proc)
     assert listed["object"] == "list" and [m["id"] for m in listed["data"]] == [str(model.resolve())]
     assert "Traceback" not in (tmp_path / "server.log").read_text()
+
+
+def scrape(port) -> dict:
+    """``GET /metrics``, parsed: {(name, tier): value} of the ``kvstore_`` samples."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=60) as r:
+        assert r.headers["Content-Type"].startswith("text/plain; version=")
+        text = r.read().decode()
+    return {(s.name, s.labels.get("tier")): s.value for f in text_string_to_metric_families(text)
+            for s in f.samples if s.name.startswith("kvstore_")}
+
+
+def test_metrics_endpoint_counts_what_the_server_serves(tmp_path):
+    """Issue 44: GET /metrics on the server's own port, Prometheus text, the
+    store's kvstore_* series moving as requests are served; other paths unchanged."""
+    model = make_tiny_model("llama", tmp_path / "model")
+    port = free_port()
+    with open(tmp_path / "server.log", "wb") as log:
+        proc = start(model, tmp_path / "store", port, log)
+        try:
+            before = scrape(port)
+            first, second = chat(port, "hello there"), chat(port, "hello there")
+            after = scrape(port)
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=60) as r:
+                health = json.load(r)
+        finally:
+            stop(proc)
+    assert health == {"status": "ok"}
+    assert len(after) >= 20 and all(isinstance(v, float) for v in after.values())
+    grew = {k for k in after if after[k] > before.get(k, 0)}
+    assert {("kvstore_requests_total", None), ("kvstore_hits_total", None), ("kvstore_misses_total", None),
+            ("kvstore_tokens_requested_total", None), ("kvstore_puts_total", None),
+            ("kvstore_blocks_stored_total", None), ("kvstore_bytes", "ram"), ("kvstore_blocks", "ram")} <= grew, grew
+    served = sum(after[("kvstore_tokens_served_total", t)] for t in ("ram", "ssd"))
+    assert served == second["prompt_tokens_details"]["cached_tokens"] > 0
+    assert after[("kvstore_hits_total", None)] + after[("kvstore_misses_total", None)] == \
+        after[("kvstore_requests_total", None)]
