@@ -7,7 +7,9 @@ Each block is one Redis hash, ``kvstore:v1:<namespace>:{<block key hex>}``:
 - ``r``: its ``BlockRecord`` (parent, position, tokens, servability), so a
   host that never saw the block can index it;
 - ``m``: its model root key, so ``kvstore stats/clear --remote`` can act on
-  one model's blocks without reading records.
+  one model's blocks without reading records;
+- ``a``: written only by a store with ``remote_secret``: the block's keyed
+  MAC (``remote_auth``), checked on read by stores with the secret.
 
 One key per block keeps payload and record together under Redis's own
 eviction (``allkeys-lru`` drops both or neither) and in one cluster slot.
@@ -46,10 +48,11 @@ import numpy as np
 
 from ..errors import RemoteConfigError
 from ..record import BlockRecord
+from .remote_auth import Signer
 from .resp import ahead, streamed
 
 PREFIX = b"kvstore:v1:"  # v1: block bytes of wire format 2 and records of record.RECORD_VERSION 1
-FIELD_PAYLOAD, FIELD_RECORD, FIELD_ROOT = b"p", b"r", b"m"
+FIELD_PAYLOAD, FIELD_RECORD, FIELD_ROOT, FIELD_TAG = b"p", b"r", b"m", b"a"
 PASSWORD_ENV = ("KVSTORE_REMOTE_PASSWORD", "REDISCLI_AUTH")  # first set wins, when the URL has none
 USER_ENV = "KVSTORE_REMOTE_USER"
 SCHEMES = ("redis", "rediss", "unix")
@@ -150,13 +153,15 @@ def _redact_raw(url: str) -> str:
 
 class RemoteTier:
     """Blocks in Redis. ``connect`` opens the clients (a cluster is detected);
-    every other method assumes it did and lets the client's errors through."""
+    every other method assumes it did and lets the client's errors through.
+    With ``secret``, blocks are written with their MAC and read back with it checked (``entries``)."""
 
     name = "remote"
 
     def __init__(self, url: str, namespace: Optional[str] = None, timeout: float = 0.5,
-                 write_timeout: float = 10.0, read_bytes: int = 16 << 20):
+                 write_timeout: float = 10.0, read_bytes: int = 16 << 20, secret: Optional[bytes] = None):
         self.url = RemoteURL.parse(url)
+        self.signer = Signer(secret) if secret else None
         self.namespace = namespace
         self.ns = namespace_tag(namespace).encode()
         self.timeout = timeout
@@ -295,10 +300,20 @@ class RemoteTier:
         self.reads.zrem(self.kids_name(root, parent), member)
 
     def entries(self, keys: Sequence[bytes], sizes: Optional[Sequence[int]] = None) -> Iterator[tuple]:
-        """``(record, payload)`` of each block (each as ``records``), handed over as soon as it is parsed while
-        a second thread reads the next ones (``_read_each``). A caller that stops early stops the read."""
-        replies = ahead(self._read_ahead(), self._read_each("hmget", keys, sizes, FIELD_RECORD, FIELD_PAYLOAD))
-        return (tuple(r) if isinstance(r, list) else (r, r) for r in replies)
+        """``(record, payload, authentic)`` of each block (record and payload as ``records``), handed over as
+        soon as it is parsed while a second thread reads the next ones (``_read_each``) and, with a secret,
+        checks their MACs (``authentic``: None without a secret). A caller that stops early stops the read."""
+        fields = (FIELD_RECORD, FIELD_PAYLOAD) + ((FIELD_TAG,) if self.signer else ())
+        return ahead(self._read_ahead(), self._checked(keys, self._read_each("hmget", keys, sizes, *fields)))
+
+    def _checked(self, keys: Sequence[bytes], replies: Iterator) -> Iterator[tuple]:
+        try:
+            for key, r in zip(keys, replies):
+                record, payload, *tag = r if isinstance(r, list) else (r, r)
+                yield record, payload, None if self.signer is None else \
+                    self.signer.valid(key, record, payload, tag[0] if tag else None)
+        finally:
+            replies.close()  # (a read stopped early drops its connection now: ``streamed``)
 
     def _read_each(self, command: str, keys: Sequence[bytes], sizes: Optional[Sequence[int]], *args) -> Iterator:
         """``_each`` of ``keys`` on ``reads`` for replies holding payloads, in round trips of about
@@ -330,8 +345,11 @@ class RemoteTier:
         """Write ``(record, payload)`` blocks, and list each under its parent, in one pipeline."""
         pipe = self.writes.pipeline(transaction=False)
         for rec, payload in items:
-            pipe.hset(self.key_name(rec.key), mapping={FIELD_PAYLOAD: payload, FIELD_RECORD: replace(rec, offset=-1).pack(),
-                                                        FIELD_ROOT: rec.root})
+            packed = replace(rec, offset=-1).pack()
+            fields = {FIELD_PAYLOAD: payload, FIELD_RECORD: packed, FIELD_ROOT: rec.root}
+            if self.signer is not None:
+                fields[FIELD_TAG] = self.signer.tag(rec.key, packed, payload)
+            pipe.hset(self.key_name(rec.key), mapping=fields)
             pipe.zadd(self.kids_name(rec.root, rec.parent), {_member(rec.tokens, rec.key): 0})
         pipe.execute()
 
