@@ -171,7 +171,8 @@ class RemoteTier:
         self.reads = None  # short socket timeouts: the engine waits on these
         self.writes = None  # longer ones: large background batches
         self.cluster = False
-        self._pool: Optional[ThreadPoolExecutor] = None  # reads ahead of the caller (``entries``)
+        # threads of ``entries``: "read" reads ahead of the caller, "mac" checks MACs beside both
+        self._pools: dict[str, ThreadPoolExecutor] = {}
         self._pool_pid = 0
 
     # ---------------------------------------------------------- connection
@@ -238,8 +239,8 @@ class RemoteTier:
         return redis.Redis(host=u.host, port=u.port, db=u.db, ssl=u.scheme == "rediss", **common)
 
     def close(self) -> None:
-        pool, self._pool = self._pool, None
-        if pool is not None and self._pool_pid == os.getpid():
+        pools, self._pools = self._pools, {}
+        for pool in pools.values() if self._pool_pid == os.getpid() else ():
             pool.shutdown(wait=True)
         for c in (self.reads, self.writes):
             if c is not None:
@@ -301,17 +302,21 @@ class RemoteTier:
 
     def entries(self, keys: Sequence[bytes], sizes: Optional[Sequence[int]] = None) -> Iterator[tuple]:
         """``(record, payload, authentic)`` of each block (record and payload as ``records``), handed over as
-        soon as it is parsed while a second thread reads the next ones (``_read_each``) and, with a secret,
-        checks their MACs (``authentic``: None without a secret). A caller that stops early stops the read."""
+        soon as it is parsed while a second thread reads the next ones (``_read_each``). With a secret, a
+        third thread checks each block's MAC as it comes in (``authentic``; None without a secret), so the
+        read, the MACs and the caller's work on the blocks overlap. A caller that stops early stops the read."""
         fields = (FIELD_RECORD, FIELD_PAYLOAD) + ((FIELD_TAG,) if self.signer else ())
-        return ahead(self._read_ahead(), self._checked(keys, self._read_each("hmget", keys, sizes, *fields)))
+        replies = ahead(self._thread("read"), self._checking(keys, self._read_each("hmget", keys, sizes, *fields)))
+        return ((record, payload, None if ok is None else ok.result()) for record, payload, ok in replies)
 
-    def _checked(self, keys: Sequence[bytes], replies: Iterator) -> Iterator[tuple]:
+    def _checking(self, keys: Sequence[bytes], replies: Iterator) -> Iterator[tuple]:
+        """``replies`` as ``(record, payload, the future of its MAC check or None)``."""
+        macs = None if self.signer is None else self._thread("mac")
         try:
             for key, r in zip(keys, replies):
-                record, payload, *tag = r if isinstance(r, list) else (r, r)
-                yield record, payload, None if self.signer is None else \
-                    self.signer.valid(key, record, payload, tag[0] if tag else None)
+                record, payload, *tag = r if isinstance(r, list) else (r, r, r)
+                yield record, payload, None if macs is None else macs.submit(self.signer.valid, key, record,
+                                                                             payload, tag[0] if tag else None)
         finally:
             replies.close()  # (a read stopped early drops its connection now: ``streamed``)
 
@@ -330,12 +335,13 @@ class RemoteTier:
         for r in streamed(self.reads.connection_pool, [[(command.upper(), n, *args) for n in c] for c in chunks]):
             yield _per_key([r])[0]
 
-    def _read_ahead(self) -> ThreadPoolExecutor:
+    def _thread(self, name: str) -> ThreadPoolExecutor:
         with self._connecting:
-            if self._pool is None or self._pool_pid != os.getpid():  # (a forked child has no such thread)
-                self._pool = ThreadPoolExecutor(1, thread_name_prefix="kvstore-remote-read")
-                self._pool_pid = os.getpid()
-            return self._pool
+            if self._pool_pid != os.getpid():  # (a forked child has none of its parent's threads)
+                self._pools, self._pool_pid = {}, os.getpid()
+            if name not in self._pools:
+                self._pools[name] = ThreadPoolExecutor(1, thread_name_prefix=f"kvstore-remote-{name}")
+            return self._pools[name]
 
     def payloads(self, keys: Sequence[bytes], sizes: Optional[Sequence[int]] = None) -> list:
         """Each block's bytes (as ``records``)."""
