@@ -56,6 +56,9 @@ FIELD_PAYLOAD, FIELD_RECORD, FIELD_ROOT, FIELD_TAG = b"p", b"r", b"m", b"a"
 PASSWORD_ENV = ("KVSTORE_REMOTE_PASSWORD", "REDISCLI_AUTH")  # first set wins, when the URL has none
 USER_ENV = "KVSTORE_REMOTE_USER"
 SCHEMES = ("redis", "rediss", "unix")
+# rediss:// URL parameters (redis-py's names): the CA that signed the server's certificate (else the system's),
+# and a client certificate and key where the server asks for one (tls-auth-clients)
+TLS_FILES = ("ssl_ca_certs", "ssl_certfile", "ssl_keyfile")
 _SAFE_NS = re.compile(r"[A-Za-z0-9_.@-]{1,64}")
 
 
@@ -73,7 +76,8 @@ def namespace_tag(namespace: Optional[str]) -> str:
 
 @dataclass(frozen=True)
 class RemoteURL:
-    """A parsed ``redis://``, ``rediss://`` (TLS) or ``unix://`` URL."""
+    """A parsed ``redis://``, ``rediss://`` (TLS; ``?ssl_ca_certs=/path/ca.pem`` and the other ``TLS_FILES``)
+    or ``unix://`` URL. TLS always verifies the server's certificate and host name."""
 
     scheme: str
     host: Optional[str]
@@ -83,6 +87,7 @@ class RemoteURL:
     username: Optional[str]
     password: Optional[str]
     shown: str  # the URL without its password, for messages
+    tls: tuple[tuple[str, str], ...] = ()  # TLS_FILES given, as (parameter, path)
 
     @classmethod
     def parse(cls, url: str) -> "RemoteURL":
@@ -104,9 +109,16 @@ class RemoteURL:
             raise RemoteConfigError(f"remote URL {shown}: scheme must be one of {', '.join(SCHEMES)}, "
                                     f"e.g. redis://host:6379/0")
         query = parse_qs(u.query, keep_blank_values=True)
-        unknown = sorted(set(query) - {"db"})
+        unknown = sorted(set(query) - {"db", *TLS_FILES})
         if unknown:
-            raise RemoteConfigError(f"remote URL {shown}: unknown parameter(s) {', '.join(unknown)} (known: db)")
+            raise RemoteConfigError(f"remote URL {shown}: unknown parameter(s) {', '.join(unknown)} "
+                                    f"(known: db, {', '.join(TLS_FILES)})")
+        tls = tuple((name, query[name][-1]) for name in TLS_FILES if name in query)
+        if tls and scheme != "rediss":
+            raise RemoteConfigError(f"remote URL {shown}: {tls[0][0]} applies to TLS only (rediss://)")
+        for name, path in tls:
+            if not os.path.isfile(path):
+                raise RemoteConfigError(f"remote URL {shown}: {name}: no such file {path!r}")
         db_text = query["db"][-1] if "db" in query else None
         host, path = None, None
         if scheme == "unix":
@@ -129,7 +141,7 @@ class RemoteURL:
         username = unquote(u.username) if u.username else os.environ.get(USER_ENV) or None
         password = unquote(u.password) if u.password else next(
             (os.environ[v] for v in PASSWORD_ENV if os.environ.get(v)), None)
-        return cls(scheme, host, port or 6379, db, path, username, password, shown)
+        return cls(scheme, host, port or 6379, db, path, username, password, shown, tls)
 
 
 def _redacted(u) -> str:
@@ -218,6 +230,9 @@ class RemoteTier:
         except Exception as e:
             if _is_auth(e):  # a cluster client wraps what its nodes said
                 raise RemoteConfigError(f"remote {self.url.shown} refused the credentials ({e})") from None
+            if "certificate verify failed" in str(e).lower():
+                raise RemoteConfigError(f"remote {self.url.shown}: the server's TLS certificate is not trusted ({e}); "
+                                        f"give the CA that signed it as ?ssl_ca_certs=/path/ca.pem") from None
             raise
         self.close()
         self.reads, self.writes = reads, writes
@@ -231,12 +246,13 @@ class RemoteTier:
                       socket_connect_timeout=self.timeout, socket_read_size=1 << 20, retry=Retry(NoBackoff(), 0))
         if u.scheme == "unix":
             return redis.Redis(unix_socket_path=u.socket_path, db=u.db, **common)
+        if u.scheme == "rediss":  # (redis-py before 6 did not check the host name by default)
+            common.update(ssl=True, ssl_cert_reqs="required", ssl_check_hostname=True, **dict(u.tls))
         if cluster:
             from redis.cluster import RedisCluster
 
-            return RedisCluster(host=u.host, port=u.port, ssl=u.scheme == "rediss", require_full_coverage=False,
-                                **common)
-        return redis.Redis(host=u.host, port=u.port, db=u.db, ssl=u.scheme == "rediss", **common)
+            return RedisCluster(host=u.host, port=u.port, require_full_coverage=False, **common)
+        return redis.Redis(host=u.host, port=u.port, db=u.db, **common)
 
     def close(self) -> None:
         pools, self._pools = self._pools, {}
