@@ -4,6 +4,7 @@ served (counted, left on the server); with the same secret they hit bit-exact;
 the secret never shows in a repr, stats or the log."""
 
 import logging
+import time
 from dataclasses import replace
 
 import pytest
@@ -137,3 +138,38 @@ def test_servers_take_remote_secret():
     assert parse_args(["--model", "m", "--remote-secret", SECRET])[0]["remote_secret"] == SECRET
     assert parse_args(["--model", "m"])[0]["remote_secret"] is None  # then $KVSTORE_REMOTE_SECRET, if set
     assert vllm_mlx.parse_serve_args(["./m", "--remote-secret", SECRET])[0]["remote_secret"] == SECRET
+
+
+def test_kvstore_serve_hosts_share_only_blocks_of_their_secret(server, tmp_path):
+    # real servers: a and c take the secret from the environment, b another one from --remote-secret
+    import os
+
+    from kvstore.adapters.tiny_models import make_tiny_model
+
+    from .test_remote import PREFIX
+    from .test_server import chat, start, stop
+    from .test_server import free_port as free_http_port
+
+    model = make_tiny_model("llama", tmp_path / "model")
+    env = dict(os.environ, **{SECRET_ENV: SECRET})
+    hosts = {"a": ([], env), "c": ([], env), "b": (["--remote-secret", "another secret"], None)}
+    ports = {h: free_http_port() for h in hosts}
+    logs = {h: open(tmp_path / f"{h}.log", "wb") for h in hosts}
+    procs = [start(model, tmp_path / f"store-{h}", ports[h], logs[h], "--remote", server.url, *extra, env=e)
+             for h, (extra, e) in hosts.items()]
+    try:
+        first = chat(ports["a"], "hello there")
+        deadline = time.monotonic() + 30
+        while len(server.client().keys(PREFIX + b"-:{*}")) < first["prompt_tokens"] // 64 \
+                and time.monotonic() < deadline:
+            time.sleep(0.1)  # a's copies are written behind its response
+        same = chat(ports["c"], "how are you today")
+        other = chat(ports["b"], "how are you today")
+    finally:
+        for p in procs:
+            stop(p)
+        for f in logs.values():
+            f.close()
+    assert same["prompt_tokens_details"]["cached_tokens"] > 0.8 * first["prompt_tokens"]
+    assert other["prompt_tokens_details"]["cached_tokens"] == 0
+    assert not any(SECRET in (tmp_path / f"{h}.log").read_text(errors="replace") for h in hosts)
