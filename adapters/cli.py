@@ -162,7 +162,7 @@ def vllm_mlx_serve(ctx: typer.Context):
     --ssd-path DIR (without it the store is RAM-only), --budget-gb G (RAM, default 4), --disk-budget-gb G,
     --kv-bits 8 | 4 | 8,4 (stored entries; default: the engine's dtype), --store-group-size N, --block-size N,
     --namespace NAME, --fetch-policy auto | always | never, --calibrate-budget-s S (0: none), --remote URL,
-    --remote-timeout S.
+    --remote-timeout S, --remote-secret S (better: $KVSTORE_REMOTE_SECRET).
     vllm-mlx's own cache options (--ssd-cache-dir, --cache-memory-mb, --kv-cache-quantization, --use-paged-cache,
     --no-memory-aware-cache, --disable-prefix-cache) are refused, each naming the store's option to use.
     With --prefix-trie-cache, vllm-mlx's SimpleEngine (one request at a time) serves instead, its prompt trie on the store.

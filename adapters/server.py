@@ -371,6 +371,9 @@ def _parser() -> argparse.ArgumentParser:
                    help="a Redis / Valkey server or cluster shared by hosts: redis://[:password@]host:port/db, "
                         "rediss://..., unix:///path.sock (password also from $KVSTORE_REMOTE_PASSWORD)")
     g.add_argument("--remote-timeout", type=float, default=0.5, help="seconds per remote call (default 0.5)")
+    g.add_argument("--remote-secret", default=None,
+                   help="sign remote blocks and serve only signed ones (better: $KVSTORE_REMOTE_SECRET, which stays "
+                        "out of process lists)")
     # mlx-lm's own cache options, mapped onto the store or refused
     g.add_argument("--prompt-cache-bytes", default=None,
                    help="mlx-lm's option: here the store's RAM budget (instead of --budget-gb), e.g. 4GB")
@@ -449,7 +452,8 @@ def parse_args(argv: Sequence[str]) -> tuple[dict, list[str]]:
     store_args = dict(budget_gb=budget_gb, ssd_path=opts.ssd_path, block_size=opts.block_size, kv_bits=bits,
                       kv_group_size=opts.store_group_size, namespace=opts.namespace,
                       disk_budget_gb=opts.disk_budget_gb, fetch_policy=opts.fetch_policy, remote=opts.remote,
-                      remote_timeout=opts.remote_timeout, calibrate_budget_s=opts.calibrate_budget_s)
+                      remote_timeout=opts.remote_timeout, remote_secret=opts.remote_secret,
+                      calibrate_budget_s=opts.calibrate_budget_s)
     return store_args, rest
 
 

@@ -528,6 +528,7 @@ def _serve_parser() -> argparse.ArgumentParser:
     p.add_argument("--calibrate-budget-s", type=float, default=3.0)  # 0: no calibration of the model's prefill
     p.add_argument("--remote", default=None)
     p.add_argument("--remote-timeout", type=float, default=0.5)
+    p.add_argument("--remote-secret", default=None)  # better: $KVSTORE_REMOTE_SECRET (not in process lists)
     return p
 
 
@@ -552,7 +553,8 @@ def parse_serve_args(argv: Sequence[str]) -> tuple[dict, list[str]]:
     store_args = dict(budget_gb=opts.budget_gb, ssd_path=opts.ssd_path, block_size=opts.block_size, kv_bits=bits,
                       kv_group_size=opts.store_group_size, namespace=opts.namespace,
                       disk_budget_gb=opts.disk_budget_gb, fetch_policy=opts.fetch_policy, remote=opts.remote,
-                      remote_timeout=opts.remote_timeout, calibrate_budget_s=opts.calibrate_budget_s)
+                      remote_timeout=opts.remote_timeout, remote_secret=opts.remote_secret,
+                      calibrate_budget_s=opts.calibrate_budget_s)
     if "--continuous-batching" not in rest and "--prefix-trie-cache" not in rest:
         rest.append("--continuous-batching")
     return store_args, rest

@@ -12,7 +12,7 @@ from __future__ import annotations
 import difflib
 import math
 import os
-from dataclasses import dataclass, fields, replace
+from dataclasses import dataclass, field, fields, replace
 from typing import Optional, Union
 
 from .errors import ConfigError
@@ -52,7 +52,9 @@ class StoreConfig:
     server or cluster shared by hosts, after RAM and LMDB: new blocks are
     copied there in the background, and a fetch reads there what the local
     tiers lack; a down server only costs ``remote_timeout`` seconds now and
-    then.
+    then. ``remote_secret`` (else ``$KVSTORE_REMOTE_SECRET``, which keeps it out
+    of process lists) signs every block written there with a keyed MAC, and
+    serves from there only blocks whose MAC checks out under it.
     The tuning fields below them say why they are what they are.
     """
 
@@ -78,6 +80,9 @@ class StoreConfig:
     fetch_policy: str = "auto"  # "auto", "always" or "never"
     remote: Optional[str] = None  # redis://, rediss://, unix:// URL of a shared tier
     remote_timeout: float = 0.5  # seconds a down remote costs now and then
+    # MAC key of remote blocks (None: $KVSTORE_REMOTE_SECRET, else none: blocks unsigned, any served);
+    # never shown (repr=False)
+    remote_secret: Optional[str] = field(default=None, repr=False)
     # Keep the cost model's estimates in the store per machine, and start from them at open (False: every
     # open starts knowing nothing, as a first request on a new machine does; benchmarks of that case).
     remember_rates: bool = True
@@ -165,6 +170,9 @@ class StoreConfig:
         c = self.calibrate_budget_s
         if isinstance(c, bool) or not isinstance(c, (int, float)) or not math.isfinite(c) or c < 0:
             raise ConfigError(f"calibrate_budget_s must be a number of seconds >= 0 (0: no calibration), got {c!r}")
+        if self.remote_secret is not None and (not isinstance(self.remote_secret, str) or not self.remote_secret):
+            raise ConfigError("remote_secret must be a non-empty str or None (None: $KVSTORE_REMOTE_SECRET, "
+                              f"else none), got a {type(self.remote_secret).__name__}")
         t = self.remote_timeout
         if isinstance(t, bool) or not isinstance(t, (int, float)) or not math.isfinite(t) or t <= 0:
             raise ConfigError(f"remote_timeout must be a number of seconds > 0, got {t!r}")

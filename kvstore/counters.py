@@ -23,7 +23,8 @@ NAMES = ("hits", "misses", "tokens_requested", "tokens_ram", "tokens_ssd", "puts
          "remote_skipped",  # copies not sent: the queue was full (remote slower than the engine) or the remote down
          "remote_bypassed",  # fetches that did not ask the remote: it was down (breaker open)
          "remote_errors",  # failed calls: refused connections, timeouts
-         "remote_bad")  # remote values refused: checksum, key binding, record or tokens that do not fit
+         "remote_bad",  # remote values refused: checksum, key binding, record or tokens that do not fit
+         "remote_unauthenticated")  # remote blocks skipped: no valid MAC under this store's remote_secret
 
 
 class Counters:

@@ -12,7 +12,12 @@ same root, parent, position and tokens -- and the best partial child are read
 last (payloads, streamed: each block is handed over as it comes in, see
 ``tiers/resp``). Every payload is decoded as a local one is (header,
 checksum, key binding) and its tokens compared again: a corrupt, foreign or
-colliding value is refused and dropped from the server, never served.
+colliding value is refused and dropped from the server, never served. With
+``remote_secret``, a block is served only if its MAC (checked on the reading
+thread: ``RemoteTier.entries``) covers the record it was indexed by and its
+payload; one without is skipped and counted (``remote_unauthenticated``) but
+left on the server, which may be shared with stores of no or another secret
+(this store's own copy, once computed, overwrites it).
 
 What was read joins the index below where the walk stopped, goes into RAM
 as far as it fits, and is handed to the read path as it is (the hit never
@@ -61,6 +66,7 @@ class Discovery:
         self.counters = counters
         self.max_probe = config.remote_probe_blocks
         self.keep_on_disk = keep_on_disk
+        self._warned = False
 
     def find(self, root: Node, chain: KeyChain, n: int, match: Match, copies: list,
              quantized: Optional[tuple[int, int]] = None) -> Found:
@@ -99,7 +105,7 @@ class Discovery:
         sizes = [r.nbytes for r in run] + ([0] if part else [])
         got_blocks: list[tuple[BlockRecord, Stored, bytes]] = []
         rows = min(n, (first + len(run)) * bs + (part[1] if part else 0))  # the hit's length if all is good
-        last, fill = self.remote.call(self._read, run, tier.entries(wanted, sizes), got_blocks,
+        last, fill = self.remote.call(self._read, run, raw[: len(run)], tier.entries(wanted, sizes), got_blocks,
                                       lambda first: start(first, rows, quantized)) or (None, None)
         if part and len(got_blocks) == len(run) and last is not None:
             leaf = self._partial(root, chain, stop, n, near[0], part, last)
@@ -113,18 +119,20 @@ class Discovery:
 
     # ---------------------------------------------------------------- steps
 
-    def _read(self, run: list[BlockRecord], entries, got: list,
+    def _read(self, run: list[BlockRecord], packed: list[bytes], entries, got: list,
               start_fill: Callable[[Stored], Optional[HostFill]]) -> tuple[Optional[tuple], Optional[HostFill]]:
-        """Check each block of ``run`` as it comes in (the next ones are read
-        meanwhile) into ``got``, up to the first bad one, placing it in the
-        hit's arrays (``start_fill(first block)``) as it is checked.
-        Returns the entry read after the run (the partial child's), if any,
-        and the fill."""
+        """Check each block of ``run`` (``packed``: their records as probed) as
+        it comes in (the next ones are read meanwhile) into ``got``, up to the
+        first bad one, placing it in the hit's arrays (``start_fill(first
+        block)``) as it is checked. Returns the entry read after the run (the
+        partial child's), if any, and the fill."""
         fill = None
         i = 0
         for entry in entries:
             if i == len(run):
                 return entry, fill
+            if not self._authentic(run[i].key, entry, packed[i]):
+                return None, fill
             block = self._open(run[i], entry[1])
             if block is not None and i == 0:
                 fill = start_fill(block)
@@ -166,9 +174,11 @@ class Discovery:
         """The best partial child read back and checked: its record must be
         the child of ``parent`` at block ``i`` and share tokens with the prompt."""
         key, _, member = part
-        raw, buf = entry
+        raw, buf, _ = entry
         if raw is None:
             self.remote.call(self.remote.tier.forget_child, root.key, parent, member)  # evicted: a stale listing
+            return None
+        if not self._authentic(key, entry):
             return None
         rec = BlockRecord.unpack(key, raw) if isinstance(raw, bytes) else None
         bs = chain.block_size
@@ -205,6 +215,21 @@ class Discovery:
             return False
         block.checked = True
         return True
+
+    def _authentic(self, key: bytes, entry: tuple, probed: Optional[bytes] = None) -> bool:
+        """Whether ``entry`` may be served under the store's secret (always without one): its MAC checks out,
+        over the record the block was indexed by (``probed``, when that was read before the payload)."""
+        raw, payload, ok = entry
+        if ok is None or payload is None:  # no secret; or evicted since probed (``_open`` stops there)
+            return True
+        if ok and (probed is None or raw == probed):
+            return True
+        self.counters.count("remote_unauthenticated")
+        (log.debug if self._warned else log.warning)(
+            "kvstore: remote block %s skipped: no valid MAC under this store's remote_secret (written by a store "
+            "without it or with another; see stats()['remote_unauthenticated'])", key.hex()[:16])
+        self._warned = True
+        return False
 
     def _refuse(self, key: bytes, why: str) -> None:
         self.counters.count("remote_bad")

@@ -33,6 +33,7 @@ from .counters import Counters
 from .errors import RemoteConfigError
 from .record import Entry
 from .tiers.remote import RemoteTier
+from .tiers.remote_auth import secret_bytes
 
 log = logging.getLogger("kvstore")
 
@@ -93,7 +94,7 @@ class Remote:
 
     def __init__(self, url: str, namespace: Optional[str], counters: Counters, config: StoreConfig = StoreConfig()):
         self.tier = RemoteTier(url, namespace, float(config.remote_timeout),  # a malformed URL raises here
-                               read_bytes=config.remote_read_bytes)
+                               read_bytes=config.remote_read_bytes, secret=secret_bytes(config.remote_secret))
         self.counters = counters
         self.breaker = Breaker()
         self.config = config
@@ -206,7 +207,8 @@ class Remote:
 
     def stats(self) -> dict:
         return {"remote_url": self.url, "remote_up": self.breaker.closed and self.tier.connected,
-                "remote_cluster": self.tier.cluster, "remote_queue_bytes": self._queued}
+                "remote_cluster": self.tier.cluster, "remote_queue_bytes": self._queued,
+                "remote_authenticated": self.tier.signer is not None}
 
     def _ensure_thread(self) -> None:
         with self._cond:

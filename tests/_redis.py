@@ -1,7 +1,8 @@
 """Real Redis servers for the remote-tier tests: each on a free loopback port,
 in its own temporary directory, with a password, no persistence, and the
-eviction settings the README recommends. Tests skip only when ``redis-server``
-is not installed (``.ci/run`` installs it)."""
+eviction settings the README recommends; with ``tls=True``, TLS only, under a
+self-signed certificate for 127.0.0.1 made by ``openssl``. Tests skip only when
+``redis-server`` is not installed (``.ci/run`` installs it)."""
 
 from __future__ import annotations
 
@@ -20,6 +21,7 @@ import pytest
 PASSWORD = "kv-test-secret"
 SERVER = shutil.which("redis-server")
 CLI = shutil.which("redis-cli")
+OPENSSL = shutil.which("openssl")
 
 
 def need_redis() -> None:
@@ -48,22 +50,33 @@ def free_port(bus: bool = False) -> int:
 
 class RedisServer:
     def __init__(self, workdir: Path, port: Optional[int] = None, cluster: bool = False,
-                 password: str = PASSWORD):
+                 password: str = PASSWORD, tls: bool = False):
         self.dir = workdir
         self.dir.mkdir(parents=True, exist_ok=True)
         self.port = port or free_port(bus=cluster)
         self.cluster = cluster
         self.password = password
+        self.tls = tls
+        self.cert = self.dir / "cert.pem"  # with tls: the server's certificate, its own CA
         self.proc: Optional[subprocess.Popen] = None
 
     @property
     def url(self) -> str:
+        if self.tls:
+            return f"rediss://:{self.password}@127.0.0.1:{self.port}/0?ssl_ca_certs={self.cert}"
         return f"redis://:{self.password}@127.0.0.1:{self.port}/0"
 
     def start(self) -> "RedisServer":
         args = [SERVER, "--port", str(self.port), "--bind", "127.0.0.1", "--dir", str(self.dir),
                 "--requirepass", self.password, "--save", "", "--appendonly", "no",
                 "--maxmemory", "256mb", "--maxmemory-policy", "allkeys-lru", "--logfile", "redis.log"]
+        if self.tls:
+            subprocess.run([OPENSSL, "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "2", "-subj",
+                            "/CN=127.0.0.1", "-addext", "subjectAltName=IP:127.0.0.1", "-keyout",
+                            str(self.dir / "key.pem"), "-out", str(self.cert)], check=True, capture_output=True)
+            args[1:3] = ["--port", "0", "--tls-port", str(self.port), "--tls-cert-file", str(self.cert),
+                         "--tls-key-file", str(self.dir / "key.pem"), "--tls-ca-cert-file", str(self.cert),
+                         "--tls-auth-clients", "no"]
         if self.cluster:
             args += ["--cluster-enabled", "yes", "--cluster-config-file", f"nodes-{self.port}.conf",
                      "--masterauth", self.password, "--cluster-node-timeout", "2000"]
@@ -83,13 +96,16 @@ class RedisServer:
 
     def cli(self, *args: str) -> str:
         env = dict(os.environ, REDISCLI_AUTH=self.password)
-        r = subprocess.run([CLI, "-p", str(self.port), *args], capture_output=True, text=True, env=env, timeout=30)
+        tls = ["--tls", "--cacert", str(self.cert)] if self.tls else []
+        r = subprocess.run([CLI, "-p", str(self.port), *tls, *args], capture_output=True, text=True, env=env,
+                           timeout=30)
         return r.stdout
 
     def client(self):
         import redis
 
-        return redis.Redis(port=self.port, password=self.password)
+        tls = dict(ssl=True, ssl_ca_certs=str(self.cert)) if self.tls else {}
+        return redis.Redis(host="127.0.0.1", port=self.port, password=self.password, **tls)
 
     def kill(self) -> None:
         if self.proc is not None and self.proc.poll() is None:

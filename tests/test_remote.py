@@ -506,23 +506,24 @@ def test_the_remote_tier_writes_reads_and_removes_blocks_as_kept(server, monkeyp
         tier.put_many([(e.record, e.payload) for e in entries])
         got = list(tier.entries(keys))
         assert sent[-1] == [2]  # sizes unknown: one round trip
-        assert [bytes(p) for _, p in got] == [bytes(e.payload) for e in entries]  # the same bytes back
-        assert [BlockRecord.unpack(e.key, r).tokens.tolist() for e, (r, _) in zip(entries, got)] == \
+        assert [ok for _, _, ok in got] == [None, None]  # no secret: nothing checked
+        assert [bytes(p) for _, p, _ in got] == [bytes(e.payload) for e in entries]  # the same bytes back
+        assert [BlockRecord.unpack(e.key, r).tokens.tolist() for e, (r, _, _) in zip(entries, got)] == \
             [e.record.tokens.tolist() for e in entries]
         # with sizes, round trips of about read_bytes on one connection, in order, each block handed over as
         # it comes in
         tier.read_bytes = sizes[0]
         got = list(tier.entries(keys * 2, sizes * 2))
         assert sent[-1] == [1, 1, 1, 1]
-        assert [bytes(p) for _, p in got] == [bytes(e.payload) for e in entries] * 2
-        assert tier.payloads(keys * 2, sizes * 2) == [p for _, p in got] and sent[-1] == [1, 1, 1, 1]
+        assert [bytes(p) for _, p, _ in got] == [bytes(e.payload) for e in entries] * 2
+        assert tier.payloads(keys * 2, sizes * 2) == [p for _, p, _ in got] and sent[-1] == [1, 1, 1, 1]
         # a reader that stops early stops the read; its connection's unread replies never reach the next read
         it = tier.entries(keys * 3, sizes * 3)
         assert bytes(next(it)[1]) == bytes(entries[0].payload)
         it.close()
-        assert [bytes(p) for _, p in tier.entries(keys[::-1], sizes[::-1])] == \
+        assert [bytes(p) for _, p, _ in tier.entries(keys[::-1], sizes[::-1])] == \
             [bytes(e.payload) for e in entries[::-1]]
         assert tier.remove([entries[1].key, b"\0" * 16]) == [entries[1].key]
-        assert [p is None for _, p in tier.entries(keys)] == [False, True]
+        assert [p is None for _, p, _ in tier.entries(keys)] == [False, True]
     finally:
         tier.close()

@@ -7,7 +7,9 @@ Each block is one Redis hash, ``kvstore:v1:<namespace>:{<block key hex>}``:
 - ``r``: its ``BlockRecord`` (parent, position, tokens, servability), so a
   host that never saw the block can index it;
 - ``m``: its model root key, so ``kvstore stats/clear --remote`` can act on
-  one model's blocks without reading records.
+  one model's blocks without reading records;
+- ``a``: written only by a store with ``remote_secret``: the block's keyed
+  MAC (``remote_auth``), checked on read by stores with the secret.
 
 One key per block keeps payload and record together under Redis's own
 eviction (``allkeys-lru`` drops both or neither) and in one cluster slot.
@@ -46,13 +48,17 @@ import numpy as np
 
 from ..errors import RemoteConfigError
 from ..record import BlockRecord
+from .remote_auth import Signer
 from .resp import ahead, streamed
 
 PREFIX = b"kvstore:v1:"  # v1: block bytes of wire format 2 and records of record.RECORD_VERSION 1
-FIELD_PAYLOAD, FIELD_RECORD, FIELD_ROOT = b"p", b"r", b"m"
+FIELD_PAYLOAD, FIELD_RECORD, FIELD_ROOT, FIELD_TAG = b"p", b"r", b"m", b"a"
 PASSWORD_ENV = ("KVSTORE_REMOTE_PASSWORD", "REDISCLI_AUTH")  # first set wins, when the URL has none
 USER_ENV = "KVSTORE_REMOTE_USER"
 SCHEMES = ("redis", "rediss", "unix")
+# rediss:// URL parameters (redis-py's names): the CA that signed the server's certificate (else the system's),
+# and a client certificate and key where the server asks for one (tls-auth-clients)
+TLS_FILES = ("ssl_ca_certs", "ssl_certfile", "ssl_keyfile")
 _SAFE_NS = re.compile(r"[A-Za-z0-9_.@-]{1,64}")
 
 
@@ -70,7 +76,8 @@ def namespace_tag(namespace: Optional[str]) -> str:
 
 @dataclass(frozen=True)
 class RemoteURL:
-    """A parsed ``redis://``, ``rediss://`` (TLS) or ``unix://`` URL."""
+    """A parsed ``redis://``, ``rediss://`` (TLS; ``?ssl_ca_certs=/path/ca.pem`` and the other ``TLS_FILES``)
+    or ``unix://`` URL. TLS always verifies the server's certificate and host name."""
 
     scheme: str
     host: Optional[str]
@@ -80,6 +87,7 @@ class RemoteURL:
     username: Optional[str]
     password: Optional[str]
     shown: str  # the URL without its password, for messages
+    tls: tuple[tuple[str, str], ...] = ()  # TLS_FILES given, as (parameter, path)
 
     @classmethod
     def parse(cls, url: str) -> "RemoteURL":
@@ -101,9 +109,16 @@ class RemoteURL:
             raise RemoteConfigError(f"remote URL {shown}: scheme must be one of {', '.join(SCHEMES)}, "
                                     f"e.g. redis://host:6379/0")
         query = parse_qs(u.query, keep_blank_values=True)
-        unknown = sorted(set(query) - {"db"})
+        unknown = sorted(set(query) - {"db", *TLS_FILES})
         if unknown:
-            raise RemoteConfigError(f"remote URL {shown}: unknown parameter(s) {', '.join(unknown)} (known: db)")
+            raise RemoteConfigError(f"remote URL {shown}: unknown parameter(s) {', '.join(unknown)} "
+                                    f"(known: db, {', '.join(TLS_FILES)})")
+        tls = tuple((name, query[name][-1]) for name in TLS_FILES if name in query)
+        if tls and scheme != "rediss":
+            raise RemoteConfigError(f"remote URL {shown}: {tls[0][0]} applies to TLS only (rediss://)")
+        for name, path in tls:
+            if not os.path.isfile(path):
+                raise RemoteConfigError(f"remote URL {shown}: {name}: no such file {path!r}")
         db_text = query["db"][-1] if "db" in query else None
         host, path = None, None
         if scheme == "unix":
@@ -126,7 +141,7 @@ class RemoteURL:
         username = unquote(u.username) if u.username else os.environ.get(USER_ENV) or None
         password = unquote(u.password) if u.password else next(
             (os.environ[v] for v in PASSWORD_ENV if os.environ.get(v)), None)
-        return cls(scheme, host, port or 6379, db, path, username, password, shown)
+        return cls(scheme, host, port or 6379, db, path, username, password, shown, tls)
 
 
 def _redacted(u) -> str:
@@ -150,13 +165,15 @@ def _redact_raw(url: str) -> str:
 
 class RemoteTier:
     """Blocks in Redis. ``connect`` opens the clients (a cluster is detected);
-    every other method assumes it did and lets the client's errors through."""
+    every other method assumes it did and lets the client's errors through.
+    With ``secret``, blocks are written with their MAC and read back with it checked (``entries``)."""
 
     name = "remote"
 
     def __init__(self, url: str, namespace: Optional[str] = None, timeout: float = 0.5,
-                 write_timeout: float = 10.0, read_bytes: int = 16 << 20):
+                 write_timeout: float = 10.0, read_bytes: int = 16 << 20, secret: Optional[bytes] = None):
         self.url = RemoteURL.parse(url)
+        self.signer = Signer(secret) if secret else None
         self.namespace = namespace
         self.ns = namespace_tag(namespace).encode()
         self.timeout = timeout
@@ -166,7 +183,8 @@ class RemoteTier:
         self.reads = None  # short socket timeouts: the engine waits on these
         self.writes = None  # longer ones: large background batches
         self.cluster = False
-        self._pool: Optional[ThreadPoolExecutor] = None  # reads ahead of the caller (``entries``)
+        # threads of ``entries``: "read" reads ahead of the caller, "mac" checks MACs beside both
+        self._pools: dict[str, ThreadPoolExecutor] = {}
         self._pool_pid = 0
 
     # ---------------------------------------------------------- connection
@@ -212,6 +230,9 @@ class RemoteTier:
         except Exception as e:
             if _is_auth(e):  # a cluster client wraps what its nodes said
                 raise RemoteConfigError(f"remote {self.url.shown} refused the credentials ({e})") from None
+            if "certificate verify failed" in str(e).lower():
+                raise RemoteConfigError(f"remote {self.url.shown}: the server's TLS certificate is not trusted ({e}); "
+                                        f"give the CA that signed it as ?ssl_ca_certs=/path/ca.pem") from None
             raise
         self.close()
         self.reads, self.writes = reads, writes
@@ -225,16 +246,17 @@ class RemoteTier:
                       socket_connect_timeout=self.timeout, socket_read_size=1 << 20, retry=Retry(NoBackoff(), 0))
         if u.scheme == "unix":
             return redis.Redis(unix_socket_path=u.socket_path, db=u.db, **common)
+        if u.scheme == "rediss":  # (redis-py before 6 did not check the host name by default)
+            common.update(ssl=True, ssl_cert_reqs="required", ssl_check_hostname=True, **dict(u.tls))
         if cluster:
             from redis.cluster import RedisCluster
 
-            return RedisCluster(host=u.host, port=u.port, ssl=u.scheme == "rediss", require_full_coverage=False,
-                                **common)
-        return redis.Redis(host=u.host, port=u.port, db=u.db, ssl=u.scheme == "rediss", **common)
+            return RedisCluster(host=u.host, port=u.port, require_full_coverage=False, **common)
+        return redis.Redis(host=u.host, port=u.port, db=u.db, **common)
 
     def close(self) -> None:
-        pool, self._pool = self._pool, None
-        if pool is not None and self._pool_pid == os.getpid():
+        pools, self._pools = self._pools, {}
+        for pool in pools.values() if self._pool_pid == os.getpid() else ():
             pool.shutdown(wait=True)
         for c in (self.reads, self.writes):
             if c is not None:
@@ -295,10 +317,24 @@ class RemoteTier:
         self.reads.zrem(self.kids_name(root, parent), member)
 
     def entries(self, keys: Sequence[bytes], sizes: Optional[Sequence[int]] = None) -> Iterator[tuple]:
-        """``(record, payload)`` of each block (each as ``records``), handed over as soon as it is parsed while
-        a second thread reads the next ones (``_read_each``). A caller that stops early stops the read."""
-        replies = ahead(self._read_ahead(), self._read_each("hmget", keys, sizes, FIELD_RECORD, FIELD_PAYLOAD))
-        return (tuple(r) if isinstance(r, list) else (r, r) for r in replies)
+        """``(record, payload, authentic)`` of each block (record and payload as ``records``), handed over as
+        soon as it is parsed while a second thread reads the next ones (``_read_each``). With a secret, a
+        third thread checks each block's MAC as it comes in (``authentic``; None without a secret), so the
+        read, the MACs and the caller's work on the blocks overlap. A caller that stops early stops the read."""
+        fields = (FIELD_RECORD, FIELD_PAYLOAD) + ((FIELD_TAG,) if self.signer else ())
+        replies = ahead(self._thread("read"), self._checking(keys, self._read_each("hmget", keys, sizes, *fields)))
+        return ((record, payload, None if ok is None else ok.result()) for record, payload, ok in replies)
+
+    def _checking(self, keys: Sequence[bytes], replies: Iterator) -> Iterator[tuple]:
+        """``replies`` as ``(record, payload, the future of its MAC check or None)``."""
+        macs = None if self.signer is None else self._thread("mac")
+        try:
+            for key, r in zip(keys, replies):
+                record, payload, *tag = r if isinstance(r, list) else (r, r, r)
+                yield record, payload, None if macs is None else macs.submit(self.signer.valid, key, record,
+                                                                             payload, tag[0] if tag else None)
+        finally:
+            replies.close()  # (a read stopped early drops its connection now: ``streamed``)
 
     def _read_each(self, command: str, keys: Sequence[bytes], sizes: Optional[Sequence[int]], *args) -> Iterator:
         """``_each`` of ``keys`` on ``reads`` for replies holding payloads, in round trips of about
@@ -315,12 +351,13 @@ class RemoteTier:
         for r in streamed(self.reads.connection_pool, [[(command.upper(), n, *args) for n in c] for c in chunks]):
             yield _per_key([r])[0]
 
-    def _read_ahead(self) -> ThreadPoolExecutor:
+    def _thread(self, name: str) -> ThreadPoolExecutor:
         with self._connecting:
-            if self._pool is None or self._pool_pid != os.getpid():  # (a forked child has no such thread)
-                self._pool = ThreadPoolExecutor(1, thread_name_prefix="kvstore-remote-read")
-                self._pool_pid = os.getpid()
-            return self._pool
+            if self._pool_pid != os.getpid():  # (a forked child has none of its parent's threads)
+                self._pools, self._pool_pid = {}, os.getpid()
+            if name not in self._pools:
+                self._pools[name] = ThreadPoolExecutor(1, thread_name_prefix=f"kvstore-remote-{name}")
+            return self._pools[name]
 
     def payloads(self, keys: Sequence[bytes], sizes: Optional[Sequence[int]] = None) -> list:
         """Each block's bytes (as ``records``)."""
@@ -330,8 +367,11 @@ class RemoteTier:
         """Write ``(record, payload)`` blocks, and list each under its parent, in one pipeline."""
         pipe = self.writes.pipeline(transaction=False)
         for rec, payload in items:
-            pipe.hset(self.key_name(rec.key), mapping={FIELD_PAYLOAD: payload, FIELD_RECORD: replace(rec, offset=-1).pack(),
-                                                        FIELD_ROOT: rec.root})
+            packed = replace(rec, offset=-1).pack()
+            fields = {FIELD_PAYLOAD: payload, FIELD_RECORD: packed, FIELD_ROOT: rec.root}
+            if self.signer is not None:
+                fields[FIELD_TAG] = self.signer.tag(rec.key, packed, payload)
+            pipe.hset(self.key_name(rec.key), mapping=fields)
             pipe.zadd(self.kids_name(rec.root, rec.parent), {_member(rec.tokens, rec.key): 0})
         pipe.execute()
 
