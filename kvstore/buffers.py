@@ -31,6 +31,7 @@ log = logging.getLogger("kvstore")
 
 _KEEP = 640 << 20  # bytes of handed-back buffers kept for reuse: a write transaction's worth, and more
 _MIN = 1 << 20  # smaller buffers come and go through numpy's own cache
+_SLACK = 256 << 20  # page-locked bytes past the stores' budgets (``_pinned_cap``)
 
 _lock = threading.Lock()
 _waiting: "deque[np.ndarray]" = deque()
@@ -38,7 +39,8 @@ _waiting_bytes = 0
 _reserved: dict[int, int] = {}  # id(owner) -> bytes it asked to keep (``reserve``)
 _arenas: dict[int, list] = {}  # id(owner) -> [page-locked arena made at open, bytes carved from it] (``prefill``)
 _PAGE = 4096
-made = [0, 0.0]  # page-locked bytes this process made outside an arena, and the seconds that took
+made = [0, 0.0, 0]  # page-locked bytes this process made outside an arena, the seconds that took, pageable bytes
+# made past the cap (``_pinned_cap``)
 _released: "deque[int]" = deque()  # owners gone without saying so (``_release``)
 
 
@@ -47,22 +49,24 @@ def take(n: int, new_pinned: bool = True) -> np.ndarray:
     buffer no longer referred to, when one fits). ``new_pinned=False``: on
     CUDA, a new buffer is pageable, for a caller the GPU must not wait on
     (making page-locked memory holds up its kernels: ``reserve``)."""
-    global _waiting_bytes
     if n >= _MIN:
         with _lock:
-            for i in range(len(_waiting)):
-                raw = _waiting[i]
-                # references: ``_waiting``'s, ``raw``'s and getrefcount's argument
-                if n <= raw.nbytes <= n + n // 8 and sys.getrefcount(raw) <= 3:
-                    del _waiting[i]
-                    _waiting_bytes -= raw.nbytes
-                    return raw
+            raw = _reusable(n, n + n // 8)
+        if raw is not None:
+            return raw
     rt = cuda.runtime() if n >= _MIN and new_pinned else None
     if rt is not None:
         with _lock:
             carved = _carve(n)
+            if carved is None and cuda.pinned_live() + n > _pinned_cap():
+                # a larger page-locked buffer rather than a pageable one
+                carved = _reusable(n, 2 * n, pinned_only=True)
+                if carved is None:
+                    made[2] += n
+                    rt = None
         if carved is not None:
             return carved
+    if rt is not None:
         t0 = time.perf_counter()
         raw = rt.pinned(n)
         with _lock:
@@ -70,6 +74,30 @@ def take(n: int, new_pinned: bool = True) -> np.ndarray:
             made[1] += time.perf_counter() - t0
         return raw
     return np.empty(n, np.uint8)
+
+
+def _pinned_cap() -> int:
+    """Page-locked bytes a process holds at most: its stores' RAM budgets and a
+    quarter more for blocks on their way. Past it a new buffer is pageable
+    (a copy from it is staged): making and freeing page-locked memory holds
+    up the engine's kernels, and in a store smaller than its traffic, a cap
+    is what keeps it from making and freeing its budget over and over. Lock held."""
+    total = sum(_reserved.values())
+    return total + total // 4 + _SLACK
+
+
+def _reusable(lo: int, hi: int, pinned_only: bool = False) -> "np.ndarray | None":
+    """A handed-back buffer of ``lo`` to ``hi`` bytes that nothing else refers to, taken out. Lock held."""
+    global _waiting_bytes
+    for i in range(len(_waiting)):
+        # references: ``_waiting``'s and getrefcount's argument
+        if lo <= _waiting[i].nbytes <= hi and sys.getrefcount(_waiting[i]) <= 2:
+            if not pinned_only or cuda.is_pinned(_waiting[i]):
+                raw = _waiting[i]
+                del _waiting[i]
+                _waiting_bytes -= raw.nbytes
+                return raw
+    return None
 
 
 def prefill(owner: object, nbytes: int) -> float:
@@ -152,6 +180,21 @@ def _drain() -> None:
 def _trim() -> None:
     global _waiting_bytes
     _drain()
-    keep = max(_KEEP, sum(_reserved.values()) if cuda.runtime() is not None else 0)
+    if _waiting_bytes <= _KEEP:
+        return
+    if cuda.runtime() is None:
+        while _waiting_bytes > _KEEP:
+            _waiting_bytes -= _waiting.popleft().nbytes
+        return
+    # page-locked buffers stay (the cap bounds them); pageable ones go first, oldest first
+    kept: "deque[np.ndarray]" = deque()
+    for raw in _waiting:
+        if _waiting_bytes > _KEEP and not cuda.is_pinned(raw):
+            _waiting_bytes -= raw.nbytes
+        else:
+            kept.append(raw)
+    _waiting.clear()
+    _waiting.extend(kept)
+    keep = max(_KEEP, _pinned_cap())
     while _waiting_bytes > keep:
         _waiting_bytes -= _waiting.popleft().nbytes

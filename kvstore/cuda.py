@@ -120,17 +120,29 @@ class _Pinned:
     to and from the GPU without a staging copy. Numpy arrays made from it
     keep it alive; the last one to go frees it."""
 
+    live = [0]  # bytes of it this process holds now (``buffers`` keeps it under a cap)
+    _count = threading.RLock()  # (re-entrant: a collection may free one while this thread counts)
+
     def __init__(self, rt: Runtime, nbytes: int):
         p = ctypes.c_void_p()
         rt._check(rt.lib.cudaHostAlloc(ctypes.byref(p), max(1, nbytes), 0), "cudaHostAlloc")
-        self._free, self.ptr = rt.lib.cudaFreeHost, p.value
+        self._free, self.ptr, self.nbytes = rt.lib.cudaFreeHost, p.value, nbytes
         self.__array_interface__ = {"shape": (nbytes,), "typestr": "|u1", "data": (p.value, False), "version": 3}
+        with _Pinned._count:
+            _Pinned.live[0] += nbytes
 
     def __del__(self):
         try:
             self._free(self.ptr)
+            with _Pinned._count:
+                _Pinned.live[0] -= self.nbytes
         except Exception:  # (an interpreter shutting down)
             pass
+
+
+def pinned_live() -> int:
+    """Bytes of page-locked memory this process holds now."""
+    return _Pinned.live[0]
 
 
 class Carved:

@@ -294,7 +294,8 @@ class PrefixStore:
         out = self._counters.snapshot()
         out.update(self._table.stats(), pending_bytes=self._writer.pending_bytes,
                    pending_jobs=self._writer.pending_jobs, orphans=self.orphans,
-                   pinned_made_bytes=buffers.made[0], pinned_made_s=buffers.made[1])  # (this process's, on CUDA)
+                   pinned_made_bytes=buffers.made[0], pinned_made_s=buffers.made[1],
+                   pageable_past_cap_bytes=buffers.made[2])  # (this process's, on CUDA)
         if self._disk is not None:
             tier = self._disk.tier
             out.update(ssd_bytes=tier.usage(), ssd_budget=tier.budget, ssd_blocks=self._table.disk_blocks,

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import numpy as np
 import pytest
 
-from kvstore import buffers
+from kvstore import buffers, cuda
 from kvstore.codec import Block
 from kvstore.hashing import as_tokens
 from kvstore.wire import serialize
@@ -133,3 +135,47 @@ def test_page_locked_memory_made_at_open_is_carved_into_the_first_fills_buffers(
     assert rt.made == [10 * MiB, 4 * MiB]
     buffers.reserve(owner, 0)  # the owner closing drops what it did not carve
     assert buffers._arenas == {}
+
+
+class _HostPinned(cuda._Pinned):
+    """Page-locked memory's bookkeeping over plain host memory: the cap's arithmetic where there is no CUDA."""
+
+    def __init__(self, nbytes: int):
+        self.mem, self.nbytes = np.empty(nbytes, np.uint8), nbytes
+        self.__array_interface__ = self.mem.__array_interface__
+        with cuda._Pinned._count:
+            cuda._Pinned.live[0] += nbytes
+
+    def __del__(self):
+        with cuda._Pinned._count:
+            cuda._Pinned.live[0] -= self.nbytes
+
+
+@pytest.fixture
+def pinned_runtime(monkeypatch):
+    monkeypatch.setattr(cuda, "runtime", lambda: SimpleNamespace(pinned=lambda n: np.asarray(_HostPinned(n))))
+    monkeypatch.setattr(buffers, "_SLACK", 0)
+
+
+class _Owner:
+    pass
+
+
+def test_page_locked_memory_stays_under_the_budgets_and_is_kept_not_freed(pinned_runtime):
+    owner = _Owner()
+    buffers.reserve(owner, 40 * MiB)  # a cap of 50 MiB
+    before, pageable = cuda.pinned_live(), buffers.made[2]
+    held = [buffers.take(10 * MiB) for _ in range(5)]
+    assert all(cuda.is_pinned(b) for b in held) and cuda.pinned_live() - before == 50 * MiB
+    past = buffers.take(10 * MiB)
+    assert not cuda.is_pinned(past) and buffers.made[2] - pageable == 10 * MiB  # past the cap: pageable
+    buffers.give_back(held.pop())
+    smaller = buffers.take(6 * MiB)  # no new page-locked memory: a larger one handed back serves
+    assert cuda.is_pinned(smaller) and smaller.nbytes == 10 * MiB and cuda.pinned_live() - before == 50 * MiB
+    for b in held + [smaller, past]:
+        buffers.give_back(b)
+    del held, smaller, past
+    buffers.give_back(np.empty(700 * MiB, np.uint8))  # over _KEEP: the pageable ones go, the page-locked stay
+    assert [cuda.is_pinned(w) for w in buffers._waiting] == [True] * 5
+    assert cuda.pinned_live() - before == 50 * MiB
+    buffers.reserve(owner, 0)

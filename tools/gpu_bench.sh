@@ -19,6 +19,7 @@
 #   bash tools/gpu_bench.sh table OUT      # issue 28's table (tools/hot_path_table.py; PARTS="ram device": some only)
 #   BUDGETS="0.25 0.1" bash tools/gpu_bench.sh replay OUT   # issue 42's live replay on it (tools/replay_gpu.py;
 #                                                           SYSTEMS="lru kvstore_fp16": some only; --warm rounds)
+#   bash tools/gpu_bench.sh serve OUT      # its second half only: 8 clients, mlx_lm.server against kvstore serve
 #   bash tools/gpu_bench.sh live OUT       # issue 42's replay (tools/live_replay.py): each cache in a fresh process,
 #                                          # then 8 clients against mlx_lm.server and kvstore serve (~6 min; build the
 #                                          # model first: `model` takes ~4 min); SYSTEMS="none lru" BUDGETS="0.25" WARM=0
@@ -63,5 +64,7 @@ max_position_embeddings=65536)" ;;
         python3 -m kvstore.tools.live_replay --model "$M" --trace gpu --systems ${SYSTEMS:-none lru kvstore_fp16 kvstore_q8} \
           --budgets ${BUDGETS:-0.25 0.10} --fresh-process $([[ ${WARM:-1} == 1 ]] && echo --warm) --dir /tmp/live-replay \
           --out "$2/live"
-        python3 -m kvstore.tools.live_replay serve --model "$M" --trace gpu --clients "${CLIENTS:-8}" --out "$2/live-serve" ;;
+        bash "$0" serve "$2" ;;
+  serve) [[ -f $M/config.json ]] || bash "$0" model "$2"   # 8 clients: mlx_lm.server against kvstore serve
+         python3 -m kvstore.tools.live_replay serve --model "$M" --trace gpu --clients "${CLIENTS:-8}" --out "$2/live-serve" ;;
 esac
