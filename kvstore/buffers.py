@@ -39,6 +39,7 @@ _waiting_bytes = 0
 _reserved: dict[int, int] = {}  # id(owner) -> bytes it asked to keep (``reserve``)
 _arenas: dict[int, list] = {}  # id(owner) -> [page-locked arena made at open, bytes carved from it] (``prefill``)
 _PAGE = 4096
+_pinned = [0]  # bytes of page-locked buffers and arenas made here that are alive now
 made = [0, 0.0, 0]  # page-locked bytes this process made outside an arena, the seconds that took, pageable bytes
 # made past the cap (``_pinned_cap``)
 _released: "deque[int]" = deque()  # owners gone without saying so (``_release``)
@@ -58,7 +59,7 @@ def take(n: int, new_pinned: bool = True) -> np.ndarray:
     if rt is not None:
         with _lock:
             carved = _carve(n)
-            if carved is None and cuda.pinned_live() + n > _pinned_cap():
+            if carved is None and _pinned[0] + n > _pinned_cap():
                 # a larger page-locked buffer rather than a pageable one
                 carved = _reusable(n, 2 * n, pinned_only=True)
                 if carved is None:
@@ -68,7 +69,7 @@ def take(n: int, new_pinned: bool = True) -> np.ndarray:
             return carved
     if rt is not None:
         t0 = time.perf_counter()
-        raw = rt.pinned(n)
+        raw = rt.pinned(n, _pinned)
         with _lock:
             made[0] += n
             made[1] += time.perf_counter() - t0
@@ -110,7 +111,7 @@ def prefill(owner: object, nbytes: int) -> float:
     if rt is None or nbytes < _MIN:
         return 0.0
     t0 = time.perf_counter()
-    arena = rt.pinned(int(nbytes))
+    arena = rt.pinned(int(nbytes), _pinned)
     with _lock:
         _arenas[id(owner)] = [arena, 0]
     seconds = time.perf_counter() - t0

@@ -109,10 +109,10 @@ class Runtime:
         self._check(self.lib.cudaStreamCreateWithFlags(ctypes.byref(s), 1), "cudaStreamCreate")  # non-blocking
         return s
 
-    def pinned(self, nbytes: int) -> np.ndarray:
+    def pinned(self, nbytes: int, tally: Optional[list] = None) -> np.ndarray:
         """Page-locked host memory as a byte array, freed once no array or
-        view over it is left."""
-        return np.asarray(_Pinned(self, nbytes))
+        view over it is left; ``tally[0]`` counts its bytes while it lives."""
+        return np.asarray(_Pinned(self, nbytes, tally))
 
 
 class _Pinned:
@@ -120,29 +120,29 @@ class _Pinned:
     to and from the GPU without a staging copy. Numpy arrays made from it
     keep it alive; the last one to go frees it."""
 
-    live = [0]  # bytes of it this process holds now (``buffers`` keeps it under a cap)
     _count = threading.RLock()  # (re-entrant: a collection may free one while this thread counts)
 
-    def __init__(self, rt: Runtime, nbytes: int):
+    def __init__(self, rt: Runtime, nbytes: int, tally: Optional[list] = None):
         p = ctypes.c_void_p()
         rt._check(rt.lib.cudaHostAlloc(ctypes.byref(p), max(1, nbytes), 0), "cudaHostAlloc")
-        self._free, self.ptr, self.nbytes = rt.lib.cudaFreeHost, p.value, nbytes
+        self._free, self.ptr = rt.lib.cudaFreeHost, p.value
         self.__array_interface__ = {"shape": (nbytes,), "typestr": "|u1", "data": (p.value, False), "version": 3}
-        with _Pinned._count:
-            _Pinned.live[0] += nbytes
+        self._tally = _counted(tally, nbytes)
 
     def __del__(self):
         try:
             self._free(self.ptr)
-            with _Pinned._count:
-                _Pinned.live[0] -= self.nbytes
         except Exception:  # (an interpreter shutting down)
             pass
+        _counted(self._tally, -self.__array_interface__["shape"][0])
 
 
-def pinned_live() -> int:
-    """Bytes of page-locked memory this process holds now."""
-    return _Pinned.live[0]
+def _counted(tally: Optional[list], nbytes: int) -> Optional[list]:
+    """Add ``nbytes`` to ``tally[0]`` (the bytes a caller's page-locked buffers hold now); ``tally``."""
+    if tally is not None:
+        with _Pinned._count:
+            tally[0] += nbytes
+    return tally
 
 
 class Carved:

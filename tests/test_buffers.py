@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-from types import SimpleNamespace
-
 import numpy as np
 import pytest
 
@@ -22,6 +20,7 @@ def empty_pool(monkeypatch):
     """An empty pool, and no reservation or arena of stores other tests left open (on CUDA they count)."""
     monkeypatch.setattr(buffers, "_reserved", {})
     monkeypatch.setattr(buffers, "_arenas", {})
+    monkeypatch.setattr(buffers, "_pinned", [0])  # (buffers of other tests count in the list they were made with)
     buffers._waiting.clear()
     buffers._waiting_bytes = 0
     yield
@@ -101,14 +100,13 @@ class _PinningRuntime:
     def __init__(self):
         self.made: list[int] = []
 
-    def pinned(self, nbytes: int) -> np.ndarray:
-        from kvstore import cuda
-
+    def pinned(self, nbytes: int, tally: "list | None" = None) -> np.ndarray:
         self.made.append(nbytes)
         host = np.empty(nbytes, np.uint8)
         p = cuda._Pinned.__new__(cuda._Pinned)  # (as cudaHostAlloc's memory is wrapped, over host memory)
         p.host, p._free, p.ptr = host, lambda ptr: None, host.ctypes.data
         p.__array_interface__ = dict(host.__array_interface__)
+        p._tally = cuda._counted(tally, nbytes)
         return np.asarray(p)
 
 
@@ -116,8 +114,6 @@ def test_page_locked_memory_made_at_open_is_carved_into_the_first_fills_buffers(
     """On CUDA a RAM tier makes its first fill's page-locked memory when it
     opens (``prefill``): the next new buffers are parts of it, each its own
     buffer to hand back, and nothing more is made until it is used up."""
-    from kvstore import cuda
-
     rt = _PinningRuntime()
     monkeypatch.setattr(cuda, "runtime", lambda: rt)
     owner = type("Owner", (), {})()
@@ -137,23 +133,9 @@ def test_page_locked_memory_made_at_open_is_carved_into_the_first_fills_buffers(
     assert buffers._arenas == {}
 
 
-class _HostPinned(cuda._Pinned):
-    """Page-locked memory's bookkeeping over plain host memory: the cap's arithmetic where there is no CUDA."""
-
-    def __init__(self, nbytes: int):
-        self.mem, self.nbytes = np.empty(nbytes, np.uint8), nbytes
-        self.__array_interface__ = self.mem.__array_interface__
-        with cuda._Pinned._count:
-            cuda._Pinned.live[0] += nbytes
-
-    def __del__(self):
-        with cuda._Pinned._count:
-            cuda._Pinned.live[0] -= self.nbytes
-
-
 @pytest.fixture
 def pinned_runtime(monkeypatch):
-    monkeypatch.setattr(cuda, "runtime", lambda: SimpleNamespace(pinned=lambda n: np.asarray(_HostPinned(n))))
+    monkeypatch.setattr(cuda, "runtime", lambda: _PinningRuntime())
     monkeypatch.setattr(buffers, "_SLACK", 0)
 
 
@@ -164,18 +146,18 @@ class _Owner:
 def test_page_locked_memory_stays_under_the_budgets_and_is_kept_not_freed(pinned_runtime):
     owner = _Owner()
     buffers.reserve(owner, 40 * MiB)  # a cap of 50 MiB
-    before, pageable = cuda.pinned_live(), buffers.made[2]
+    before, pageable = buffers._pinned[0], buffers.made[2]
     held = [buffers.take(10 * MiB) for _ in range(5)]
-    assert all(cuda.is_pinned(b) for b in held) and cuda.pinned_live() - before == 50 * MiB
+    assert all(cuda.is_pinned(b) for b in held) and buffers._pinned[0] - before == 50 * MiB
     past = buffers.take(10 * MiB)
     assert not cuda.is_pinned(past) and buffers.made[2] - pageable == 10 * MiB  # past the cap: pageable
     buffers.give_back(held.pop())
     smaller = buffers.take(6 * MiB)  # no new page-locked memory: a larger one handed back serves
-    assert cuda.is_pinned(smaller) and smaller.nbytes == 10 * MiB and cuda.pinned_live() - before == 50 * MiB
+    assert cuda.is_pinned(smaller) and smaller.nbytes == 10 * MiB and buffers._pinned[0] - before == 50 * MiB
     for b in held + [smaller, past]:
         buffers.give_back(b)
     del held, smaller, past
     buffers.give_back(np.empty(700 * MiB, np.uint8))  # over _KEEP: the pageable ones go, the page-locked stay
     assert [cuda.is_pinned(w) for w in buffers._waiting] == [True] * 5
-    assert cuda.pinned_live() - before == 50 * MiB
+    assert buffers._pinned[0] - before == 50 * MiB
     buffers.reserve(owner, 0)
