@@ -239,7 +239,6 @@ class _Frames:
         if version != FORMAT_VERSION:
             raise TransferError(f"{name} is an export file of format {version}; this kvstore reads format "
                                 f"{FORMAT_VERSION}. Import it with the kvstore that wrote it; nothing was imported.")
-        self._f = f
         # frames are short arrays of bytes, ints and a tag: a length field claiming more is refused at once
         self._frames = msgpack.Unpacker(f, raw=False, use_list=True, max_buffer_size=_MAX_FRAME, max_str_len=16,
                                         max_array_len=8, max_map_len=0, max_ext_len=0)
