@@ -385,7 +385,6 @@ def export_(
 
     Example: [bold]kvstore export ~/.cache/kvstore/store cache.kvx --model-key my-model[/bold]
     """
-    _open(path).close()  # (a missing store: the command's usual one-line error)
     with _progress("exporting", quiet) as bar:
         r = export_store(path, file, model_key, namespace, progress=bar)
     out.print(f"exported {r.blocks} blocks ({_size(r.nbytes)}) of {len(r.models)} model"

@@ -90,7 +90,7 @@ def export_store(ssd_path: PathLike, file: PathLike, model_key: Optional[str] = 
                   "filter": {"model_key": model_key, "namespace": namespace}}
         tmp = Path(f"{file}.partial")
         try:
-            with open(tmp, "wb") as f:
+            with _opened(tmp, "wb", shown=file) as f:
                 report = _write(tier, f, header, order, progress)
                 f.flush()
                 os.fsync(f.fileno())
@@ -207,7 +207,7 @@ def import_store(ssd_path: PathLike, file: PathLike, progress: Optional[Progress
 
 def _check(file: PathLike, progress: Callable[[int], None]) -> dict:
     """The header of ``file`` once every frame of it checked out (``TransferError`` otherwise)."""
-    with open(file, "rb") as f:
+    with _opened(file, "rb") as f:
         frames = _Frames(f, file)
         header = frames.header()
         for i, _ in enumerate(frames.blocks(header)):
@@ -351,6 +351,13 @@ def _file_size(file: PathLike) -> int:
         return os.stat(file).st_size
     except OSError as e:
         raise TransferError(f"{file}: cannot read it ({e.strerror}).") from None
+
+
+def _opened(file: PathLike, mode: str, shown: Optional[PathLike] = None) -> BinaryIO:
+    try:
+        return open(file, mode)
+    except OSError as e:
+        raise TransferError(f"{shown or file}: cannot {'read' if 'r' in mode else 'write'} it ({e.strerror}).") from None
 
 
 def _name(info: dict, root: bytes) -> str:
