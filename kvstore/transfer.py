@@ -143,8 +143,8 @@ def _write(tier: LmdbTier, f: BinaryIO, header: dict, order: list, progress: Opt
                 done.add(key)
                 report.blocks += 1
                 report.nbytes += len(buf)
-        if progress is not None:
-            progress(report.nbytes, total)
+                if progress is not None:
+                    progress(report.nbytes, total)
     f.write(msgpack.packb(["end", report.blocks, chain.digest()], use_bin_type=True))
     return report
 
@@ -174,6 +174,9 @@ def import_store(ssd_path: PathLike, file: PathLike, progress: Optional[Progress
     tier = LmdbTier.open(path, _stored_budget(path))
     try:
         size = header["block_size"]
+        if tier.get_info("layout") is None and _has_blocks(tier):
+            raise TransferError(f"{path} records no block size (a store of an older kvstore): open it once with an "
+                                f"engine (PrefixStore(ssd_path=...)), then import; nothing was written.")
         have = tier.set_info_once("layout", {"block_size": size}).get("block_size")
         if have != size:
             raise TransferError(f"{file} holds blocks of {size} tokens, the store at {path} blocks of {have}: "
@@ -185,15 +188,18 @@ def import_store(ssd_path: PathLike, file: PathLike, progress: Optional[Progress
                 tier.register_model(root, info)
             report.models.append(_name(info, root))
         batch: list[Entry] = []
+        held = 0
         with open(file, "rb") as f:
             frames = _Frames(f, file)
             try:
                 for entry in frames.blocks(frames.header()):
                     batch.append(entry)
-                    if sum(len(e.payload) for e in batch) >= _BATCH_BYTES:
+                    held += len(entry.payload)
+                    if held >= _BATCH_BYTES:
                         _commit(tier, batch, report)
-                        if progress is not None:
-                            progress(total + frames.offset, 2 * total)
+                        held = 0
+                    if progress is not None:
+                        progress(total + frames.offset, 2 * total)
             except TransferError as e:
                 raise TransferError(f"{file} changed while it was imported ({e}); the {report.blocks} blocks "
                                     f"written before, each checked, are in the store.") from None
@@ -210,9 +216,8 @@ def _check(file: PathLike, progress: Callable[[int], None]) -> dict:
     with _opened(file, "rb") as f:
         frames = _Frames(f, file)
         header = frames.header()
-        for i, _ in enumerate(frames.blocks(header)):
-            if i % 64 == 0:
-                progress(frames.offset)
+        for _ in frames.blocks(header):
+            progress(frames.offset)
     return header
 
 
@@ -332,6 +337,11 @@ def _block_size(tier: LmdbTier) -> int:
         raise StoreOpenError(f"{tier.path} records no block size (a store of an older kvstore): open it once "
                              f"writable with this kvstore (PrefixStore(ssd_path=...)) and export again.")
     return size
+
+
+def _has_blocks(tier: LmdbTier) -> bool:
+    with tier.reader() as txn:
+        return next(iter(tier.records(txn)), None) is not None
 
 
 def _stored_budget(path: Path) -> Optional[int]:
