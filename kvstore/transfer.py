@@ -5,8 +5,9 @@ An export file is a fixed prefix (magic, format version) and a stream of
 msgpack frames: a header (block size, the models it holds), one frame per
 block (its key, index record and serialized block, with an xxh3-128 over the
 three), and an end frame (the block count and a chain of every frame's
-digest). docs/export-format.md describes it. Both sides stream: memory stays
-at one write batch whatever the store's size.
+digest). docs/export-format.md describes it. Both sides stream: memory is
+one write batch and a few dozen bytes per block (its key), whatever the
+store's size.
 
 Import checks the whole file in a first pass and writes in a second. A
 stage-and-commit import (write each verified block whose parent is there)
