@@ -2,11 +2,11 @@
 
 from .codec import Codec
 from .errors import (BlockDecodeError, ConfigError, InputError, KVStoreError, LayoutError, ReadOnlyError, RemoteConfigError,
-                     StorageError, StoreClosedError, StoreOpenError)
+                     StorageError, StoreClosedError, StoreOpenError, TransferError)
 from .layers import KVLayer, Layer, Quantized, StateLayer
 from .store import Hit, PrefixStore
 
 __all__ = ["PrefixStore", "Hit", "KVLayer", "StateLayer", "Quantized", "Layer", "Codec",
            "KVStoreError", "InputError", "StoreOpenError", "BlockDecodeError", "LayoutError", "ConfigError", "StoreClosedError",
-           "ReadOnlyError", "StorageError", "RemoteConfigError"]
+           "ReadOnlyError", "StorageError", "RemoteConfigError", "TransferError"]
 __version__ = "0.1.0"

@@ -112,13 +112,17 @@ class Catalog:
 def check_block(disk: LmdbTier, txn, rec: BlockRecord) -> Optional[str]:
     """Why a stored block is bad, or ``None``: header, checksum, and tokens
     against its index record. Reads the bytes in place; allocates no KV."""
-    key = rec.key
-    buf = disk.payload(txn, key)
-    if buf is None:
-        return "payload missing"
+    buf = disk.payload(txn, rec.key)
+    return "payload missing" if buf is None else check_bytes(buf, rec)
+
+
+def check_bytes(buf, rec: BlockRecord) -> Optional[str]:
+    """Why ``buf`` is not a good block for ``rec``, or ``None``: its header
+    bound to ``rec.key``, its payload checksum, its tokens those of ``rec``
+    (``check_block``; ``transfer`` checks the blocks of an export file so)."""
     try:
         h = read_header(buf)
-        check_key(h, key)
+        check_key(h, rec.key)
     except BlockDecodeError as e:
         return str(e)
     payload = memoryview(buf)[h.payload_start:]

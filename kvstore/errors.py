@@ -52,3 +52,10 @@ class RemoteConfigError(ConfigError):
     library, or a server that refused the credentials. Raised at open; the
     message names the URL without its password. (A server that is merely
     down is not an error: the store opens on its local tiers.)"""
+
+
+class TransferError(KVStoreError):
+    """``kvstore import`` refuses a file: not an export file, another format
+    version, truncated, damaged (a checksum that does not match), or of
+    another block size than the target store. The file is checked whole
+    before anything is written, so a refused file imported nothing."""

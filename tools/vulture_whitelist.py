@@ -23,6 +23,7 @@ _._close_all      # atexit: flushes the stores still open at interpreter exit
 _.exc             # __exit__(*exc): the context-manager protocol
 _.signum, _.frame  # signal handlers' signature (kvstore serve, kvstore vllm-mlx serve)
 _.demo            # typer: `kvstore demo` (a registered command)
+_.export_, _.import_  # typer: `kvstore export` / `kvstore import` (registered commands)
 _._options        # typer: the app callback behind `kvstore --version`
 _.__signature__   # inspect: PrefixStore's settings as keywords, for help() and editors
 _.writeable       # numpy: arr.flags.writeable = False freezes checked bytes

@@ -50,6 +50,7 @@ class Written:
     # eviction since this process indexed it): a block is never indexed without its parent
     parentless: list[bytes] = field(default_factory=list)
     cleared: int = 0  # the store's clear count as of this transaction
+    present: list[bytes] = field(default_factory=list)  # with ``skip_present``: blocks already stored, left as they are
 
 
 class LmdbTier(LmdbEnv):
@@ -59,7 +60,7 @@ class LmdbTier(LmdbEnv):
     # ------------------------------------------------------------ blocks
 
     def store(self, entries: Iterable[Entry], nbytes: Optional[int] = None,
-              parent_known: Optional[Callable[[Entry], bool]] = None) -> Written:
+              parent_known: Optional[Callable[[Entry], bool]] = None, skip_present: bool = False) -> Written:
         """Each payload and its record in one transaction, where its parent is
         a root, on disk, or written before it here (the rest are skipped:
         ``Written.parentless``). ``parent_known``: only entries for which it
@@ -69,7 +70,9 @@ class LmdbTier(LmdbEnv):
         (the writer's blocks as it encodes them, ``nbytes`` about their
         total): each is copied into the map as it comes, so the disk writes
         the first while later ones are still being encoded, rather than
-        waiting for a whole batch."""
+        waiting for a whole batch. ``skip_present``: a block already stored
+        is left as it is (``Written.present``), decided in the transaction (an
+        import beside engines writing the same blocks)."""
         dbs = self.dbs
         fd = os.open(self._data_file, os.O_RDWR) if self.writemap and can_start_writeback() else -1
         source, taken = iter(entries), []
@@ -84,11 +87,14 @@ class LmdbTier(LmdbEnv):
 
         def fn(txn):
             ahead = _Prefill(self, txn, fd) if fd >= 0 else None
-            written.records, written.parentless = [], []
+            written.records, written.parentless, written.present = [], [], []
             raw = txn.get(_CLEARED, db=dbs[b"meta"])
             written.cleared = 0 if raw is None else unpack(raw)
             here: set[bytes] = set()
             for e in attempt():
+                if skip_present and txn.get(e.key, db=dbs[b"nodes"]) is not None:
+                    written.present.append(e.key)
+                    continue
                 parent = e.record.parent
                 if parent != e.record.root and parent not in here and txn.get(parent, db=dbs[b"nodes"]) is None \
                         and (parent_known is None or parent_known(e)):
