@@ -576,6 +576,9 @@ def serve(argv: Sequence[str]) -> None:
     vargs = vcli.create_parser().parse_args(["serve", *rest])  # vllm-mlx's own reading of its options
     store = PrefixStore(config)
     installed = install(store, model_path=vargs.model, max_kv_size=vargs.max_kv_size or None)
+    from .vllm_metrics import add_store_metrics
+
+    remove_metrics = add_store_metrics(store)  # kvstore_* series in /metrics (with --enable-metrics)
 
     def stop(signum, frame):
         # uvicorn shuts down on SIGTERM, then raises it again for the handler it found: ours ends main()
@@ -590,6 +593,7 @@ def serve(argv: Sequence[str]) -> None:
     finally:
         sys.argv = argv0
         signal.signal(signal.SIGTERM, previous)
+        remove_metrics()
         installed.close()
         store.close()
         log.info("kvstore: store closed, pending blocks written")
