@@ -33,7 +33,8 @@ class StoreConfig:
     ``budget_gb`` bounds the RAM tier; with ``ssd_path`` every block is also
     written to an LMDB store there (write-through, in the background) that
     survives restarts and may be shared by several processes, bounded by
-    ``disk_budget_gb`` (default: half the free space, at most 64 GiB).
+    ``disk_budget_gb`` (default: half the free space, at most 64 GiB);
+    ``ssd_admit="reuse"`` writes there only blocks asked for again.
     ``kv_bits`` stores KV quantized (an int, or ``(key_bits, value_bits)``);
     ``None`` keeps the engine's dtype. ``rotate_keys`` rotates keys before
     quantizing them (``kvstore.rotation``; ``None``: at 4 bits or fewer),
