@@ -33,17 +33,21 @@ def demo(
     turns: int = typer.Option(2, min=1, help="Turns per user."),
     max_tokens: int = typer.Option(12, min=1, help="Tokens generated per request."),
     kv_bits: int = typer.Option(8, help="Bits of stored entries (0: keep fp16)."),
+    ssd_admit: str = typer.Option("always", help="always: write every block to SSD; reuse: only blocks asked for "
+                                                  "again (after the restart, only shared prefixes hit)."),
 ):
     """The main job: a multi-user chat workload on the store, then again after a restart (hits from SSD).
 
     Example: [bold]kvstore demo --model smollm2[/bold]   or   [bold]kvstore demo --model gemma3[/bold]   or   [bold]kvstore demo --model ./my-model --turns 3[/bold]
     """
+    from kvstore.errors import ConfigError
+
     from .demo import DemoError, run_demo
 
     try:
         run_demo(model, str(ssd_path) if ssd_path else None, users=users, turns=turns,
-                 max_tokens=max_tokens, kv_bits=kv_bits or None, console=out)
-    except DemoError as e:
+                 max_tokens=max_tokens, kv_bits=kv_bits or None, console=out, ssd_admit=ssd_admit)
+    except (DemoError, ConfigError) as e:
         err.print(f"[red]error:[/red] {e}")
         raise typer.Exit(2)
 

@@ -159,3 +159,33 @@ def test_lifetime_counters_of_writes_are_saved_in_the_store(reuse, tmp_path):
 def test_ssd_admit_is_checked():
     with pytest.raises(ConfigError, match="ssd_admit must be one of"):
         PrefixStore(ssd_admit="sometimes")
+
+
+def test_kvstore_stats_shows_what_was_written_to_ssd(reuse, tmp_path):
+    s = reuse()
+    put(s, toks(24))
+    put(s, toks(16) + toks(8, start=9000))  # shares two blocks: those are written
+    s.close()
+    run = subprocess.run([sys.executable, "-m", "kvstore", "stats", str(tmp_path / "store")], capture_output=True,
+                         text=True, check=True)
+    assert "SSD writes: 2 blocks" in run.stdout
+    run = subprocess.run([sys.executable, "-m", "kvstore", "stats", str(tmp_path / "store"), "--json"],
+                         capture_output=True, text=True, check=True)
+    lifetime = json.loads(run.stdout)["lifetime"]
+    assert lifetime["blocks_written"] == 2 and lifetime["bytes_written"] == 2 * BLOCK_BYTES
+    assert lifetime.get("evicted_unadmitted", 0) == 0  # (counters are saved once non-zero)
+
+
+def test_the_commands_that_open_a_store_take_ssd_admit():
+    from kvstore.adapters.server import parse_args
+    from kvstore.adapters.vllm_mlx import parse_serve_args
+
+    assert parse_args(["--model", "m", "--ssd-admit", "reuse"])[0]["ssd_admit"] == "reuse"
+    assert parse_args(["--model", "m"])[0]["ssd_admit"] == "always"
+    assert parse_serve_args(["./m", "--ssd-admit", "reuse"])[0]["ssd_admit"] == "reuse"
+    with pytest.raises(SystemExit) as exit_:
+        parse_args(["--model", "m", "--ssd-admit", "sometimes"])
+    assert exit_.value.code == 2
+    run = subprocess.run([sys.executable, "-m", "kvstore.adapters.cli", "generate", "--model", "smollm2", "--prompt",
+                          "x", "--ssd-admit", "sometimes"], capture_output=True, text=True)
+    assert run.returncode == 2 and "ssd_admit must be one of" in run.stderr
