@@ -158,8 +158,8 @@ class BlockTable(DiskSide, AdmitSide):
         (``make_job(nodes)``); ``None`` when nothing is new."""
         with self._lock:
             new = lookup.new_blocks(self._index, root, chain, n, has_state, late)
-            if self._admit_on_reuse:  # the blocks this put shares with earlier ones were asked for again
-                self._reused(new[0].parent if new else lookup.walk(self._index, root, chain, n).last)
+            if self._admit_on_reuse:
+                self._shared(new, lambda: lookup.walk(self._index, root, chain, n).last, chain.block_size)
             if not new:
                 return None
             job = make_job(new)

@@ -32,6 +32,16 @@ class AdmitSide:
         if not all(p.on_disk for p in path):
             self._admissions.append(node)
 
+    def _shared(self, new: list[Node], walked: Callable[[], Node], block_size: int) -> None:
+        """A put indexed ``new``: where it leaves the blocks it shares, another
+        prompt went on with a whole block of its own, then those blocks were
+        asked for again. A put that only extends a stored sequence (the same
+        request's prompt, then prompt and answer; a partial last block grown)
+        asks for nothing again: a later turn's fetch does."""
+        top = new[0].parent if new else walked()
+        if any(c.length == block_size and (not new or c is not new[0]) for c in (top.children or {}).values()):
+            self._reused(top)
+
     def take_admissions(self) -> list[Node]:
         """Chains to admit, queued by ``reused`` since the last call."""
         with self._lock:

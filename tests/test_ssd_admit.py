@@ -84,6 +84,16 @@ def test_a_prompt_shared_by_a_second_put_is_written_with_its_prefix_and_survives
     assert s.fetch(M, a).ssd_tokens + s.fetch(M, a).ram_tokens == 32
 
 
+def test_a_put_that_only_extends_a_stored_sequence_writes_nothing(reuse, tmp_path):
+    """An engine stores a request's prompt, then its prompt and answer: one prompt, not two."""
+    s = reuse()
+    put(s, toks(44))  # 5 whole blocks and a partial one
+    put(s, toks(60))  # the same tokens and more
+    put(s, toks(60))  # and the same again
+    s.flush()
+    assert s.stats()["blocks_written"] == 0 and _on_disk(tmp_path / "store") == {}
+
+
 def test_a_fetch_hit_in_ram_writes_the_chain_served(reuse, tmp_path):
     s = reuse()
     a = toks(44)  # 5 whole blocks and a partial one
