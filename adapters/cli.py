@@ -33,17 +33,21 @@ def demo(
     turns: int = typer.Option(2, min=1, help="Turns per user."),
     max_tokens: int = typer.Option(12, min=1, help="Tokens generated per request."),
     kv_bits: int = typer.Option(8, help="Bits of stored entries (0: keep fp16)."),
+    ssd_admit: str = typer.Option("always", help="always: write every block to SSD; reuse: only blocks asked for "
+                                                  "again (after the restart, only shared prefixes hit)."),
 ):
     """The main job: a multi-user chat workload on the store, then again after a restart (hits from SSD).
 
     Example: [bold]kvstore demo --model smollm2[/bold]   or   [bold]kvstore demo --model gemma3[/bold]   or   [bold]kvstore demo --model ./my-model --turns 3[/bold]
     """
+    from kvstore.errors import ConfigError
+
     from .demo import DemoError, run_demo
 
     try:
         run_demo(model, str(ssd_path) if ssd_path else None, users=users, turns=turns,
-                 max_tokens=max_tokens, kv_bits=kv_bits or None, console=out)
-    except DemoError as e:
+                 max_tokens=max_tokens, kv_bits=kv_bits or None, console=out, ssd_admit=ssd_admit)
+    except (DemoError, ConfigError) as e:
         err.print(f"[red]error:[/red] {e}")
         raise typer.Exit(2)
 
@@ -64,6 +68,8 @@ def generate(
                                                            "(default: as the model holds them)."),
     block_size: int = typer.Option(256, help="Tokens per stored block (a prompt's last partial block is not "
                                              "stored)."),
+    ssd_admit: str = typer.Option("always", help="always: write every block to SSD; reuse: only blocks asked for "
+                                                  "again (a later prompt shares them)."),
     quiet: bool = typer.Option(False, "--quiet", "-q", help="Print the completion only (no cache line on stderr)."),
 ):
     """Generate a completion as [bold]mlx_lm.generate[/bold] does, the prompt's KV taken from and kept in the store.
@@ -78,6 +84,7 @@ def generate(
 
     from kvstore import PrefixStore
     from kvstore.config import store_config
+    from kvstore.errors import ConfigError
 
     from .generate import Generation, stream_generate
     from .gguf import load_model
@@ -89,7 +96,12 @@ def generate(
     except ValueError as e:
         err.print(f"[red]error:[/red] --store-kv-bits: {e}")
         raise typer.Exit(2)
-    config = store_config(ssd_path=ssd_path.expanduser(), budget_gb=budget_gb, kv_bits=bits, block_size=block_size)
+    try:
+        config = store_config(ssd_path=ssd_path.expanduser(), budget_gb=budget_gb, kv_bits=bits,
+                              block_size=block_size, ssd_admit=ssd_admit)
+    except ConfigError as e:
+        err.print(f"[red]error:[/red] {e}")
+        raise typer.Exit(2)
     text = sys.stdin.read() if prompt == "-" else prompt
     try:
         mlx_model, tokenizer, path = load_model(model)
@@ -161,7 +173,7 @@ def vllm_mlx_serve(ctx: typer.Context):
     kvstore vllm-mlx serve MODEL \\[store options] \\[every vllm-mlx serve option]. Store options:
     --ssd-path DIR (without it the store is RAM-only), --budget-gb G (RAM, default 4), --disk-budget-gb G,
     --kv-bits 8 | 4 | 8,4 (stored entries; default: the engine's dtype), --store-group-size N, --block-size N,
-    --namespace NAME, --fetch-policy auto | always | never, --calibrate-budget-s S (0: none), --remote URL,
+    --namespace NAME, --fetch-policy auto | always | never, --ssd-admit always | reuse, --calibrate-budget-s S (0: none), --remote URL,
     --remote-timeout S, --remote-secret S (better: $KVSTORE_REMOTE_SECRET).
     vllm-mlx's own cache options (--ssd-cache-dir, --cache-memory-mb, --kv-cache-quantization, --use-paged-cache,
     --no-memory-aware-cache, --disable-prefix-cache) are refused, each naming the store's option to use.

@@ -32,6 +32,9 @@ COUNTERS = (
     ("kvstore_blocks_skipped", "Blocks of skipped puts.", "blocks_skipped"),
     ("kvstore_blocks_stored", "New blocks stored.", "blocks_stored"),
     ("kvstore_blocks_written", "Blocks written to the SSD tier.", "blocks_written"),
+    ("kvstore_bytes_written", "Bytes of blocks written to the SSD tier.", "bytes_written"),
+    ("kvstore_evicted_unadmitted", "Blocks dropped from RAM that were never written to the SSD tier "
+     "(ssd_admit=reuse: not asked for again).", "evicted_unadmitted"),
     ("kvstore_evictions", "Blocks evicted, by tier.", {"ram": "evictions_ram", "ssd": "evictions_ssd"}),
     ("kvstore_corrupt_blocks", "Blocks that failed their checksum or did not decode (dropped, not served).",
      "corrupt_blocks"),

@@ -365,6 +365,8 @@ def _parser() -> argparse.ArgumentParser:
     g.add_argument("--namespace", default=None, help="a tenant: stores of other namespaces share nothing")
     g.add_argument("--fetch-policy", default="auto", choices=["auto", "always", "never"],
                    help="auto: load a hit only where that beats recomputing it (rates measured here)")
+    g.add_argument("--ssd-admit", default="always", choices=["always", "reuse"],
+                   help="always: write every block to SSD; reuse: only blocks asked for again (fewer SSD writes)")
     g.add_argument("--calibrate-budget-s", type=float, default=3.0,
                    help="auto: seconds a model's first request may spend timing its prefill (default 3; 0: none)")
     g.add_argument("--remote", default=None,
@@ -453,7 +455,7 @@ def parse_args(argv: Sequence[str]) -> tuple[dict, list[str]]:
                       kv_group_size=opts.store_group_size, namespace=opts.namespace,
                       disk_budget_gb=opts.disk_budget_gb, fetch_policy=opts.fetch_policy, remote=opts.remote,
                       remote_timeout=opts.remote_timeout, remote_secret=opts.remote_secret,
-                      calibrate_budget_s=opts.calibrate_budget_s)
+                      calibrate_budget_s=opts.calibrate_budget_s, ssd_admit=opts.ssd_admit)
     return store_args, rest
 
 

@@ -526,6 +526,7 @@ def _serve_parser() -> argparse.ArgumentParser:
     p.add_argument("--namespace", default=None)
     p.add_argument("--fetch-policy", default="auto", choices=["auto", "always", "never"])
     p.add_argument("--calibrate-budget-s", type=float, default=3.0)  # 0: no calibration of the model's prefill
+    p.add_argument("--ssd-admit", default="always", choices=["always", "reuse"])
     p.add_argument("--remote", default=None)
     p.add_argument("--remote-timeout", type=float, default=0.5)
     p.add_argument("--remote-secret", default=None)  # better: $KVSTORE_REMOTE_SECRET (not in process lists)
@@ -554,7 +555,7 @@ def parse_serve_args(argv: Sequence[str]) -> tuple[dict, list[str]]:
                       kv_group_size=opts.store_group_size, namespace=opts.namespace,
                       disk_budget_gb=opts.disk_budget_gb, fetch_policy=opts.fetch_policy, remote=opts.remote,
                       remote_timeout=opts.remote_timeout, remote_secret=opts.remote_secret,
-                      calibrate_budget_s=opts.calibrate_budget_s)
+                      calibrate_budget_s=opts.calibrate_budget_s, ssd_admit=opts.ssd_admit)
     if "--continuous-batching" not in rest and "--prefix-trie-cache" not in rest:
         rest.append("--continuous-batching")
     return store_args, rest
@@ -575,6 +576,9 @@ def serve(argv: Sequence[str]) -> None:
     vargs = vcli.create_parser().parse_args(["serve", *rest])  # vllm-mlx's own reading of its options
     store = PrefixStore(config)
     installed = install(store, model_path=vargs.model, max_kv_size=vargs.max_kv_size or None)
+    from .vllm_metrics import add_store_metrics
+
+    remove_metrics = add_store_metrics(store)  # kvstore_* series in /metrics (with --enable-metrics)
 
     def stop(signum, frame):
         # uvicorn shuts down on SIGTERM, then raises it again for the handler it found: ours ends main()
@@ -589,6 +593,7 @@ def serve(argv: Sequence[str]) -> None:
     finally:
         sys.argv = argv0
         signal.signal(signal.SIGTERM, previous)
+        remove_metrics()
         installed.close()
         store.close()
         log.info("kvstore: store closed, pending blocks written")

@@ -228,6 +228,8 @@ def stats(path: Optional[Path] = OptionalPathArg, as_json: bool = typer.Option(F
               f"token hit rate {100 * result['token_hit_rate']:.1f}%, tokens served from cache {served} "
               f"(RAM {counters.get('tokens_ram', 0)}, SSD {counters.get('tokens_ssd', 0)}, "
               f"remote {counters.get('tokens_remote', 0)})")
+    out.print(f"SSD writes: {counters.get('blocks_written', 0)} blocks, {_size(counters.get('bytes_written', 0))}"
+              f"; {counters.get('evicted_unadmitted', 0)} blocks left RAM never written (ssd_admit=reuse)")
     pred, act = counters.get("predicted_us", 0), counters.get("actual_us", 0)
     out.print(f"cost: {result['tokens_skipped_cost']} stored tokens recomputed (predicted faster, or a near tie)"
               + (f"; served hits took {act / 1e3:.1f} ms against {pred / 1e3:.1f} ms predicted" if pred else ""))

@@ -21,6 +21,7 @@ GB = 1 << 30
 DEFAULT_BLOCK = 256  # tokens per block of a new store
 MAX_BLOCK = 1 << 16  # tokens per block: one block of an 8B model at fp16 is then 8 GiB, far past any use
 POLICIES = ("auto", "always", "never")
+ADMISSIONS = ("always", "reuse")  # ssd_admit
 
 KvBits = Union[None, int, tuple[Optional[int], Optional[int]]]
 
@@ -32,7 +33,8 @@ class StoreConfig:
     ``budget_gb`` bounds the RAM tier; with ``ssd_path`` every block is also
     written to an LMDB store there (write-through, in the background) that
     survives restarts and may be shared by several processes, bounded by
-    ``disk_budget_gb`` (default: half the free space, at most 64 GiB).
+    ``disk_budget_gb`` (default: half the free space, at most 64 GiB);
+    ``ssd_admit="reuse"`` writes there only blocks asked for again.
     ``kv_bits`` stores KV quantized (an int, or ``(key_bits, value_bits)``);
     ``None`` keeps the engine's dtype. ``rotate_keys`` rotates keys before
     quantizing them (``kvstore.rotation``; ``None``: at 4 bits or fewer),
@@ -78,6 +80,10 @@ class StoreConfig:
     namespace: Optional[str] = None  # salts every key: tenants never share or see blocks
     readonly: bool = False
     fetch_policy: str = "auto"  # "auto", "always" or "never"
+    # "always": every new block is written through to the SSD tier; "reuse": a block is written there only
+    # once it is asked for again (a later put shares it, or a fetch serves it from RAM or the device), with
+    # its prefix; until then it is in RAM only (one-off prompts cost no SSD writes, nor survive a restart)
+    ssd_admit: str = "always"
     remote: Optional[str] = None  # redis://, rediss://, unix:// URL of a shared tier
     remote_timeout: float = 0.5  # seconds a down remote costs now and then
     # MAC key of remote blocks (None: $KVSTORE_REMOTE_SECRET, else none: blocks unsigned, any served);
@@ -167,6 +173,8 @@ class StoreConfig:
         if self.disk_budget_gb is not None:
             gib(self.disk_budget_gb, "disk_budget_gb")
         check_policy(self.fetch_policy)
+        if self.ssd_admit not in ADMISSIONS:
+            raise ConfigError(f"ssd_admit must be one of {ADMISSIONS}, got {self.ssd_admit!r}")
         c = self.calibrate_budget_s
         if isinstance(c, bool) or not isinstance(c, (int, float)) or not math.isfinite(c) or c < 0:
             raise ConfigError(f"calibrate_budget_s must be a number of seconds >= 0 (0: no calibration), got {c!r}")

@@ -10,6 +10,8 @@ from .index import Node
 from .record import Use
 
 NAMES = ("hits", "misses", "tokens_requested", "tokens_ram", "tokens_ssd", "puts", "blocks_written",
+         "bytes_written",  # payload bytes of the blocks written to the SSD tier (blocks_written)
+         "evicted_unadmitted",  # blocks dropped from RAM never admitted to the SSD tier (ssd_admit="reuse")
          "evictions_ram", "evictions_ssd", "corrupt_blocks", "write_errors", "blocks_stored",
          "blocks_gone",  # blocks the index had on disk that another process removed (kvstore clear): forgotten
          "writer_us",  # time the writer spent on jobs (encoding, and writing where there is a disk tier)

@@ -82,6 +82,7 @@ class Disk:
         recs = {r.key: r for r in written.records}
         self.table.written((n, recs[n.key]) for n, _ in pairs if n.key in recs)
         self.counters.count("blocks_written", len(recs))
+        self.counters.count("bytes_written", sum(len(e.payload) for n, e in pairs if n.key in recs))
         if written.parentless or written.cleared != self.cleared:
             self.recheck(written.cleared, len(written.parentless))
         try:

@@ -32,7 +32,7 @@ class Node:
     """
 
     __slots__ = ("key", "parent", "children", "start", "length", "first", "snap", "gap", "rows_from",
-                 "in_ram", "on_disk", "pins", "job", "nbytes", "used", "disk_kids", "offset")
+                 "in_ram", "on_disk", "pins", "job", "nbytes", "used", "disk_kids", "offset", "reused", "record")
 
     def __init__(self, key: bytes, parent: Optional["Node"], start: int, length: int,
                  first: int = -1, snap: Optional[bool] = None, gap: int = NO_GAP,
@@ -54,6 +54,8 @@ class Node:
         self.used = 0.0  # last use, for disk LRU order
         self.disk_kids = 0  # children on disk: only a block with none may leave the disk
         self.offset = -1  # where its bytes sit in the LMDB file (-1: unknown), for residency checks
+        self.reused = False  # asked for again (``ssd_admit="reuse"``: it may go to disk)
+        self.record = None  # its BlockRecord while it waits in RAM for admission to disk (``table_admit``)
 
     @property
     def end(self) -> int:

@@ -140,7 +140,8 @@ class PrefixStore:
         self._warned: set[str] = set()
         self._registered: set[bytes] = set()
         self._table = BlockTable(cfg.ram_bytes, self._counters, has_disk=cfg.ssd_path is not None,
-                                 writable=not cfg.readonly, device_budget=cfg.device_bytes())
+                                 writable=not cfg.readonly, device_budget=cfg.device_bytes(),
+                                 admit_on_reuse=cfg.ssd_admit == "reuse")
         self._disk: Optional[Disk] = None
         self._remote = None if cfg.remote is None else Remote(cfg.remote, cfg.namespace, self._counters, cfg)
         if cfg.ssd_path is not None:
@@ -189,9 +190,9 @@ class PrefixStore:
             n, job = _index_put(self._table, lambda: self._root(model_key), tokens, layers, self.block_size)
         if n:
             self._counters.count("puts")
-        if job is None:
-            return 0
-        return len(job.nodes) if self._writer.submit(job) else 0
+        queued = 0 if job is None else len(job.nodes) if self._writer.submit(job) else 0
+        self._admit_reused()
+        return queued
 
     def fetch(self, model_key: Union[str, bytes], tokens, *, limit: Optional[int] = None,
               quantized: Optional[tuple[int, int]] = None) -> Hit:
@@ -239,6 +240,9 @@ class PrefixStore:
             self._counters.count("misses")
             return Hit(skipped_tokens=plan.skipped, skip_reason=plan.reason)
         served = [(p, r) for p, r in zip(path, from_ram) if p.start < length]
+        if self.config.ssd_admit == "reuse" and not self.readonly:  # asked for again: its chain may go to disk
+            self._table.reused(served[-1][0])
+            self._admit_reused()
         remote_tokens = sum(min(p.end, length) - p.start for p, _ in served if p.key in found.blocks)
         ram_tokens = sum(min(p.end, length) - p.start for p, r in served if r and p.key not in found.blocks)
         hit = Hit(length, layers, ram_tokens=ram_tokens, ssd_tokens=length - ram_tokens - remote_tokens,
@@ -451,6 +455,12 @@ class PrefixStore:
             return
         self._disk.save()
         self._planner.save_rates()
+
+    def _admit_reused(self) -> None:
+        """Queue the disk writes of blocks asked for again (``ssd_admit="reuse"``)."""
+        leaves = self._table.take_admissions()
+        if leaves:
+            self._writer.admit(leaves)
 
     def _warn(self, what: str, msg: str) -> None:
         if what not in self._warned:

@@ -32,6 +32,7 @@ from . import lookup
 from .wire import Stored
 from .counters import Counters
 from .disk_order import DiskOrder
+from .table_admit import AdmitSide
 from .table_disk import DiskSide
 from .hashing import KeyChain
 from .index import Walk, Node, RadixIndex
@@ -51,9 +52,9 @@ class PlanView:
     on_disk: dict[bytes, tuple[int, int]]  # key -> (offset, bytes) of blocks to read from disk
 
 
-class BlockTable(DiskSide):
+class BlockTable(DiskSide, AdmitSide):
     def __init__(self, ram_budget: int, counters: Counters, *, has_disk: bool, writable: bool,
-                 device_budget: int = 0):
+                 device_budget: int = 0, admit_on_reuse: bool = False):
         self._lock = threading.RLock()
         self._index = RadixIndex()
         self._ram = RamTier(ram_budget)
@@ -62,6 +63,8 @@ class BlockTable(DiskSide):
         self._counters = counters
         self._has_disk = has_disk
         self._writable = writable
+        self._admit_on_reuse = admit_on_reuse and has_disk and writable  # ``ssd_admit="reuse"``
+        self._admissions: list[Node] = []  # chains asked for again, to admit to disk (``table_admit``)
 
     # ---------------------------------------------------------------- reads
 
@@ -155,6 +158,8 @@ class BlockTable(DiskSide):
         (``make_job(nodes)``); ``None`` when nothing is new."""
         with self._lock:
             new = lookup.new_blocks(self._index, root, chain, n, has_state, late)
+            if self._admit_on_reuse:
+                self._shared(new, lambda: lookup.walk(self._index, root, chain, n).last, chain.block_size)
             if not new:
                 return None
             job = make_job(new)
@@ -162,20 +167,27 @@ class BlockTable(DiskSide):
                 node.job = job
             return job
 
-    def admit(self, node: Node, job, block: Stored, ram_only: bool) -> bool:
+    def admit(self, node: Node, job, block: Stored, ram_only: bool, record: Optional[BlockRecord] = None
+              ) -> Optional[bool]:
         """A freshly encoded block of ``job``: kept in RAM when it fits (room
         made first, never from its own prefix). For a RAM-only store that is
-        where it is durable; one that fits nowhere leaves the index. False
-        when the block is no longer this job's to store."""
+        where it is durable; one that fits nowhere leaves the index. True: to
+        write to disk; ``None``: kept in RAM only, with ``record``, until it is
+        asked for again (``ssd_admit="reuse"``); False when the block is no
+        longer this job's to store."""
         with self._lock:
             if not self._is_job(node, job):
                 return False
             kept = self._admit(node, block)
-            if ram_only:
+            wait = not ram_only and not self.admit_to_disk(node, job)
+            if ram_only or wait:
                 if not kept:
                     self._forget(node)
                     return False
                 node.job = None
+                if wait:
+                    node.record = record
+                    return None
             return True
 
     def is_job(self, node: Node, job) -> bool:
@@ -371,6 +383,8 @@ class BlockTable(DiskSide):
             self._ram.pop(node.key)
             node.in_ram = False
         else:
+            if self._admit_on_reuse:
+                self._counters.count("evicted_unadmitted")
             self._forget(node)
 
     def _forget(self, node: Node) -> list[bytes]:

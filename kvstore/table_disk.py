@@ -18,6 +18,7 @@ class DiskSide:
         with self._lock:
             for node, rec in pairs:
                 node.nbytes, node.used, node.offset = rec.nbytes, rec.used, rec.offset
+                node.record = None  # (held for admission on reuse until now)
                 self._mark(node, True)
 
     @property

@@ -71,6 +71,7 @@ class Job:
     # bound counts (None: ``nbytes``)
     held: Optional[int] = None
     holding: bool = False  # counted in the writer's pending bytes (queued, not yet encoded)
+    unadmitted: set[bytes] = field(default_factory=set)  # blocks kept in RAM only, until reused (not written)
 
     def __post_init__(self) -> None:
         if self.held is None:
@@ -153,6 +154,19 @@ class Writer:
             return False
         self._queue.put(item)
         return True
+
+    def admit(self, leaves: list[Node]) -> None:
+        """Queue the admission to disk of the chains of ``leaves`` held in RAM
+        only (``ssd_admit="reuse"``): claimed when the writer gets to it, after
+        the puts queued before, so their blocks are in RAM by then."""
+        def run() -> None:
+            job = self.table.claim(leaves, lambda nodes, entries: Job(
+                nodes, nodes[0].record.root, np.zeros(0, np.int32), [],
+                sum(len(e.payload) for e in entries.values()), found=entries, held=0))
+            if job is not None:
+                self.run(job)
+
+        self.later(run)
 
     def flush(self, timeout: Optional[float] = None) -> None:
         """Wait until every queued job is done."""
@@ -275,11 +289,17 @@ class Writer:
 
         for node, held, about in encoded(job, self.codec, self.config.compress_rows, wanted):
             self.engine.yield_to_engine()
-            if not self.table.admit(node, job, held, ram_only=not to_disk):
+            record = self._record(job, node, held, about) if to_disk or to_remote else None
+            where = self.table.admit(node, job, held, ram_only=not to_disk, record=record)
+            if where is False:
                 continue
             self.counters.count("blocks_stored")
-            if to_disk or to_remote:
-                yield node, Entry(self._record(job, node, held, about), held.buf)
+            if where is None:  # in RAM until asked for again (ssd_admit="reuse")
+                job.unadmitted.add(node.key)
+                if not to_remote:
+                    continue
+            if record is not None:
+                yield node, Entry(record, held.buf)
 
     def _written_elsewhere(self, job: Job) -> set[bytes]:
         """Keys of the job's blocks another process wrote to disk meanwhile,
@@ -336,5 +356,6 @@ class Writer:
         are skipped, unless re-encoded with a state snapshot); then blocks in
         neither tier leave the index (the write failed and RAM could not
         hold them)."""
-        self.disk.write(((n, e) for n, e in feed if not n.on_disk or e.record.snap), nbytes)
+        self.disk.write(((n, e) for n, e in feed if n.key not in job.unadmitted and (not n.on_disk or e.record.snap)),
+                        nbytes)
         self.table.job_done(job, [n for n, _ in feed.taken])

@@ -366,6 +366,36 @@ def test_serve_repeats_from_the_store_shares_it_between_servers_and_survives_sig
     assert "store closed" in log.read_text()
 
 
+def _kvstore_samples(port: int) -> dict[tuple, float]:
+    """vllm-mlx's ``/metrics``, parsed by prometheus-client: every ``kvstore_`` sample (name and labels) and
+    whether vllm-mlx's own series are there too (this is its registry, not a second endpoint)."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=30) as r:
+        text = r.read().decode()
+    assert "vllm_mlx_http_requests_total" in text
+    return {(s.name, tuple(sorted(s.labels.items()))): s.value for f in text_string_to_metric_families(text)
+            for s in f.samples if s.name.startswith("kvstore_")}
+
+
+def test_serve_with_enable_metrics_adds_the_store_series_to_vllm_mlx_metrics(models, tmp_path):
+    a = Served(models["llama"][0], tmp_path / "store", tmp_path / "serve.log", "--enable-metrics",
+               "--ssd-admit", "reuse")
+    try:
+        before = _kvstore_samples(a.port)
+        assert ("kvstore_requests_total", ()) in before and ("kvstore_bytes", (("tier", "ram"),)) in before
+        a.chat("What is two plus two?")
+        a.chat("What is two plus two?")  # a repeat: a hit from RAM, so (reuse) its blocks go to SSD
+        after = _kvstore_samples(a.port)
+    finally:
+        assert a.stop() == 0
+    changed = sorted(k[0] for k in after if after[k] != before.get(k))
+    assert len(changed) >= 5, changed
+    assert after[("kvstore_hits_total", ())] > before[("kvstore_hits_total", ())]
+    assert after[("kvstore_tokens_served_total", (("tier", "ram"),))] > 0
+    assert after[("kvstore_bytes", (("tier", "ram"),))] > 0
+
+
 # ---------------------------------------------------------------------------
 # vllm-mlx's own parity harness (tests/test_prefix_cache_scheduler_parity.py in
 # its sdist), re-targeted at the store: a deterministic module whose logits

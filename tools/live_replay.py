@@ -4,6 +4,7 @@ fresh process under the same memory.
 
     python -m kvstore.tools.live_replay --model PATH|tiny --trace gpu|cpu|smoke \\
         --systems none lru kvstore_fp16 kvstore_q8 --budgets 0.25 0.10 --out DIR [--fresh-process] [--warm] [--ssd]
+        [--ssd-admit always|reuse]
     python -m kvstore.tools.live_replay serve --model PATH|tiny --trace gpu --clients 8 --out DIR
 
 The trace is ``tools/bench/replay.py``'s ``make_trace`` (``TRACES``: "gpu" is
@@ -115,7 +116,8 @@ def bus_gbps(nbytes: int) -> float:
     return nbytes / best / 1e9
 
 
-def replay(system: str, trace: dict, model, mkey: str, budget: int, ssd: Optional[Path]) -> dict:
+def replay(system: str, trace: dict, model, mkey: str, budget: int, ssd: Optional[Path],
+           ssd_admit: str = "always") -> dict:
     """The trace through one new cache: per-request rows and the run's figures."""
     import mlx.core as mx
     from mlx_lm.generate import generation_stream
@@ -132,7 +134,7 @@ def replay(system: str, trace: dict, model, mkey: str, budget: int, ssd: Optiona
         lru = C.LRUPromptCache(max_size=1 << 20, max_bytes=budget)
     elif system != "none":
         store = PrefixStore(budget_gb=budget / GiB, device_budget_gb=budget / GiB, block_size=256, ssd_path=ssd,
-                            kv_bits=None if system == "kvstore_fp16" else 8)
+                            kv_bits=None if system == "kvstore_fp16" else 8, ssd_admit=ssd_admit)
     open_s = time.perf_counter() - t
     calibrate_s = calibrate_once(store, mkey, [model]) if store is not None else 0.0
     rows = []
@@ -220,10 +222,11 @@ def child(a: argparse.Namespace) -> int:
         budget = int(frac * unique)
         ssd = a.dir / f"ssd-{run_name(system, frac)}" if a.ssd and system.startswith("kvstore") else None
         log(f"{system} at {frac:g} of {unique / GiB:.3f} GiB unique KV: budget {budget / GiB:.3f} GiB")
-        res = replay(system, trace, model, mkey, budget, ssd)
+        res = replay(system, trace, model, mkey, budget, ssd, a.ssd_admit)
         if a.warm and system.startswith("kvstore"):  # a second new store in this (now warm) process
             gc.collect()
-            res["warm_run"] = replay(system, trace, model, mkey, budget, None if ssd is None else Path(f"{ssd}-2"))
+            res["warm_run"] = replay(system, trace, model, mkey, budget, None if ssd is None else Path(f"{ssd}-2"),
+                                     a.ssd_admit)
         if system.startswith("kvstore"):
             res["copy_gbps"] = bus_gbps((512 if gpu else 64) << 20)
         res.update(budget_frac=frac, load_s=load_s, model=str(path), kv_bytes_per_token=bpt, unique_kv_bytes=unique,
@@ -315,7 +318,7 @@ def table(summary: dict) -> str:
 def parent(a: argparse.Namespace) -> int:
     jobs = (["none"] if "none" in a.systems else []) + [f"{s}:{f:g}" for f in a.budgets for s in a.systems if s != "none"]
     common = ["--model", a.model, "--trace", a.trace, "--out", str(a.out), "--dir", str(a.dir)] + \
-        ["--warm"] * a.warm + ["--ssd"] * a.ssd
+        ["--warm"] * a.warm + ["--ssd"] * a.ssd + ["--ssd-admit", a.ssd_admit]
     groups = [[j] for j in jobs] if a.fresh_process else [jobs]
     for g in groups:
         log(f"process for {' '.join(g)}")
@@ -513,6 +516,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     ap.add_argument("--warm", action="store_true", help="kvstore: replay twice in one process, a new store each time")
     ap.add_argument("--ssd", action="store_true", help="kvstore: an SSD tier under --dir")
     ap.add_argument("--dir", type=Path, default=Path("/tmp/live-replay"), help="scratch folder (SSD tiers)")
+    ap.add_argument("--ssd-admit", choices=["always", "reuse"], default="always",
+                    help="kvstore with --ssd: write every block to SSD, or only blocks asked for again")
     ap.add_argument("--one", nargs="+", metavar="CACHE[:BUDGET]", help=argparse.SUPPRESS)
     ap.add_argument("--budget-frac", type=float, default=0.25, help=argparse.SUPPRESS)
     a = ap.parse_args(argv)
