@@ -59,6 +59,7 @@ from kvstore.errors import ConfigError, KVStoreError
 from .generate import calibrate_once, model_key
 from .inserts import Inserts
 from .mlx_lm import cache_offset, layers_to_cache, snapshot
+from . import vllm_usage
 
 __all__ = ["StorePrefixCache", "StoreTrieCache", "install", "attach", "check_vllm_mlx", "VllmMlxUnsupported", "TESTED"]
 
@@ -122,6 +123,8 @@ def check_vllm_mlx() -> Any:
     peek = getattr(SimpleEngine, "_peek_prefix_trie_tokens_saved", None)
     if peek is None or '"_trie"' not in inspect.getsource(peek) or '"shorter"' not in inspect.getsource(peek):
         raise fail("SimpleEngine no longer peeks at its prompt trie through _trie.search(...).shorter")
+    for what in vllm_usage.missing(S, _engine_core()):
+        raise fail(f"{what} (cached prompt tokens in usage rely on it)")
     missing = sorted(n for n in _called_on_cache(source) if not hasattr(StorePrefixCache, n))
     if missing:
         raise fail(f"its scheduler calls {', '.join(missing)} on the prefix cache, which the adapter does not provide")
@@ -131,6 +134,12 @@ def check_vllm_mlx() -> Any:
         if have[: len(params)] != list(params):
             raise fail(f"MemoryAwarePrefixCache.{name} takes {have}, the adapter expects {list(params)}")
     return S
+
+
+def _engine_core() -> Any:
+    from vllm_mlx.engine_core import EngineCore
+
+    return EngineCore
 
 
 # the built-in cache's methods whose arguments the scheduler passes positionally
@@ -185,6 +194,7 @@ class StorePrefixCache:
         self._inserts = Inserts(store)
         self._stats = _Stats()
         self._lock = threading.Lock()
+        self._hit = vllm_usage.HitRecord()
         if calibrate_prefill:
             calibrate_once(store, self.key, [model])  # the scheduler's prefills cannot be timed from here
 
@@ -193,6 +203,7 @@ class StorePrefixCache:
     def fetch(self, tokens: list[int]) -> tuple[Optional[list], list[int]]:
         """The longest stored prefix of ``tokens`` short of the last token."""
         self._last_matched_key = None
+        self._hit.tokens = 0
         tokens = list(tokens)
         cache = None
         if len(tokens) >= 2:
@@ -214,6 +225,7 @@ class StorePrefixCache:
         with self._lock:
             self._stats.hits += 1
             self._stats.tokens_saved += n
+        self._hit.tokens = n
         self._last_match_type = "prefix"  # never "exact": the scheduler would drop it
         self._last_matched_key = tuple(tokens[:n])
         log.info("kvstore: %d of %d prompt tokens from the store (RAM %d, SSD %d, remote %d)", n, len(tokens),
@@ -320,6 +332,10 @@ class StorePrefixCache:
 
     # -- ours -------------------------------------------------------------------
 
+    def last_hit(self) -> int:
+        """Prompt tokens the store served to this thread's last fetch."""
+        return self._hit.tokens
+
     def settle(self) -> None:
         """Wait until the stores so far are in the store's index (not yet written)."""
         self._inserts.wait(self.key)
@@ -394,8 +410,9 @@ class Installed:
     vllm-mlx's own cache back for schedulers built afterwards; ``caches`` are
     the ``StorePrefixCache`` objects built meanwhile."""
 
-    def __init__(self, module: Any, simple_engine: Any):
+    def __init__(self, module: Any, simple_engine: Any, undo_usage: Any):
         self._module = module
+        self._undo_usage = undo_usage
         self._original = module.MemoryAwarePrefixCache
         self._init = module.Scheduler.__init__
         self._simple = simple_engine
@@ -409,6 +426,7 @@ class Installed:
             self._module.MemoryAwarePrefixCache = self._original
             self._module.Scheduler.__init__ = self._init
             self._simple._ensure_prefix_trie_cache = self._ensure_trie
+            self._undo_usage()
 
     def flush(self) -> None:
         for c in self.caches:
@@ -434,6 +452,9 @@ def install(store: PrefixStore, *, model_path: Union[str, Path, None] = None, ma
     ``--use-paged-cache``, ``--no-memory-aware-cache`` or
     ``--disable-prefix-cache``).
 
+    Each request notes how many prompt tokens the store served, which
+    ``kvstore vllm-mlx serve`` reports in the API's usage (``vllm_usage``).
+
     Also lets non-trimmable caches (sliding windows that wrapped, recurrent
     state) be offered after every request rather than once per 4,096 new
     tokens: the store keeps only the blocks it lacks, so a refresh is cheap.
@@ -441,7 +462,11 @@ def install(store: PrefixStore, *, model_path: Union[str, Path, None] = None, ma
     S = check_vllm_mlx()
     from vllm_mlx.engine.simple import SimpleEngine
 
-    installed = Installed(S, SimpleEngine)
+    def hits(scheduler: Any) -> Optional[int]:
+        cache = scheduler.memory_aware_cache
+        return cache.last_hit() if isinstance(cache, StorePrefixCache) else None
+
+    installed = Installed(S, SimpleEngine, vllm_usage.patch_engine(S, _engine_core(), hits))
     args = dict(model_path=model_path, max_kv_size=max_kv_size, calibrate_prefill=calibrate_prefill)
 
     def build(model: Any, config: Any = None) -> StorePrefixCache:
@@ -560,6 +585,17 @@ def parse_serve_args(argv: Sequence[str]) -> tuple[dict, list[str]]:
     return store_args, rest
 
 
+def _report_cached_tokens() -> None:
+    """vllm-mlx's app reports the store's hits in usage (``vllm_usage``)."""
+    import vllm_mlx.server as vserver
+
+    app = getattr(vserver, "app", None)
+    if not callable(getattr(app, "add_middleware", None)):
+        raise VllmMlxUnsupported(f"vllm-mlx {_version()} has no vllm_mlx.server.app to add middleware to; kvstore's "
+                                 f"adapter was built and tested on vllm-mlx {', '.join(TESTED)}")
+    app.add_middleware(vllm_usage.UsageMiddleware)
+
+
 def serve(argv: Sequence[str]) -> None:
     """``kvstore vllm-mlx serve MODEL [store options] [vllm-mlx serve options]``:
     vllm-mlx's own server, continuous batching, on a ``PrefixStore``. SIGTERM
@@ -573,6 +609,7 @@ def serve(argv: Sequence[str]) -> None:
     import vllm_mlx.cli as vcli
 
     vargs = vcli.create_parser().parse_args(["serve", *rest])  # vllm-mlx's own reading of its options
+    _report_cached_tokens()
     store = PrefixStore(config)
     installed = install(store, model_path=vargs.model, max_kv_size=vargs.max_kv_size or None)
 

@@ -289,6 +289,17 @@ def test_a_method_the_scheduler_calls_that_the_adapter_lacks_is_refused(monkeypa
         V.check_vllm_mlx()
 
 
+def test_a_vllm_mlx_without_what_usage_reporting_relies_on_is_refused_at_start(monkeypatch, tmp_path):
+    """Cached tokens in usage rely on EngineCore.add_request (a coroutine that
+    hands the request to its scheduler): without it, no install, not a silent gap."""
+    builtin = vllm_scheduler.MemoryAwarePrefixCache
+    monkeypatch.setattr(EngineCore, "add_request", lambda self, prompt: "id")
+    with PrefixStore(budget_gb=1) as store:
+        with pytest.raises(V.VllmMlxUnsupported, match=r"vllm-mlx 0\.6\.0 .*EngineCore\.add_request.*usage"):
+            V.install(store)
+    assert vllm_scheduler.MemoryAwarePrefixCache is builtin
+
+
 def test_attach_refuses_an_engine_without_the_memory_aware_cache(models):
     path, model, tokenizer = models["llama"]
     eng = engine(model, tokenizer, "none")
@@ -552,3 +563,93 @@ def test_a_scheduler_built_while_installed_keeps_the_store_and_its_refresh_after
         assert other.scheduler.SNAPSHOT_REFRESH_TOKENS == refresh > 0
         eng.close()
         other.close()
+
+
+# ---------------------------------------------------------------------------
+# kvstore vllm-mlx serve: defaults on any model, cached tokens in usage
+# ---------------------------------------------------------------------------
+
+
+def _post(port: int, path: str, body: dict) -> dict:
+    req = urllib.request.Request(f"http://127.0.0.1:{port}{path}", json.dumps(body).encode(),
+                                 {"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=300) as r:
+        return json.load(r)
+
+
+def _events(port: int, path: str, body: dict) -> list[dict]:
+    """A streamed response's ``data:`` events, read to the end."""
+    req = urllib.request.Request(f"http://127.0.0.1:{port}{path}", json.dumps({**body, "stream": True}).encode(),
+                                 {"Content-Type": "application/json"})
+    out = []
+    with urllib.request.urlopen(req, timeout=300) as r:
+        for line in r:
+            line = line.decode().strip()
+            if line.startswith("data:") and line != "data: [DONE]":
+                out.append(json.loads(line[5:]))
+    return out
+
+
+def test_serve_with_its_defaults_starts_and_answers_on_a_105_token_vocabulary(tmp_path):
+    """Issue 43: ``fetch_policy="auto"`` calibrates the model's prefill at
+    start, and token ids made up past the vocabulary crashed the process."""
+    from kvstore.adapters.tiny_models import make_tiny_model
+
+    path = make_tiny_model("llama", tmp_path / "small", vocab_size=105)
+    log = tmp_path / "serve.log"
+    server = Server([sys.executable, "-m", "kvstore.adapters.cli", "vllm-mlx", "serve", str(path),
+                     "--ssd-path", str(tmp_path / "store")], log)
+    try:
+        body = {"model": server.model, "max_tokens": 8, "temperature": 0,
+                "messages": [{"role": "user", "content": "Hello there, " * 40}]}
+        first = _post(server.port, "/v1/chat/completions", body)
+        again = _post(server.port, "/v1/chat/completions", body)
+    finally:
+        assert server.stop() == 0
+    assert first["choices"][0]["message"]["content"] == again["choices"][0]["message"]["content"] != ""
+    assert "timed 4 prefills" in log.read_text()  # calibrated, on ids of its own vocabulary
+
+
+def test_serve_reports_the_store_hit_as_cached_tokens_in_every_api(models, tmp_path):
+    """OpenAI chat completions, completions and responses, and Anthropic
+    messages, streamed or not: the first request of a ~1,500-token prompt
+    reports 0 cached tokens, its repeats what the store served."""
+    path = models["llama"][0]
+    server = Served(path, tmp_path / "store", tmp_path / "serve.log", "--fetch-policy", "always")
+    system = SYSTEM * 4
+    chat = {"model": server.model, "max_tokens": 4, "temperature": 0,
+            "messages": [{"role": "system", "content": system}, {"role": "user", "content": "What is two plus two?"}]}
+    text = {"model": server.model, "max_tokens": 4, "temperature": 0, "prompt": system}
+    anthropic = {"model": server.model, "max_tokens": 4, "temperature": 0, "system": system,
+                 "messages": [{"role": "user", "content": "What is two plus two?"}]}
+    responses = {"model": server.model, "max_output_tokens": 4, "temperature": 0, "instructions": system,
+                 "input": "What is two plus two?"}
+    try:
+        cold = _post(server.port, "/v1/chat/completions", chat)["usage"]
+        warm = _post(server.port, "/v1/chat/completions", chat)["usage"]
+        streamed = [e["usage"] for e in _events(server.port, "/v1/chat/completions",
+                                                 {**chat, "stream_options": {"include_usage": True}})
+                    if e.get("usage")]
+        text_cold = _post(server.port, "/v1/completions", text)["usage"]
+        text_warm = _post(server.port, "/v1/completions", text)["usage"]
+        text_streamed = [e["usage"] for e in _events(server.port, "/v1/completions",
+                                                      {**text, "stream_options": {"include_usage": True}})
+                         if e.get("usage")]
+        message = _post(server.port, "/v1/messages", anthropic)["usage"]
+        events = _events(server.port, "/v1/messages", anthropic)
+        response = _post(server.port, "/v1/responses", responses)["usage"]
+        response_events = _events(server.port, "/v1/responses", responses)
+    finally:
+        server.kill()
+    assert cold["prompt_tokens"] > 1400 and cold["prompt_tokens_details"] == {"cached_tokens": 0}
+    assert warm["prompt_tokens_details"]["cached_tokens"] == warm["prompt_tokens"] - 1 >= 1400
+    assert streamed[-1]["prompt_tokens_details"]["cached_tokens"] == warm["prompt_tokens"] - 1
+    assert text_cold["prompt_tokens_details"] == {"cached_tokens": 1}  # its BOS, where the chat prompts start too
+    assert text_warm["prompt_tokens_details"]["cached_tokens"] == text_warm["prompt_tokens"] - 1 >= 1400
+    assert text_streamed[-1]["prompt_tokens_details"]["cached_tokens"] == text_warm["prompt_tokens"] - 1
+    assert message["cache_read_input_tokens"] >= 1400 and message["input_tokens"] > message["cache_read_input_tokens"]
+    delta = next(e for e in events if e["type"] == "message_delta")
+    assert delta["usage"]["cache_read_input_tokens"] >= 1400
+    assert response["input_tokens_details"]["cached_tokens"] >= 1400
+    completed = next(e for e in response_events if e.get("type") == "response.completed")
+    assert completed["response"]["usage"]["input_tokens_details"]["cached_tokens"] >= 1400
