@@ -22,6 +22,10 @@ What the scheduler expects of the cache and how the store answers:
   that leaves at least the last token to compute, as fresh mlx-lm cache
   objects of batch 1, typed ``"prefix"`` (the scheduler drops ``"exact"`` and
   ``"supersequence"`` hits and prefills the whole prompt again).
+  For a model whose cache cannot be cut back (recurrent state, sliding
+  windows that wrapped) fetch also computes the prompt's whole blocks past the
+  hit, offering a snapshot to the store at each block boundary, so prompts
+  that share only a system prompt share its blocks (``kvstore serve`` does the same).
 * ``store(tokens, cache, evict_prefixes)``: the cache covers a prefix of
   ``tokens`` (a finished request's prompt and answer, or a prompt alone); the
   store keeps the blocks it lacks. Its arrays are captured on the calling
@@ -51,12 +55,13 @@ from typing import Any, Optional, Sequence, Union
 
 import mlx.core as mx
 import mlx.nn as nn
+from mlx_lm.models.cache import make_prompt_cache
 
 from kvstore import PrefixStore
 from kvstore.config import store_config
 from kvstore.errors import ConfigError, KVStoreError
 
-from .generate import calibrate_once, model_key
+from .generate import calibrate_once, model_key, needs_snapshots, prefill
 from .inserts import Inserts
 from .mlx_lm import cache_offset, layers_to_cache, snapshot
 from . import vllm_usage
@@ -216,21 +221,43 @@ class StorePrefixCache:
             except Exception:
                 log.exception("kvstore: restoring a cache failed; computing the prompt instead")
                 cache = None
+        n = hit.length if cache is not None else 0
+        try:
+            cache, stop = self._snapshot_blocks(tokens, cache, n)
+        except Exception:
+            log.exception("kvstore: computing a prompt's blocks failed; the engine computes the prompt instead")
+            cache, stop = None, 0
+        with self._lock:
+            self._stats.hits += bool(n)
+            self._stats.misses += not n
+            self._stats.tokens_saved += n
         if cache is None:
-            with self._lock:
-                self._stats.misses += 1
             self._last_match_type = "miss"
             return None, tokens
-        n = hit.length
-        with self._lock:
-            self._stats.hits += 1
-            self._stats.tokens_saved += n
         self._hit.tokens = n
         self._last_match_type = "prefix"  # never "exact": the scheduler would drop it
-        self._last_matched_key = tuple(tokens[:n])
-        log.info("kvstore: %d of %d prompt tokens from the store (RAM %d, SSD %d, remote %d)", n, len(tokens),
-                 hit.ram_tokens, hit.ssd_tokens, hit.remote_tokens)
-        return cache, tokens[n:]
+        self._last_matched_key = tuple(tokens[:stop])
+        if n:
+            log.info("kvstore: %d of %d prompt tokens from the store (RAM %d, SSD %d, remote %d)", n, len(tokens),
+                     hit.ram_tokens, hit.ssd_tokens, hit.remote_tokens)
+        return cache, tokens[stop:]
+
+    def _snapshot_blocks(self, tokens: list[int], cache: Optional[list], start: int) -> tuple[Optional[list], int]:
+        """For a model whose cache cannot be cut back (recurrent state,
+        sliding windows): compute the prompt's whole blocks past ``start``
+        here, offering the cache to the store at each block boundary (as
+        ``kvstore serve`` does), so a later prompt that shares only a system
+        prompt finds a snapshot; the scheduler goes on from the last
+        boundary. ``(cache, start)`` as given for attention-only models."""
+        bs = self.prefix_store.block_size
+        stop = (len(tokens) - 1) // bs * bs  # the engine computes at least the last token
+        if stop <= start or min(tokens) < 0:
+            return cache, start
+        work = cache if cache is not None else make_prompt_cache(self.model, max_kv_size=self.max_kv_size)
+        if not needs_snapshots(work):
+            return cache, start
+        prefill(self.model, work, tokens, start, stop, store=self.prefix_store, key=self.key, step=bs)
+        return work, stop
 
     def store(self, tokens: list[int], cache: list[Any], evict_prefixes: bool = True) -> bool:
         """Keep the blocks of ``tokens`` that ``cache`` covers and the store

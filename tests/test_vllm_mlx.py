@@ -144,12 +144,12 @@ def run(model, tokenizer, cache, prompts_of, store=None, path=None):
 
 @pytest.mark.parametrize("kind", ["llama", "gemma3_text", "qwen3_next"])
 def test_outputs_equal_vllm_mlx_own_cache_and_no_cache(models, kind, tmp_path, prefills):
-    """Full attention (llama): every request after the first starts from the
-    store, the exact repeat computes one token. Sliding windows that wrapped
-    (gemma3) and recurrent state (qwen3_next) cannot be cut back: vllm-mlx
-    offers those caches once, after the prompt and its first answer token, so
-    they are served where the built-in cache serves them (a follow-up turn),
-    never less."""
+    """Every request after the first starts from the store, at least from the
+    system prompt's whole blocks; full attention (llama): the exact repeat
+    computes one token. Sliding windows that wrapped (gemma3) and recurrent
+    state (qwen3_next) cannot be cut back: the store computes their prompts'
+    whole blocks at fetch, a snapshot at each boundary, and the scheduler
+    prefills the rest (under a block)."""
     path, model, tokenizer = models[kind]
     prompts_of = lambda answer: conversation(tokenizer, answer)  # noqa: E731
     none = run(model, tokenizer, "none", prompts_of)
@@ -161,14 +161,14 @@ def test_outputs_equal_vllm_mlx_own_cache_and_no_cache(models, kind, tmp_path, p
         ours = run(model, tokenizer, "store", prompts_of, store=store, path=path)
     assert ours == builtin == none
     n = [len(p) for p in conversation(tokenizer, lambda p: tokenizer.decode(ours[0]))]
-    assert prefills.counts[0] == n[0]  # cold
+    assert prefills.counts[0] == (n[0] if kind == "llama" else n[0] - (n[0] - 1) // BLOCK * BLOCK)  # cold
     assert all(c <= b for c, b in zip(prefills.counts, builtin_prefills))
     assert prefills.counts[-1] < n[-1] - n[0]  # the follow-up starts after its first turn
+    prompts = conversation(tokenizer, lambda p: tokenizer.decode(ours[0]))
+    shared = next(i for i, (a, b) in enumerate(zip(prompts[0], prompts[1])) if a != b)  # the system prompt
+    for count, length in zip(prefills.counts[1:], n[1:]):
+        assert count <= length - shared // BLOCK * BLOCK  # at least the system prompt's whole blocks hit
     if kind == "llama":
-        prompts = conversation(tokenizer, lambda p: tokenizer.decode(ours[0]))
-        shared = next(i for i, (a, b) in enumerate(zip(prompts[0], prompts[1])) if a != b)  # the system prompt
-        for count, length in zip(prefills.counts[1:], n[1:]):
-            assert count <= length - shared // BLOCK * BLOCK  # at least the system prompt's whole blocks hit
         assert prefills.counts[2] == 1  # the exact repeat computes its last token only
 
 
@@ -653,3 +653,32 @@ def test_serve_reports_the_store_hit_as_cached_tokens_in_every_api(models, tmp_p
     assert response["input_tokens_details"]["cached_tokens"] >= 1400
     completed = next(e for e in response_events if e.get("type") == "response.completed")
     assert completed["response"]["usage"]["input_tokens_details"]["cached_tokens"] >= 1400
+
+
+@pytest.mark.parametrize("kind", ["qwen3_next", "gemma3_text"])
+def test_a_second_user_sharing_only_the_system_prompt_starts_from_the_store_on_hybrid_models(models, kind, tmp_path,
+                                                                                          prefills):
+    """Recurrent state (qwen3_next) and wrapped sliding windows (gemma3) cannot
+    be cut back to a shorter prefix: the store computes a prompt's whole blocks
+    at fetch, keeping a snapshot at each block boundary, so a second user who
+    shares only a ~1,500-token system prompt starts from its last whole block.
+    Every answer equals vllm-mlx's own (its built-in cache) at temperature 0."""
+    path, model, tokenizer = models[kind]
+    system = SYSTEM * 4
+
+    def prompts_of(answer):
+        users = [tokenizer.apply_chat_template([{"role": "system", "content": system}, {"role": "user", "content": q}],
+                                               add_generation_prompt=True, tokenize=True) for q in QUESTIONS[:2]]
+        answer(users[0])
+        return users
+
+    builtin = run(model, tokenizer, "builtin", prompts_of)
+    prefills.counts.clear()
+    with PrefixStore(budget_gb=1, ssd_path=tmp_path / "store", block_size=BLOCK, fetch_policy="always") as store:
+        ours = run(model, tokenizer, "store", prompts_of, store=store, path=path)
+    assert ours == builtin
+    users = prompts_of(lambda p: "")
+    shared = next(i for i, (a, b) in enumerate(zip(*users)) if a != b)
+    assert shared >= 1400
+    served = len(users[1]) - prefills.counts[1]  # what the second user's request did not compute
+    assert served >= shared // BLOCK * BLOCK >= 1000
