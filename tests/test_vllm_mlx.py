@@ -607,7 +607,7 @@ def test_serve_with_its_defaults_starts_and_answers_on_a_105_token_vocabulary(tm
     finally:
         assert server.stop() == 0
     assert first["choices"][0]["message"]["content"] == again["choices"][0]["message"]["content"] != ""
-    assert "timed 4 prefills" in log.read_text()  # calibrated, on ids of its own vocabulary
+    assert re.search(r"timed [1-9]\d* prefills", log.read_text())  # calibrated (as many as its budget allows)
 
 
 def test_serve_reports_the_store_hit_as_cached_tokens_in_every_api(models, tmp_path):
