@@ -682,3 +682,35 @@ def test_a_second_user_sharing_only_the_system_prompt_starts_from_the_store_on_h
     assert shared >= 1400
     served = len(users[1]) - prefills.counts[1]  # what the second user's request did not compute
     assert served >= shared // BLOCK * BLOCK >= 1000
+
+
+def test_serve_a_hybrid_model_shares_a_system_prompt_between_users_with_vllm_mlx_own_answers(models, tmp_path):
+    """``kvstore vllm-mlx serve`` on the tiny Qwen3-Next (recurrent state and
+    attention): a second user sharing only a ~1,500-token system prompt is
+    served its whole blocks from the store, and reports them in usage; every
+    answer equals ``vllm-mlx serve``'s own."""
+    from pathlib import Path
+
+    path = models["qwen3_next"][0]
+    vllm_mlx = str(Path(sys.executable).with_name("vllm-mlx"))
+    answers, usages = {}, []
+    for name, cmd in (("vllm-mlx", [vllm_mlx, "serve", str(path), "--continuous-batching"]),
+                      ("kvstore", [sys.executable, "-m", "kvstore.adapters.cli", "vllm-mlx", "serve", str(path),
+                                   "--ssd-path", str(tmp_path / "store"), "--block-size", str(BLOCK),
+                                   "--fetch-policy", "always"])):
+        server = Server(cmd, tmp_path / f"{name}.log")
+        try:
+            out = []
+            for question in QUESTIONS[:2]:
+                body = {"model": server.model, "max_tokens": 8, "temperature": 0,
+                        "messages": [{"role": "system", "content": SYSTEM * 4}, {"role": "user", "content": question}]}
+                got = _post(server.port, "/v1/chat/completions", body)
+                out.append(got["choices"][0]["message"]["content"])
+                usages.append(got["usage"])
+            answers[name] = out
+        finally:
+            server.kill()
+    assert answers["kvstore"] == answers["vllm-mlx"]
+    first, second = usages[2:]
+    assert first["prompt_tokens_details"] == {"cached_tokens": 0}
+    assert second["prompt_tokens_details"]["cached_tokens"] >= 1000
