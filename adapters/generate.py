@@ -10,6 +10,7 @@ prompt that shares only part of this one still finds a snapshot to start from.
 
 from __future__ import annotations
 
+import importlib
 import time
 import weakref
 from dataclasses import dataclass, field
@@ -19,7 +20,7 @@ from typing import Any, Iterator, Optional, Sequence, Union
 import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
-from mlx_lm.generate import generation_stream, maybe_quantize_kv_cache
+from mlx_lm.generate import maybe_quantize_kv_cache
 from mlx_lm.generate import stream_generate as _mlx_stream_generate
 from mlx_lm.models import cache as C
 
@@ -29,6 +30,8 @@ from kvstore.hashing import as_tokens
 from .calibration import calibrate, calibrate_once
 from .gguf import gguf_fingerprint, is_gguf
 from .mlx_lm import caches_to_layers, layers_to_caches, loaded_model_fingerprint, model_fingerprint
+
+_G = importlib.import_module("mlx_lm.generate")  # the module (the package's attribute of that name is the function)
 
 __all__ = ["model_key", "models_key", "fetch_cache", "prefill", "store_cache", "stream_generate", "generate",
            "Generation", "calibrate", "calibrate_once"]
@@ -150,7 +153,7 @@ def prefill(model: nn.Module, cache: list, tokens: Sequence[int], start: int, st
     snapshots = store is not None and needs_snapshots(cache)
     bs = store.block_size if store is not None else step
     pos = start
-    with mx.stream(generation_stream):
+    with mx.stream(_G.generation_stream):  # read now: vllm-mlx rebinds it to a stream of its model thread
         while pos < stop:
             end = min(stop, pos + step)
             if snapshots:

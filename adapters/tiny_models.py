@@ -26,7 +26,8 @@ Kinds and the cache classes ``mlx_lm.models.cache.make_prompt_cache`` builds:
                      ``[ArraysCache(2), KVCache, ArraysCache(2), KVCache]``.
 
 Any config key can be overridden (``num_hidden_layers=8``, ``sliding_window=128``,
-``vocab_size=512``...); ``dtype`` selects ``"float16"`` (default), ``"bfloat16"``
+``vocab_size=512``...; under 261, the byte-level BPE's floor, the tokenizer is
+character-level: printable ASCII, tab, newline); ``dtype`` selects ``"float16"`` (default), ``"bfloat16"``
 or ``"float32"`` weights (and so the KV-cache dtype).
 
 Command line::
@@ -359,7 +360,9 @@ def build_tokenizer(vocab_size: int) -> Tuple[str, int, List[int]]:
     alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
     n_base = len(SPECIAL_TOKENS) + len(alphabet)
     if vocab_size < n_base:
-        raise ValueError(f"vocab_size must be >= {n_base} for a byte-level tokenizer")
+        result = _char_tokenizer(vocab_size)
+        _TOKENIZER_CACHE[vocab_size] = result
+        return result
     merges = _bpe_train(_corpus_lines(), vocab_size - n_base, alphabet)
     vocab: Dict[str, int] = {}
     for tok in SPECIAL_TOKENS + alphabet + [a + b for a, b in merges]:
@@ -387,6 +390,30 @@ def build_tokenizer(vocab_size: int) -> Tuple[str, int, List[int]]:
     result = (text, tok.get_vocab_size(with_added_tokens=True), banned)
     _TOKENIZER_CACHE[vocab_size] = result
     return result
+
+
+# printable ASCII, tab and newline: a character-level tokenizer of these and
+# the special tokens is the smallest one that still writes English text
+_CHARS = [chr(c) for c in range(0x20, 0x7F)] + ["\t", "\n"]
+
+
+def _char_tokenizer(vocab_size: int) -> Tuple[str, int, List[int]]:
+    """A character-level tokenizer (one token per printable ASCII character,
+    tab and newline; other characters are dropped) for a vocabulary smaller
+    than a byte-level one: ``vocab_size=105`` makes a model whose embedding
+    is read past its end by any id of 105 or more."""
+    from tokenizers import Tokenizer, decoders, models, processors
+
+    n = len(SPECIAL_TOKENS) + len(_CHARS)
+    if vocab_size < n:
+        raise ValueError(f"vocab_size must be >= {n} (special tokens, printable ASCII, tab, newline)")
+    vocab = {t: i for i, t in enumerate(SPECIAL_TOKENS + _CHARS)}
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[], fuse_unk=False))
+    tok.add_special_tokens(SPECIAL_TOKENS)
+    tok.decoder = decoders.Fuse()
+    tok.post_processor = processors.TemplateProcessing(single=f"{BOS} $A", pair=f"{BOS} $A {BOS} $B",
+                                                       special_tokens=[(BOS, vocab[BOS])])
+    return tok.to_str(pretty=True), n, list(range(len(SPECIAL_TOKENS)))
 
 
 def _tokenizer_files(vocab_size: int, model_max_length: int) -> Dict[str, str]:

@@ -22,6 +22,10 @@ What the scheduler expects of the cache and how the store answers:
   that leaves at least the last token to compute, as fresh mlx-lm cache
   objects of batch 1, typed ``"prefix"`` (the scheduler drops ``"exact"`` and
   ``"supersequence"`` hits and prefills the whole prompt again).
+  For a model whose cache cannot be cut back (recurrent state, sliding
+  windows that wrapped) fetch also computes the prompt's whole blocks past the
+  hit, offering a snapshot to the store at each block boundary, so prompts
+  that share only a system prompt share its blocks (``kvstore serve`` does the same).
 * ``store(tokens, cache, evict_prefixes)``: the cache covers a prefix of
   ``tokens`` (a finished request's prompt and answer, or a prompt alone); the
   store keeps the blocks it lacks. Its arrays are captured on the calling
@@ -51,14 +55,16 @@ from typing import Any, Optional, Sequence, Union
 
 import mlx.core as mx
 import mlx.nn as nn
+from mlx_lm.models.cache import make_prompt_cache
 
 from kvstore import PrefixStore
 from kvstore.config import store_config
 from kvstore.errors import ConfigError, KVStoreError
 
-from .generate import calibrate_once, model_key
+from .generate import calibrate_once, model_key, needs_snapshots, prefill
 from .inserts import Inserts
 from .mlx_lm import cache_offset, layers_to_cache, snapshot
+from . import vllm_usage
 
 __all__ = ["StorePrefixCache", "StoreTrieCache", "install", "attach", "check_vllm_mlx", "VllmMlxUnsupported", "TESTED"]
 
@@ -122,6 +128,8 @@ def check_vllm_mlx() -> Any:
     peek = getattr(SimpleEngine, "_peek_prefix_trie_tokens_saved", None)
     if peek is None or '"_trie"' not in inspect.getsource(peek) or '"shorter"' not in inspect.getsource(peek):
         raise fail("SimpleEngine no longer peeks at its prompt trie through _trie.search(...).shorter")
+    for what in vllm_usage.missing(S, _engine_core()):
+        raise fail(f"{what} (cached prompt tokens in usage rely on it)")
     missing = sorted(n for n in _called_on_cache(source) if not hasattr(StorePrefixCache, n))
     if missing:
         raise fail(f"its scheduler calls {', '.join(missing)} on the prefix cache, which the adapter does not provide")
@@ -131,6 +139,12 @@ def check_vllm_mlx() -> Any:
         if have[: len(params)] != list(params):
             raise fail(f"MemoryAwarePrefixCache.{name} takes {have}, the adapter expects {list(params)}")
     return S
+
+
+def _engine_core() -> Any:
+    from vllm_mlx.engine_core import EngineCore
+
+    return EngineCore
 
 
 # the built-in cache's methods whose arguments the scheduler passes positionally
@@ -185,6 +199,7 @@ class StorePrefixCache:
         self._inserts = Inserts(store)
         self._stats = _Stats()
         self._lock = threading.Lock()
+        self._hit = vllm_usage.HitRecord()
         if calibrate_prefill:
             calibrate_once(store, self.key, [model])  # the scheduler's prefills cannot be timed from here
 
@@ -193,6 +208,7 @@ class StorePrefixCache:
     def fetch(self, tokens: list[int]) -> tuple[Optional[list], list[int]]:
         """The longest stored prefix of ``tokens`` short of the last token."""
         self._last_matched_key = None
+        self._hit.tokens = 0
         tokens = list(tokens)
         cache = None
         if len(tokens) >= 2:
@@ -205,20 +221,43 @@ class StorePrefixCache:
             except Exception:
                 log.exception("kvstore: restoring a cache failed; computing the prompt instead")
                 cache = None
+        n = hit.length if cache is not None else 0
+        try:
+            cache, stop = self._snapshot_blocks(tokens, cache, n)
+        except Exception:
+            log.exception("kvstore: computing a prompt's blocks failed; the engine computes the prompt instead")
+            cache, stop = None, 0
+        with self._lock:
+            self._stats.hits += bool(n)
+            self._stats.misses += not n
+            self._stats.tokens_saved += n
         if cache is None:
-            with self._lock:
-                self._stats.misses += 1
             self._last_match_type = "miss"
             return None, tokens
-        n = hit.length
-        with self._lock:
-            self._stats.hits += 1
-            self._stats.tokens_saved += n
+        self._hit.tokens = n
         self._last_match_type = "prefix"  # never "exact": the scheduler would drop it
-        self._last_matched_key = tuple(tokens[:n])
-        log.info("kvstore: %d of %d prompt tokens from the store (RAM %d, SSD %d, remote %d)", n, len(tokens),
-                 hit.ram_tokens, hit.ssd_tokens, hit.remote_tokens)
-        return cache, tokens[n:]
+        self._last_matched_key = tuple(tokens[:stop])
+        if n:
+            log.info("kvstore: %d of %d prompt tokens from the store (RAM %d, SSD %d, remote %d)", n, len(tokens),
+                     hit.ram_tokens, hit.ssd_tokens, hit.remote_tokens)
+        return cache, tokens[stop:]
+
+    def _snapshot_blocks(self, tokens: list[int], cache: Optional[list], start: int) -> tuple[Optional[list], int]:
+        """For a model whose cache cannot be cut back (recurrent state,
+        sliding windows): compute the prompt's whole blocks past ``start``
+        here, offering the cache to the store at each block boundary (as
+        ``kvstore serve`` does), so a later prompt that shares only a system
+        prompt finds a snapshot; the scheduler goes on from the last
+        boundary. ``(cache, start)`` as given for attention-only models."""
+        bs = self.prefix_store.block_size
+        stop = (len(tokens) - 1) // bs * bs  # the engine computes at least the last token
+        if stop <= start or min(tokens) < 0:
+            return cache, start
+        work = cache if cache is not None else make_prompt_cache(self.model, max_kv_size=self.max_kv_size)
+        if not needs_snapshots(work):
+            return cache, start
+        prefill(self.model, work, tokens, start, stop, store=self.prefix_store, key=self.key, step=bs)
+        return work, stop
 
     def store(self, tokens: list[int], cache: list[Any], evict_prefixes: bool = True) -> bool:
         """Keep the blocks of ``tokens`` that ``cache`` covers and the store
@@ -320,6 +359,10 @@ class StorePrefixCache:
 
     # -- ours -------------------------------------------------------------------
 
+    def last_hit(self) -> int:
+        """Prompt tokens the store served to this thread's last fetch."""
+        return self._hit.tokens
+
     def settle(self) -> None:
         """Wait until the stores so far are in the store's index (not yet written)."""
         self._inserts.wait(self.key)
@@ -394,8 +437,9 @@ class Installed:
     vllm-mlx's own cache back for schedulers built afterwards; ``caches`` are
     the ``StorePrefixCache`` objects built meanwhile."""
 
-    def __init__(self, module: Any, simple_engine: Any):
+    def __init__(self, module: Any, simple_engine: Any, undo_usage: Any):
         self._module = module
+        self._undo_usage = undo_usage
         self._original = module.MemoryAwarePrefixCache
         self._init = module.Scheduler.__init__
         self._simple = simple_engine
@@ -409,6 +453,7 @@ class Installed:
             self._module.MemoryAwarePrefixCache = self._original
             self._module.Scheduler.__init__ = self._init
             self._simple._ensure_prefix_trie_cache = self._ensure_trie
+            self._undo_usage()
 
     def flush(self) -> None:
         for c in self.caches:
@@ -434,6 +479,9 @@ def install(store: PrefixStore, *, model_path: Union[str, Path, None] = None, ma
     ``--use-paged-cache``, ``--no-memory-aware-cache`` or
     ``--disable-prefix-cache``).
 
+    Each request notes how many prompt tokens the store served, which
+    ``kvstore vllm-mlx serve`` reports in the API's usage (``vllm_usage``).
+
     Also lets non-trimmable caches (sliding windows that wrapped, recurrent
     state) be offered after every request rather than once per 4,096 new
     tokens: the store keeps only the blocks it lacks, so a refresh is cheap.
@@ -441,7 +489,11 @@ def install(store: PrefixStore, *, model_path: Union[str, Path, None] = None, ma
     S = check_vllm_mlx()
     from vllm_mlx.engine.simple import SimpleEngine
 
-    installed = Installed(S, SimpleEngine)
+    def hits(scheduler: Any) -> Optional[int]:
+        cache = scheduler.memory_aware_cache
+        return cache.last_hit() if isinstance(cache, StorePrefixCache) else None
+
+    installed = Installed(S, SimpleEngine, vllm_usage.patch_engine(S, _engine_core(), hits))
     args = dict(model_path=model_path, max_kv_size=max_kv_size, calibrate_prefill=calibrate_prefill)
 
     def build(model: Any, config: Any = None) -> StorePrefixCache:
@@ -561,6 +613,17 @@ def parse_serve_args(argv: Sequence[str]) -> tuple[dict, list[str]]:
     return store_args, rest
 
 
+def _report_cached_tokens() -> None:
+    """vllm-mlx's app reports the store's hits in usage (``vllm_usage``)."""
+    import vllm_mlx.server as vserver
+
+    app = getattr(vserver, "app", None)
+    if not callable(getattr(app, "add_middleware", None)):
+        raise VllmMlxUnsupported(f"vllm-mlx {_version()} has no vllm_mlx.server.app to add middleware to; kvstore's "
+                                 f"adapter was built and tested on vllm-mlx {', '.join(TESTED)}")
+    app.add_middleware(vllm_usage.UsageMiddleware)
+
+
 def serve(argv: Sequence[str]) -> None:
     """``kvstore vllm-mlx serve MODEL [store options] [vllm-mlx serve options]``:
     vllm-mlx's own server, continuous batching, on a ``PrefixStore``. SIGTERM
@@ -574,6 +637,7 @@ def serve(argv: Sequence[str]) -> None:
     import vllm_mlx.cli as vcli
 
     vargs = vcli.create_parser().parse_args(["serve", *rest])  # vllm-mlx's own reading of its options
+    _report_cached_tokens()
     store = PrefixStore(config)
     installed = install(store, model_path=vargs.model, max_kv_size=vargs.max_kv_size or None)
     from .vllm_metrics import add_store_metrics

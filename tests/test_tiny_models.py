@@ -173,6 +173,19 @@ def test_tokenizer_round_trip_and_chat_template(built):
     )
 
 
+def test_a_vocabulary_under_the_byte_level_floor_is_character_level(tmp_path):
+    """vocab_size=105 (issue 43: a model any made-up id past 104 crashes): a
+    character-level tokenizer whose every id fits the vocabulary, which
+    writes English text and generates within it."""
+    model, tokenizer = mlx_lm.load(str(make_tiny_model("llama", tmp_path / "m", vocab_size=105)))
+    ids = tokenizer.apply_chat_template(MESSAGES, add_generation_prompt=True, tokenize=True)
+    assert max(ids) < 105 and model.args.vocab_size == 105
+    assert tokenizer.decode(tokenizer.encode("A baker, 2 loaves!\n", add_special_tokens=False)) == "A baker, 2 loaves!\n"
+    assert max(_greedy(model, tokenizer, ids, n=8)) < 105
+    with pytest.raises(ValueError, match="vocab_size must be >= 102"):
+        make_tiny_model("llama", tmp_path / "tiny", vocab_size=50)
+
+
 def test_ensure_and_cli(tmp_path, monkeypatch, capsys):
     monkeypatch.setenv("KVSTORE_MODEL_DIR", str(tmp_path / "cache"))
     assert default_model_dir() == tmp_path / "cache"

@@ -144,12 +144,12 @@ def run(model, tokenizer, cache, prompts_of, store=None, path=None):
 
 @pytest.mark.parametrize("kind", ["llama", "gemma3_text", "qwen3_next"])
 def test_outputs_equal_vllm_mlx_own_cache_and_no_cache(models, kind, tmp_path, prefills):
-    """Full attention (llama): every request after the first starts from the
-    store, the exact repeat computes one token. Sliding windows that wrapped
-    (gemma3) and recurrent state (qwen3_next) cannot be cut back: vllm-mlx
-    offers those caches once, after the prompt and its first answer token, so
-    they are served where the built-in cache serves them (a follow-up turn),
-    never less."""
+    """Every request after the first starts from the store, at least from the
+    system prompt's whole blocks; full attention (llama): the exact repeat
+    computes one token. Sliding windows that wrapped (gemma3) and recurrent
+    state (qwen3_next) cannot be cut back: the store computes their prompts'
+    whole blocks at fetch, a snapshot at each boundary, and the scheduler
+    prefills the rest (under a block)."""
     path, model, tokenizer = models[kind]
     prompts_of = lambda answer: conversation(tokenizer, answer)  # noqa: E731
     none = run(model, tokenizer, "none", prompts_of)
@@ -161,14 +161,14 @@ def test_outputs_equal_vllm_mlx_own_cache_and_no_cache(models, kind, tmp_path, p
         ours = run(model, tokenizer, "store", prompts_of, store=store, path=path)
     assert ours == builtin == none
     n = [len(p) for p in conversation(tokenizer, lambda p: tokenizer.decode(ours[0]))]
-    assert prefills.counts[0] == n[0]  # cold
+    assert prefills.counts[0] == (n[0] if kind == "llama" else n[0] - (n[0] - 1) // BLOCK * BLOCK)  # cold
     assert all(c <= b for c, b in zip(prefills.counts, builtin_prefills))
     assert prefills.counts[-1] < n[-1] - n[0]  # the follow-up starts after its first turn
+    prompts = conversation(tokenizer, lambda p: tokenizer.decode(ours[0]))
+    shared = next(i for i, (a, b) in enumerate(zip(prompts[0], prompts[1])) if a != b)  # the system prompt
+    for count, length in zip(prefills.counts[1:], n[1:]):
+        assert count <= length - shared // BLOCK * BLOCK  # at least the system prompt's whole blocks hit
     if kind == "llama":
-        prompts = conversation(tokenizer, lambda p: tokenizer.decode(ours[0]))
-        shared = next(i for i, (a, b) in enumerate(zip(prompts[0], prompts[1])) if a != b)  # the system prompt
-        for count, length in zip(prefills.counts[1:], n[1:]):
-            assert count <= length - shared // BLOCK * BLOCK  # at least the system prompt's whole blocks hit
         assert prefills.counts[2] == 1  # the exact repeat computes its last token only
 
 
@@ -287,6 +287,17 @@ def test_a_method_the_scheduler_calls_that_the_adapter_lacks_is_refused(monkeypa
                         lambda obj: real(obj) + source if obj is vllm_scheduler.Scheduler else real(obj))
     with pytest.raises(V.VllmMlxUnsupported, match="brand_new_method"):
         V.check_vllm_mlx()
+
+
+def test_a_vllm_mlx_without_what_usage_reporting_relies_on_is_refused_at_start(monkeypatch, tmp_path):
+    """Cached tokens in usage rely on EngineCore.add_request (a coroutine that
+    hands the request to its scheduler): without it, no install, not a silent gap."""
+    builtin = vllm_scheduler.MemoryAwarePrefixCache
+    monkeypatch.setattr(EngineCore, "add_request", lambda self, prompt: "id")
+    with PrefixStore(budget_gb=1) as store:
+        with pytest.raises(V.VllmMlxUnsupported, match=r"vllm-mlx 0\.6\.0 .*EngineCore\.add_request.*usage"):
+            V.install(store)
+    assert vllm_scheduler.MemoryAwarePrefixCache is builtin
 
 
 def test_attach_refuses_an_engine_without_the_memory_aware_cache(models):
@@ -582,3 +593,154 @@ def test_a_scheduler_built_while_installed_keeps_the_store_and_its_refresh_after
         assert other.scheduler.SNAPSHOT_REFRESH_TOKENS == refresh > 0
         eng.close()
         other.close()
+
+
+# ---------------------------------------------------------------------------
+# kvstore vllm-mlx serve: defaults on any model, cached tokens in usage
+# ---------------------------------------------------------------------------
+
+
+def _post(port: int, path: str, body: dict) -> dict:
+    req = urllib.request.Request(f"http://127.0.0.1:{port}{path}", json.dumps(body).encode(),
+                                 {"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=300) as r:
+        return json.load(r)
+
+
+def _events(port: int, path: str, body: dict) -> list[dict]:
+    """A streamed response's ``data:`` events, read to the end."""
+    req = urllib.request.Request(f"http://127.0.0.1:{port}{path}", json.dumps({**body, "stream": True}).encode(),
+                                 {"Content-Type": "application/json"})
+    out = []
+    with urllib.request.urlopen(req, timeout=300) as r:
+        for line in r:
+            line = line.decode().strip()
+            if line.startswith("data:") and line != "data: [DONE]":
+                out.append(json.loads(line[5:]))
+    return out
+
+
+def test_serve_with_its_defaults_starts_and_answers_on_a_105_token_vocabulary(tmp_path):
+    """Issue 43: ``fetch_policy="auto"`` calibrates the model's prefill at
+    start, and token ids made up past the vocabulary crashed the process."""
+    from kvstore.adapters.tiny_models import make_tiny_model
+
+    path = make_tiny_model("llama", tmp_path / "small", vocab_size=105)
+    log = tmp_path / "serve.log"
+    server = Server([sys.executable, "-m", "kvstore.adapters.cli", "vllm-mlx", "serve", str(path),
+                     "--ssd-path", str(tmp_path / "store")], log)
+    try:
+        body = {"model": server.model, "max_tokens": 8, "temperature": 0,
+                "messages": [{"role": "user", "content": "Hello there, " * 40}]}
+        first = _post(server.port, "/v1/chat/completions", body)
+        again = _post(server.port, "/v1/chat/completions", body)
+    finally:
+        assert server.stop() == 0
+    assert first["choices"][0]["message"]["content"] == again["choices"][0]["message"]["content"] != ""
+    assert re.search(r"timed [1-9]\d* prefills", log.read_text())  # calibrated (as many as its budget allows)
+
+
+def test_serve_reports_the_store_hit_as_cached_tokens_in_every_api(models, tmp_path):
+    """OpenAI chat completions, completions and responses, and Anthropic
+    messages, streamed or not: the first request of a ~1,500-token prompt
+    reports 0 cached tokens, its repeats what the store served."""
+    path = models["llama"][0]
+    server = Served(path, tmp_path / "store", tmp_path / "serve.log", "--fetch-policy", "always")
+    system = SYSTEM * 4
+    chat = {"model": server.model, "max_tokens": 4, "temperature": 0,
+            "messages": [{"role": "system", "content": system}, {"role": "user", "content": "What is two plus two?"}]}
+    text = {"model": server.model, "max_tokens": 4, "temperature": 0, "prompt": system}
+    anthropic = {"model": server.model, "max_tokens": 4, "temperature": 0, "system": system,
+                 "messages": [{"role": "user", "content": "What is two plus two?"}]}
+    responses = {"model": server.model, "max_output_tokens": 4, "temperature": 0, "instructions": system,
+                 "input": "What is two plus two?"}
+    try:
+        cold = _post(server.port, "/v1/chat/completions", chat)["usage"]
+        warm = _post(server.port, "/v1/chat/completions", chat)["usage"]
+        streamed = [e["usage"] for e in _events(server.port, "/v1/chat/completions",
+                                                 {**chat, "stream_options": {"include_usage": True}})
+                    if e.get("usage")]
+        text_cold = _post(server.port, "/v1/completions", text)["usage"]
+        text_warm = _post(server.port, "/v1/completions", text)["usage"]
+        text_streamed = [e["usage"] for e in _events(server.port, "/v1/completions",
+                                                      {**text, "stream_options": {"include_usage": True}})
+                         if e.get("usage")]
+        message = _post(server.port, "/v1/messages", anthropic)["usage"]
+        events = _events(server.port, "/v1/messages", anthropic)
+        response = _post(server.port, "/v1/responses", responses)["usage"]
+        response_events = _events(server.port, "/v1/responses", responses)
+    finally:
+        server.kill()
+    assert cold["prompt_tokens"] > 1400 and cold["prompt_tokens_details"] == {"cached_tokens": 0}
+    assert warm["prompt_tokens_details"]["cached_tokens"] == warm["prompt_tokens"] - 1 >= 1400
+    assert streamed[-1]["prompt_tokens_details"]["cached_tokens"] == warm["prompt_tokens"] - 1
+    assert text_cold["prompt_tokens_details"] == {"cached_tokens": 1}  # its BOS, where the chat prompts start too
+    assert text_warm["prompt_tokens_details"]["cached_tokens"] == text_warm["prompt_tokens"] - 1 >= 1400
+    assert text_streamed[-1]["prompt_tokens_details"]["cached_tokens"] == text_warm["prompt_tokens"] - 1
+    assert message["cache_read_input_tokens"] >= 1400 and message["input_tokens"] > message["cache_read_input_tokens"]
+    delta = next(e for e in events if e["type"] == "message_delta")
+    assert delta["usage"]["cache_read_input_tokens"] >= 1400
+    assert response["input_tokens_details"]["cached_tokens"] >= 1400
+    completed = next(e for e in response_events if e.get("type") == "response.completed")
+    assert completed["response"]["usage"]["input_tokens_details"]["cached_tokens"] >= 1400
+
+
+@pytest.mark.parametrize("kind", ["qwen3_next", "gemma3_text"])
+def test_a_second_user_sharing_only_the_system_prompt_starts_from_the_store_on_hybrid_models(models, kind, tmp_path,
+                                                                                          prefills):
+    """Recurrent state (qwen3_next) and wrapped sliding windows (gemma3) cannot
+    be cut back to a shorter prefix: the store computes a prompt's whole blocks
+    at fetch, keeping a snapshot at each block boundary, so a second user who
+    shares only a ~1,500-token system prompt starts from its last whole block.
+    Every answer equals vllm-mlx's own (its built-in cache) at temperature 0."""
+    path, model, tokenizer = models[kind]
+    system = SYSTEM * 4
+
+    def prompts_of(answer):
+        users = [tokenizer.apply_chat_template([{"role": "system", "content": system}, {"role": "user", "content": q}],
+                                               add_generation_prompt=True, tokenize=True) for q in QUESTIONS[:2]]
+        answer(users[0])
+        return users
+
+    builtin = run(model, tokenizer, "builtin", prompts_of)
+    prefills.counts.clear()
+    with PrefixStore(budget_gb=1, ssd_path=tmp_path / "store", block_size=BLOCK, fetch_policy="always") as store:
+        ours = run(model, tokenizer, "store", prompts_of, store=store, path=path)
+    assert ours == builtin
+    users = prompts_of(lambda p: "")
+    shared = next(i for i, (a, b) in enumerate(zip(*users)) if a != b)
+    assert shared >= 1400
+    served = len(users[1]) - prefills.counts[1]  # what the second user's request did not compute
+    assert served >= shared // BLOCK * BLOCK >= 1000
+
+
+def test_serve_a_hybrid_model_shares_a_system_prompt_between_users_with_vllm_mlx_own_answers(models, tmp_path):
+    """``kvstore vllm-mlx serve`` on the tiny Qwen3-Next (recurrent state and
+    attention): a second user sharing only a ~1,500-token system prompt is
+    served its whole blocks from the store, and reports them in usage; every
+    answer equals ``vllm-mlx serve``'s own."""
+    from pathlib import Path
+
+    path = models["qwen3_next"][0]
+    vllm_mlx = str(Path(sys.executable).with_name("vllm-mlx"))
+    answers, usages = {}, []
+    for name, cmd in (("vllm-mlx", [vllm_mlx, "serve", str(path), "--continuous-batching"]),
+                      ("kvstore", [sys.executable, "-m", "kvstore.adapters.cli", "vllm-mlx", "serve", str(path),
+                                   "--ssd-path", str(tmp_path / "store"), "--block-size", str(BLOCK),
+                                   "--fetch-policy", "always"])):
+        server = Server(cmd, tmp_path / f"{name}.log")
+        try:
+            out = []
+            for question in QUESTIONS[:2]:
+                body = {"model": server.model, "max_tokens": 8, "temperature": 0,
+                        "messages": [{"role": "system", "content": SYSTEM * 4}, {"role": "user", "content": question}]}
+                got = _post(server.port, "/v1/chat/completions", body)
+                out.append(got["choices"][0]["message"]["content"])
+                usages.append(got["usage"])
+            answers[name] = out
+        finally:
+            server.kill()
+    assert answers["kvstore"] == answers["vllm-mlx"]
+    first, second = usages[2:]
+    assert first["prompt_tokens_details"] == {"cached_tokens": 0}
+    assert second["prompt_tokens_details"]["cached_tokens"] >= 1000
