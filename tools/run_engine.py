@@ -1,4 +1,4 @@
-"""A small engine of the tests' own, built on mlx-lm as engines are (tests/test_run.py runs it alone and
+"""A small engine of kvstore's own, built on mlx-lm as engines are (tests/test_run.py and tools/run_ttft.py run it
 under ``kvstore run``): ``python _run_engine.py MODEL fresh|keep PROMPT...`` loads MODEL with
 ``mlx_lm.load`` and answers each prompt greedily with ``stream_generate``, printing one JSON line each.
 ``fresh``: a new prompt cache per request. ``keep``: one cache across requests, trimmed to the prefix the
