@@ -93,3 +93,63 @@ def test_exit_status_passes_through_and_bad_options_are_refused(tmp_path):
     assert bad.returncode == 2 and "--ssd-pat" in bad.stderr
     none = subprocess.run([*run, "--ssd-path", str(tmp_path)], capture_output=True, text=True)
     assert none.returncode == 2 and "no command to run" in none.stderr
+
+
+def _openai_server():
+    try:
+        from importlib.metadata import version
+
+        return version("mlx-openai-server")
+    except Exception:
+        return None
+
+
+@pytest.mark.skipif(_openai_server() is None, reason="mlx-openai-server not installed (its lane: .ci/run)")
+def test_mlx_openai_server_restarted_is_served_from_the_store(model, tmp_path):
+    """mlx-openai-server 1.8.1 (--disable-batching: its BatchGenerator path is not instrumented) under
+    `kvstore run`: after a restart the repeated prompt comes from the store, answers equal it alone."""
+    from .test_server import free_port
+
+    def serve(under_run, log):
+        port = free_port()
+        cmd = ["mlx-openai-server", "launch", "--model-path", str(model), "--model-type", "lm", "--host",
+               "127.0.0.1", "--port", str(port), "--disable-batching", "--no-log-file"]
+        if under_run:
+            cmd = [sys.executable, "-m", "kvstore.adapters.cli", "run", "--ssd-path", str(tmp_path / "store"),
+                   "--block-size", "64", "--calibrate-budget-s", "0", "--", *cmd]
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=tmp_path,
+                                env=dict(os.environ, KVSTORE_RUN_REPORT=str(tmp_path / "report.jsonl")))
+        return proc, port
+
+    def ask(port):
+        import time
+        import urllib.request
+
+        body = {"model": str(model), "messages": [{"role": "system", "content": SYSTEM},
+                                                  {"role": "user", "content": "hello there"}],
+                "max_tokens": 8, "temperature": 0}
+        deadline = time.time() + 180
+        while True:
+            req = urllib.request.Request(f"http://127.0.0.1:{port}/v1/chat/completions", json.dumps(body).encode(),
+                                         {"Content-Type": "application/json"})
+            try:
+                with urllib.request.urlopen(req, timeout=120) as r:
+                    return json.load(r)["choices"][0]["message"]["content"]
+            except OSError:
+                if time.time() > deadline:
+                    raise
+                time.sleep(1)
+
+    answers = []
+    with open(tmp_path / "server.log", "wb") as log:
+        for under_run in (False, True, True):
+            proc, port = serve(under_run, log)
+            try:
+                answers.append(ask(port))
+            finally:
+                proc.terminate()
+                proc.wait(timeout=60)
+    assert answers[1] == answers[0] and answers[2] == answers[0]
+    first, again = report(tmp_path / "report.jsonl")
+    assert first["store_tokens"] == 0
+    assert again["store_tokens"] == again["prompt_tokens"] - 1 and again["engine_tokens"] == 0
