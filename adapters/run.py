@@ -76,8 +76,7 @@ def parse_run_args(argv: Sequence[str]) -> tuple[dict, list[str]]:
 
     from .server import _parser, parse_args
 
-    parser = _parser()
-    parser.prog, parser.usage = "kvstore run", "kvstore run [store options] -- COMMAND ..."
+    parser = _parser("kvstore run", "kvstore run [store options] -- COMMAND ...")
     parser.add_argument("command", nargs=argparse.REMAINDER)
     argv = list(argv)
     command = parser.parse_args(argv).command  # an unknown option before the command exits here

@@ -50,12 +50,12 @@ def main(argv: list[str] | None = None) -> int:
         store, report = root / "store", root / "report.jsonl"
         run1 = _engine(model, [warm[0], first, second], store, report)
         run2 = _engine(model, [warm[1], first], store, report)
-        alone = _engine(model, [first, second], None, root / "none.jsonl")
+        alone = _engine(model, [warm[0], first, second], None, root / "none.jsonl")[1:]
         got = [json.loads(line) for line in report.read_text().splitlines()]
         cold = run1[1]["ttft_s"]
         out = {
             "model": {"layers": a.layers, "hidden": a.hidden}, "prompt_tokens": run1[1]["prompt_tokens"],
-            "cold_s": cold, "shared_system_s": run1[2]["ttft_s"], "new_process_s": run2[1]["ttft_s"],
+            "cold_s": cold, "alone_s": alone[0]["ttft_s"], "shared_system_s": run1[2]["ttft_s"], "new_process_s": run2[1]["ttft_s"],
             "shared_system_ratio": run1[2]["ttft_s"] / cold, "new_process_ratio": run2[1]["ttft_s"] / cold,
             "store_tokens": {"shared_system": got[2]["store_tokens"], "new_process": got[4]["store_tokens"]},
             "answers_equal_alone": [run1[1]["tokens"], run1[2]["tokens"], run2[1]["tokens"]]
