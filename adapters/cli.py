@@ -161,11 +161,11 @@ def run_engine(ctx: typer.Context):
     Example: [bold]kvstore run --ssd-path ~/.cache/kvstore/store -- mlx-openai-server launch --model-path ./my-model[/bold]
     """
     from .run import exec_engine, parse_run_args
-    from .server import usage
+    from .server import _parser
 
     if ctx.args[:1] in (["--help"], ["-h"]):
         out.print(run_engine.__doc__)
-        print(usage().split("\nmlx_lm.server's options")[0])
+        print(_parser("kvstore run", "kvstore run [store options] -- COMMAND ...").format_help())
         raise typer.Exit()
     exec_engine(*parse_run_args(ctx.args))
 

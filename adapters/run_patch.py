@@ -134,7 +134,8 @@ def instrument(generate_step: Callable) -> Callable:
         cache = kwargs.get("prompt_cache")
         if cache is None:
             cache = kwargs["prompt_cache"] = C.make_prompt_cache(model, max_kv_size=kwargs.get("max_kv_size"))
-        held = _held(cache) if isinstance(cache, list) and kwargs.get("input_embeddings") is None else None
+        ours = isinstance(cache, list) and kwargs.get("input_embeddings") is None and len(prompt) > 0
+        held = _held(cache) if ours else None
         if held is None:  # not ours to vouch for: mlx-lm's own call
             yield from generate_step(prompt, model, *args, **kwargs)
             return

@@ -153,3 +153,15 @@ def test_mlx_openai_server_restarted_is_served_from_the_store(model, tmp_path):
     first, again = report(tmp_path / "report.jsonl")
     assert first["store_tokens"] == 0
     assert again["store_tokens"] == again["prompt_tokens"] - 1 and again["engine_tokens"] == 0
+
+
+@pytest.mark.parametrize("kind", ["qwen3_next", "gemma3_text"])
+def test_caches_that_cannot_be_trimmed_share_a_system_prompt_through_block_snapshots(tmp_path, kind):
+    """Recurrent state (qwen3_next) and sliding windows (gemma3_text): the prompt is prefilled in chunks
+    ending on block boundaries, each offered to the store, so a second conversation sharing only the
+    system prompt starts from the last boundary inside it."""
+    model = make_tiny_model(kind, tmp_path / kind)
+    prompts = [LONG, SYSTEM + "how are you"]
+    rep = tmp_path / "report.jsonl"
+    assert engine(model, "fresh", *prompts, store=tmp_path / "store", report=rep) == engine(model, "fresh", *prompts)
+    assert report(rep)[1]["store_tokens"] >= 640

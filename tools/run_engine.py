@@ -27,5 +27,6 @@ for prompt in prompts:
     for r in stream_generate(model, tokenizer, ids[common:], max_tokens=8, prompt_cache=cache):
         ttft = ttft if ttft is not None else time.perf_counter() - t0
         out.append(r.token)
-    held = (ids + out)[: cache[0].offset]
+    if mode == "keep":  # (a trimmable cache: every layer has an offset)
+        held = (ids + out)[: cache[0].offset]
     print(json.dumps({"tokens": out, "ttft_s": ttft, "prompt_tokens": len(ids)}), flush=True)
