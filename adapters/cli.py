@@ -160,6 +160,28 @@ def serve(ctx: typer.Context):
     run_server(ctx.args)
 
 
+@app.command("run", context_settings={"allow_extra_args": True, "ignore_unknown_options": True,
+                                      "help_option_names": []})
+def run_engine(ctx: typer.Context):
+    """Run any Python engine built on mlx-lm with its prompt caches on the store (no change to its code).
+
+    kvstore run \\[store options] -- COMMAND ...: mlx-lm's generate_step (so stream_generate and generate) fill
+    the prompt cache the engine hands them with the longest stored prefix past what it holds, and offer what
+    they compute back. Store options: kvstore serve's (--ssd-path DIR, --budget-gb G, --store-kv-bits B, ...).
+    $KVSTORE_RUN_REPORT=FILE: one JSON line per request (tokens from the engine's cache, the store, computed).
+
+    Example: [bold]kvstore run --ssd-path ~/.cache/kvstore/store -- mlx-openai-server launch --model-path ./my-model[/bold]
+    """
+    from .run import exec_engine, parse_run_args
+    from .server import _parser
+
+    if ctx.args[:1] in (["--help"], ["-h"]):
+        out.print(run_engine.__doc__)
+        print(_parser("kvstore run", "kvstore run [store options] -- COMMAND ...").format_help())
+        raise typer.Exit()
+    exec_engine(*parse_run_args(ctx.args))
+
+
 vllm_mlx_app = typer.Typer(help="vllm-mlx on the store (a separate install: pip install 'vllm-mlx==0.6.0').",
                            no_args_is_help=True)
 app.add_typer(vllm_mlx_app, name="vllm-mlx")

@@ -348,9 +348,9 @@ _SIZE_REFUSED = ("--prompt-cache-size counts cached sequences; the store is boun
                  "use --budget-gb (RAM) or --prompt-cache-bytes, and --disk-budget-gb (SSD)")
 
 
-def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="kvstore serve", add_help=False, allow_abbrev=False,
-                                usage="kvstore serve --model PATH [store options] [mlx_lm.server options]")
+def _parser(prog: str = "kvstore serve",
+            usage: str = "kvstore serve --model PATH [store options] [mlx_lm.server options]") -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog=prog, add_help=False, allow_abbrev=False, usage=usage)
     g = p.add_argument_group("the store's options")
     g.add_argument("--ssd-path", default=None, metavar="DIR",
                    help="the store's directory on SSD (kept across restarts); without it the store is RAM-only")

@@ -1,0 +1,98 @@
+"""``kvstore run [store options] -- COMMAND ...``: any Python engine built on
+mlx-lm, on the store, without a change to its code.
+
+How: ``kvstore run`` checks the store options, puts them in
+``$KVSTORE_RUN_STORE`` (JSON), prepends ``run_boot/`` to ``$PYTHONPATH`` and
+replaces itself with COMMAND (``os.execvpe``: the exit status and signals are
+the engine's own). Python runs ``run_boot/sitecustomize.py`` at start-up in
+that process and in every Python process it starts; it calls
+:func:`install_hook`, which only adds an import hook (nothing is imported).
+When the engine imports ``mlx_lm.generate`` (directly, through ``mlx_lm`` or
+through ``from mlx_lm.generate import stream_generate``), the hook patches
+the module right after it runs and before the import returns, so every name
+an engine or mlx-lm's own modules take from it is already the instrumented
+one (:mod:`kvstore.adapters.run_patch`). The store opens on the first
+request. A ``sitecustomize`` that ours shadows (a distribution's) still runs.
+"""
+
+from __future__ import annotations
+
+import importlib.abc
+import importlib.machinery
+import json
+import os
+import sys
+from pathlib import Path
+from typing import Sequence
+
+BOOT = Path(__file__).with_name("run_boot")
+_TARGET = "mlx_lm.generate"
+
+
+class _Loader(importlib.abc.Loader):
+    def __init__(self, inner: importlib.abc.Loader) -> None:
+        self.inner = inner
+
+    def create_module(self, spec):
+        return self.inner.create_module(spec)
+
+    def exec_module(self, module) -> None:
+        self.inner.exec_module(module)
+        patch(module)
+
+
+class _Finder(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path, target=None):
+        if name != _TARGET:
+            return None
+        spec = importlib.machinery.PathFinder.find_spec(name, path)
+        if spec is not None and spec.loader is not None:
+            spec.loader = _Loader(spec.loader)
+        return spec
+
+
+def patch(module) -> None:
+    """Instrument a loaded ``mlx_lm.generate`` (once)."""
+    if getattr(module.generate_step, "__wrapped__", None) is None:
+        from .run_patch import instrument
+
+        module.generate_step = instrument(module.generate_step)
+
+
+def install_hook() -> None:
+    """Patch ``mlx_lm.generate`` when it is imported (now, if it already is)."""
+    if _TARGET in sys.modules:
+        patch(sys.modules[_TARGET])
+    elif not any(isinstance(f, _Finder) for f in sys.meta_path):
+        sys.meta_path.insert(0, _Finder())
+
+
+def parse_run_args(argv: Sequence[str]) -> tuple[dict, list[str]]:
+    """``kvstore run``'s store options (``kvstore serve``'s) as ``PrefixStore``
+    arguments, and the command after them (a ``--`` before it is optional)."""
+    import argparse
+
+    from kvstore.config import store_config
+
+    from .server import _parser, parse_args
+
+    parser = _parser("kvstore run", "kvstore run [store options] -- COMMAND ...")
+    parser.add_argument("command", nargs=argparse.REMAINDER)
+    argv = list(argv)
+    command = parser.parse_args(argv).command  # an unknown option before the command exits here
+    store_args, rest = parse_args(argv[: len(argv) - len(command)])
+    if rest:
+        parser.error(f"{' '.join(rest)}: not a store option (mlx-lm's own options go to the engine's command)")
+    command = command[1:] if command[:1] == ["--"] else command
+    if not command:
+        parser.error("no command to run: kvstore run [store options] -- COMMAND ...")
+    store_config(**store_args)  # a bad store option is an error here, not in the engine
+    return store_args, command
+
+
+def exec_engine(store_args: dict, command: Sequence[str]) -> None:
+    """Replace this process by ``command``, instrumented, on a store of ``store_args``."""
+    env = dict(os.environ)
+    env["KVSTORE_RUN_STORE"] = json.dumps({k: v for k, v in store_args.items() if v is not None})
+    env["PYTHONPATH"] = os.pathsep.join([str(BOOT)] + [p for p in [env.get("PYTHONPATH")] if p])
+    os.execvpe(command[0], list(command), env)
