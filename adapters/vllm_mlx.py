@@ -45,7 +45,6 @@ import logging
 import re
 import threading
 from dataclasses import dataclass
-from importlib import metadata
 from pathlib import Path
 from typing import Any, Optional, Sequence, Union
 
@@ -57,6 +56,7 @@ from kvstore.config import store_config
 from kvstore.errors import ConfigError, KVStoreError
 
 from .generate import calibrate_once, model_key
+from .internals import Handle, scheduler_module, signature_mismatch, unsupported
 from .inserts import Inserts
 from .mlx_lm import cache_offset, layers_to_cache, snapshot
 
@@ -72,12 +72,6 @@ class VllmMlxUnsupported(KVStoreError):
     """The installed vllm-mlx lacks something the adapter relies on."""
 
 
-def _version() -> str:
-    try:
-        return metadata.version("vllm-mlx")
-    except metadata.PackageNotFoundError:
-        return "unknown"
-
 
 def _called_on_cache(source: str) -> set[str]:
     """Names the scheduler's code uses on its ``memory_aware_cache``."""
@@ -90,23 +84,9 @@ def check_vllm_mlx() -> Any:
     """vllm-mlx's scheduler module, once it is known to have what the adapter
     relies on; ``VllmMlxUnsupported`` (naming the version and the missing part)
     otherwise."""
-    version = _version()
+    fail = unsupported(VllmMlxUnsupported, "vllm-mlx", "vllm-mlx", TESTED)
 
-    def fail(what: str) -> VllmMlxUnsupported:
-        return VllmMlxUnsupported(
-            f"vllm-mlx {version} is not supported by kvstore's adapter ({what}); it was built and tested on "
-            f"vllm-mlx {', '.join(TESTED)}: install one of those (pip install 'vllm-mlx=={TESTED[-1]}')")
-
-    try:
-        import vllm_mlx.scheduler as S
-    except ImportError as e:
-        raise fail(f"vllm_mlx.scheduler does not import: {e}") from e
-    if not hasattr(S, "MemoryAwarePrefixCache") or not hasattr(S, "Scheduler"):
-        raise fail("vllm_mlx.scheduler has no MemoryAwarePrefixCache or Scheduler")
-    try:
-        source = inspect.getsource(S.Scheduler)
-    except (OSError, TypeError) as e:
-        raise fail(f"the Scheduler's source cannot be read: {e}") from e
+    S, source = scheduler_module("vllm_mlx.scheduler", "MemoryAwarePrefixCache", fail)
     init = getattr(S.Scheduler.__init__, "kvstore_replaces", S.Scheduler.__init__)  # installed already?
     if "MemoryAwarePrefixCache(" not in inspect.getsource(init):
         raise fail("Scheduler.__init__ no longer builds MemoryAwarePrefixCache by name")
@@ -126,10 +106,9 @@ def check_vllm_mlx() -> Any:
     if missing:
         raise fail(f"its scheduler calls {', '.join(missing)} on the prefix cache, which the adapter does not provide")
     builtin = getattr(S.MemoryAwarePrefixCache, "kvstore_replaces", S.MemoryAwarePrefixCache)  # installed already?
-    for name, params in _SIGNATURES.items():
-        have = list(inspect.signature(getattr(builtin, name)).parameters)
-        if have[: len(params)] != list(params):
-            raise fail(f"MemoryAwarePrefixCache.{name} takes {have}, the adapter expects {list(params)}")
+    mismatch = signature_mismatch(builtin, _SIGNATURES)
+    if mismatch:
+        raise fail(mismatch)
     return S
 
 
@@ -389,18 +368,18 @@ class StoreTrieCache:
             c.close()
 
 
-class Installed:
+class Installed(Handle):
     """``install``'s handle: ``uninstall()`` (or leaving its ``with``) puts
     vllm-mlx's own cache back for schedulers built afterwards; ``caches`` are
     the ``StorePrefixCache`` objects built meanwhile."""
 
     def __init__(self, module: Any, simple_engine: Any):
+        super().__init__()
         self._module = module
         self._original = module.MemoryAwarePrefixCache
         self._init = module.Scheduler.__init__
         self._simple = simple_engine
         self._ensure_trie = simple_engine._ensure_prefix_trie_cache
-        self.caches: list[Union[StorePrefixCache, StoreTrieCache]] = []
 
     def uninstall(self) -> None:
         """Schedulers built from now on get vllm-mlx's own cache; those built
@@ -409,20 +388,6 @@ class Installed:
             self._module.MemoryAwarePrefixCache = self._original
             self._module.Scheduler.__init__ = self._init
             self._simple._ensure_prefix_trie_cache = self._ensure_trie
-
-    def flush(self) -> None:
-        for c in self.caches:
-            c.flush()
-
-    def close(self) -> None:
-        for c in self.caches:
-            c.close()
-
-    def __enter__(self) -> "Installed":
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.uninstall()
 
 
 def install(store: PrefixStore, *, model_path: Union[str, Path, None] = None, max_kv_size: Optional[int] = None,
