@@ -30,7 +30,6 @@ Every reliance on oMLX's internals lives in this module and is checked by
 from __future__ import annotations
 
 import inspect
-import logging
 import re
 import threading
 from pathlib import Path
@@ -46,7 +45,6 @@ from .vllm_mlx import StorePrefixCache
 
 __all__ = ["StoreBlockCache", "install", "attach", "check_omlx", "OmlxUnsupported", "TESTED"]
 
-log = logging.getLogger("kvstore")
 
 TESTED = ("0.7.0",)  # flyto-mlx (oMLX) versions CI runs the adapter's tests on
 
@@ -174,9 +172,7 @@ class StoreBlockCache:
         try:
             caches = _as_caches(cache_data)
         except Exception as e:
-            with self.cache._lock:
-                self.cache._stats.store_rejections += 1
-            log.warning("kvstore: a cache was not stored: %s", e)
+            self.cache.reject(e)
             return None
         self.cache.store(list(tokens), caches)
         return None

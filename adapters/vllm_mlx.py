@@ -209,12 +209,16 @@ class StorePrefixCache:
             frozen, arrays = snapshot(cache)
             mx.async_eval(arrays)  # on the engine's stream; the insert thread waits for them
         except Exception as e:
-            with self._lock:
-                self._stats.store_rejections += 1
-            log.warning("kvstore: a cache was not stored: %s", e)
-            return False
+            return self.reject(e)
         self._inserts.submit(self.key, list(tokens[:n]), [frozen], arrays)
         return True
+
+    def reject(self, why: Exception) -> bool:
+        """Count and log a cache that could not be stored; False."""
+        with self._lock:
+            self._stats.store_rejections += 1
+        log.warning("kvstore: a cache was not stored: %s", why)
+        return False
 
     def remove(self, tokens: list[int], *, include_ssd: bool = False) -> bool:
         """Nothing is removed for one key: its blocks are shared with every

@@ -109,10 +109,14 @@ def test_repeat_and_restart_after_sigkill_are_served_from_the_store(llama, tmp_p
     prompt = chat(tokenizer, "What colour is item 14?", long_system)
     assert len(prompt) > 1000
     store_path = tmp_path / "store"
-    child = subprocess.Popen([sys.executable, "-m", "tests._omlx_child", str(path), str(store_path), json.dumps(prompt)],
-                             stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    err = tmp_path / "child.err"
+    with open(err, "w") as errors:
+        child = subprocess.Popen([sys.executable, "-m", "tests._omlx_child", str(path), str(store_path),
+                                  json.dumps(prompt)], stdout=subprocess.PIPE, stderr=errors, text=True)
     try:
-        written = json.loads(child.stdout.readline())
+        line = child.stdout.readline()
+        assert line, f"the child answered nothing: {err.read_text()[-2000:]}"
+        written = json.loads(line)
     finally:
         child.kill()  # SIGKILL: no shutdown hook runs
         child.wait()
