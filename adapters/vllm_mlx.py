@@ -49,7 +49,6 @@ import logging
 import re
 import threading
 from dataclasses import dataclass
-from importlib import metadata
 from pathlib import Path
 from typing import Any, Optional, Sequence, Union
 
@@ -62,6 +61,7 @@ from kvstore.config import store_config
 from kvstore.errors import ConfigError, KVStoreError
 
 from .generate import calibrate_once, model_key, needs_snapshots, prefill
+from .internals import Handle, scheduler_module, signature_mismatch, unsupported
 from .inserts import Inserts
 from .mlx_lm import cache_offset, layers_to_cache, snapshot
 from . import vllm_usage
@@ -78,12 +78,6 @@ class VllmMlxUnsupported(KVStoreError):
     """The installed vllm-mlx lacks something the adapter relies on."""
 
 
-def _version() -> str:
-    try:
-        return metadata.version("vllm-mlx")
-    except metadata.PackageNotFoundError:
-        return "unknown"
-
 
 def _called_on_cache(source: str) -> set[str]:
     """Names the scheduler's code uses on its ``memory_aware_cache``."""
@@ -96,23 +90,9 @@ def check_vllm_mlx() -> Any:
     """vllm-mlx's scheduler module, once it is known to have what the adapter
     relies on; ``VllmMlxUnsupported`` (naming the version and the missing part)
     otherwise."""
-    version = _version()
+    fail = unsupported(VllmMlxUnsupported, "vllm-mlx", "vllm-mlx", TESTED)
 
-    def fail(what: str) -> VllmMlxUnsupported:
-        return VllmMlxUnsupported(
-            f"vllm-mlx {version} is not supported by kvstore's adapter ({what}); it was built and tested on "
-            f"vllm-mlx {', '.join(TESTED)}: install one of those (pip install 'vllm-mlx=={TESTED[-1]}')")
-
-    try:
-        import vllm_mlx.scheduler as S
-    except ImportError as e:
-        raise fail(f"vllm_mlx.scheduler does not import: {e}") from e
-    if not hasattr(S, "MemoryAwarePrefixCache") or not hasattr(S, "Scheduler"):
-        raise fail("vllm_mlx.scheduler has no MemoryAwarePrefixCache or Scheduler")
-    try:
-        source = inspect.getsource(S.Scheduler)
-    except (OSError, TypeError) as e:
-        raise fail(f"the Scheduler's source cannot be read: {e}") from e
+    S, source = scheduler_module("vllm_mlx.scheduler", "MemoryAwarePrefixCache", fail)
     init = getattr(S.Scheduler.__init__, "kvstore_replaces", S.Scheduler.__init__)  # installed already?
     if "MemoryAwarePrefixCache(" not in inspect.getsource(init):
         raise fail("Scheduler.__init__ no longer builds MemoryAwarePrefixCache by name")
@@ -134,10 +114,9 @@ def check_vllm_mlx() -> Any:
     if missing:
         raise fail(f"its scheduler calls {', '.join(missing)} on the prefix cache, which the adapter does not provide")
     builtin = getattr(S.MemoryAwarePrefixCache, "kvstore_replaces", S.MemoryAwarePrefixCache)  # installed already?
-    for name, params in _SIGNATURES.items():
-        have = list(inspect.signature(getattr(builtin, name)).parameters)
-        if have[: len(params)] != list(params):
-            raise fail(f"MemoryAwarePrefixCache.{name} takes {have}, the adapter expects {list(params)}")
+    mismatch = signature_mismatch(builtin, _SIGNATURES)
+    if mismatch:
+        raise fail(mismatch)
     return S
 
 
@@ -269,12 +248,16 @@ class StorePrefixCache:
             frozen, arrays = snapshot(cache)
             mx.async_eval(arrays)  # on the engine's stream; the insert thread waits for them
         except Exception as e:
-            with self._lock:
-                self._stats.store_rejections += 1
-            log.warning("kvstore: a cache was not stored: %s", e)
-            return False
+            return self.reject(e)
         self._inserts.submit(self.key, list(tokens[:n]), [frozen], arrays)
         return True
+
+    def reject(self, why: Exception) -> bool:
+        """Count and log a cache that could not be stored; False."""
+        with self._lock:
+            self._stats.store_rejections += 1
+        log.warning("kvstore: a cache was not stored: %s", why)
+        return False
 
     def remove(self, tokens: list[int], *, include_ssd: bool = False) -> bool:
         """Nothing is removed for one key: its blocks are shared with every
@@ -432,19 +415,19 @@ class StoreTrieCache:
             c.close()
 
 
-class Installed:
+class Installed(Handle):
     """``install``'s handle: ``uninstall()`` (or leaving its ``with``) puts
     vllm-mlx's own cache back for schedulers built afterwards; ``caches`` are
     the ``StorePrefixCache`` objects built meanwhile."""
 
     def __init__(self, module: Any, simple_engine: Any, undo_usage: Any):
+        super().__init__()
         self._module = module
         self._undo_usage = undo_usage
         self._original = module.MemoryAwarePrefixCache
         self._init = module.Scheduler.__init__
         self._simple = simple_engine
         self._ensure_trie = simple_engine._ensure_prefix_trie_cache
-        self.caches: list[Union[StorePrefixCache, StoreTrieCache]] = []
 
     def uninstall(self) -> None:
         """Schedulers built from now on get vllm-mlx's own cache; those built
@@ -454,20 +437,6 @@ class Installed:
             self._module.Scheduler.__init__ = self._init
             self._simple._ensure_prefix_trie_cache = self._ensure_trie
             self._undo_usage()
-
-    def flush(self) -> None:
-        for c in self.caches:
-            c.flush()
-
-    def close(self) -> None:
-        for c in self.caches:
-            c.close()
-
-    def __enter__(self) -> "Installed":
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.uninstall()
 
 
 def install(store: PrefixStore, *, model_path: Union[str, Path, None] = None, max_kv_size: Optional[int] = None,
@@ -619,8 +588,7 @@ def _report_cached_tokens() -> None:
 
     app = getattr(vserver, "app", None)
     if not callable(getattr(app, "add_middleware", None)):
-        raise VllmMlxUnsupported(f"vllm-mlx {_version()} has no vllm_mlx.server.app to add middleware to; kvstore's "
-                                 f"adapter was built and tested on vllm-mlx {', '.join(TESTED)}")
+        raise unsupported(VllmMlxUnsupported, "vllm-mlx", "vllm-mlx", TESTED)("no vllm_mlx.server.app to add middleware to")
     app.add_middleware(vllm_usage.UsageMiddleware)
 
 

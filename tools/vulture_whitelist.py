@@ -38,3 +38,8 @@ _.trim_to, _.n_sequences, _.stats_by_type, _.cache_type
 _._last_matched_key, _._last_match_type, _.evict_prefixes, _.include_ssd, _._entries, _._current_memory
 _.memory_usage_mb, _.save_to_disk, _.load_from_disk, _.cache_dir, _.set_ssd_tier, _.check_ssd
 _.try_reserve_memory, _.release_reserved_memory, _._trie
+
+# --- oMLX's BlockAwarePrefixCache interface (adapters/omlx.py; oMLX's scheduler calls these by keyword or
+#     position; check_omlx() checks they are the ones it uses)
+_.extra_key_token_start, _.model_cache_config, _.boundary_snapshots, _.reconstruct_cache, _.clear_request_entry
+_.set_paged_ssd_cache_manager, _.manager, _.set_cold_restore_callback, _.get_stats_dict, _.paged_cache_manager
