@@ -140,6 +140,7 @@ def calibrate(store: PrefixStore, key: str, models: Sequence[nn.Module], *, budg
         store.observe_prefill(key, start, stop, sum(best))
         out.timed.append((start, stop, sum(best)))
         done.append((stop, sum(w[0] for w in walls), sum(min(w) for w in walls)))
+    store.knows_prefill(key)  # the prefill model is fitted here, not in the first request's fetch
     out.seconds = time.perf_counter() - t0
     return out
 

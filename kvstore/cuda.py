@@ -132,9 +132,9 @@ class _Pinned:
     def __del__(self):
         try:
             self._free(self.ptr)
+            _counted(self._tally, -self.__array_interface__["shape"][0])
         except Exception:  # (an interpreter shutting down)
             pass
-        _counted(self._tally, -self.__array_interface__["shape"][0])
 
 
 def _counted(tally: Optional[list], nbytes: int) -> Optional[list]:

@@ -221,8 +221,10 @@ class PrefixStore:
         pinned = [p for p in match.path if p.start < length]
         self._table.pin(pinned)
         try:
+            waited = time.perf_counter()
             for job in self._table.unwritten_jobs(pinned, skip=found.blocks.keys()):
                 job.done.wait()
+            self._counters.count("fetch_waited_us", int((time.perf_counter() - waited) * 1e6))
             with self._engine.engine():  # (not around the wait above: the writer would wait for it)
                 plan = self._planner.plan(root.key, len(toks), pinned, length, found.blocks)
                 path = [p for p in pinned if p.start < plan.length]

@@ -173,7 +173,7 @@ def test_writes_on_a_read_only_store_are_read_only_errors(store, tmp_path):
 
 
 def test_a_misspelt_setting_is_a_config_error_naming_the_nearest(tmp_path):
-    with pytest.raises(ConfigError, match=r"no setting 'ssdpath'; did you mean ssd_path\?"):
+    with pytest.raises(ConfigError, match=r"no setting 'ssdpath'; did you mean ssd_path\b"):
         PrefixStore(ssdpath=tmp_path / "s", budget_gb=0.1)
     with pytest.raises(ConfigError, match=r"no setting 'budget_g'; did you mean budget_gb"):
         PrefixStore(StoreConfig(), budget_g=1)

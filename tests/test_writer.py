@@ -34,8 +34,12 @@ from ._helpers import BS, M, assert_hit_is, block_by_block, kv_layers, put, toks
 
 def _writer_held(monkeypatch) -> threading.Event:
     """The writer thread waits before encoding anything until the returned
-    event is set (at most 30 s); puts encoded in the caller go on."""
+    event is set (at most 30 s); puts encoded in the caller go on. (On CUDA
+    no warm-up store is opened: its flush would wait at the gate.)"""
     import kvstore.encode as encoding
+    import kvstore.store
+
+    monkeypatch.setattr(kvstore.store, "warm_device", lambda config: 0.0)
 
     gate = threading.Event()
     real = encoding.encode
@@ -72,6 +76,21 @@ def test_a_put_past_the_bound_is_skipped_whole_and_the_caller_never_waits(ssd, m
     s.flush()
     assert_hit_is(s.fetch(M, b), b, 20)
     assert s.stats()["puts_skipped"] == 1
+
+
+def test_a_fetch_of_blocks_still_queued_waits_for_them_and_counts_the_wait(ssd, monkeypatch):
+    """A prompt fetched right after its put is served whole once the writer
+    has stored its blocks; the time the fetch waited for that is counted
+    (``fetch_waited_us``: on a GPU it was half of an fp16 replay's fetch time)."""
+    gate = _writer_held(monkeypatch)
+    s = ssd()
+    a = toks(20)
+    put(s, a)
+    opener = threading.Timer(0.3, gate.set)
+    opener.start()
+    assert_hit_is(s.fetch(M, a), a, 20)
+    opener.join()
+    assert s.stats()["fetch_waited_us"] >= 250_000
 
 
 def test_a_job_lets_go_of_the_engines_arrays_once_encoded_not_once_written(ssd, monkeypatch):

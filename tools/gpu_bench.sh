@@ -59,7 +59,7 @@ max_position_embeddings=65536)" ;;
          python3 -m kvstore.tools.hot_path_table --model "$M" --dir /tmp ${PARTS:+--parts $PARTS} --out "$2/table.json" ;;
   replay) [[ -f $M/config.json ]] || bash "$0" model "$2"
           python3 -m kvstore.tools.replay_gpu --model "$M" --budgets ${BUDGETS:-0.25 0.1} \
-            --systems ${SYSTEMS:-none lru kvstore_fp16 kvstore_q8} --warm --out "$2" ;;
+            --systems ${SYSTEMS:-none lru kvstore_fp16 kvstore_q8} --warm ${PROFILE:+--profile} ${SWITCH:+--switch-interval $SWITCH} ${IDLE:+--idle-writer} --out "$2" ;;
   live) [[ -f $M/config.json ]] || bash "$0" model "$2"
         python3 -m kvstore.tools.live_replay --model "$M" --trace gpu --systems ${SYSTEMS:-none lru kvstore_fp16 kvstore_q8} \
           --budgets ${BUDGETS:-0.25 0.10} --fresh-process $([[ ${WARM:-1} == 1 ]] && echo --warm) --dir /tmp/live-replay \

@@ -73,7 +73,8 @@ def _bus_gbps() -> float:
     return best
 
 
-def replay(system: str, frac: float, model_arg: str, trace_name: str, warm: bool) -> dict:
+def replay(system: str, frac: float, model_arg: str, trace_name: str, warm: bool, profile: bool = False,
+           idle_writer: bool = False) -> dict:
     import mlx.core as mx
     from mlx_lm.models import cache as C
 
@@ -107,6 +108,11 @@ def replay(system: str, frac: float, model_arg: str, trace_name: str, warm: bool
                 pauses[1] += time.perf_counter() - pauses[0]
 
     gc.callbacks.append(timed_gc)
+    import cProfile
+    import io
+    import pstats
+
+    prof = cProfile.Profile() if profile and system.startswith("kvstore") else None
     for round_ in range(2 if warm else 1):
         pauses[1] = 0.0
         lru = store = None
@@ -136,7 +142,11 @@ def replay(system: str, frac: float, model_arg: str, trace_name: str, warm: bool
                     rest = prompt[-1:]
                 got = n - len(rest)
             elif store is not None:
+                if prof is not None and round_ == 0:
+                    prof.enable()
                 r = fetch_cache(store, model, mkey, prompt)
+                if prof is not None:
+                    prof.disable()
                 cache, got = r.cache, r.cached_tokens
                 row.update(ram_tokens=r.ram_tokens, ssd_tokens=r.ssd_tokens)
             else:
@@ -154,6 +164,8 @@ def replay(system: str, frac: float, model_arg: str, trace_name: str, warm: bool
             elif store is not None:
                 store_cache(store, mkey, prompt + resp, cache)
             row["put_s"] = time.perf_counter() - t1
+            if idle_writer and store is not None:  # (untimed) the next request runs with the writer idle
+                store.flush()
             rows.append(row)
             del cache
         run["gc_full_s"] = pauses[1]
@@ -164,6 +176,10 @@ def replay(system: str, frac: float, model_arg: str, trace_name: str, warm: bool
             store.close()
         _summarize(run, out)
         out["runs"].append(run)
+    if prof is not None:  # where the first round's fetches spent their time (the engine's thread only)
+        text = io.StringIO()
+        pstats.Stats(prof, stream=text).sort_stats("cumulative").print_stats(45)
+        out["fetch_profile"] = text.getvalue()
     return out
 
 
@@ -183,7 +199,10 @@ def _summarize(run: dict, out: dict) -> None:
 def _child(system: str, frac: float, a) -> dict:
     dst = a.out / f"replay-{system}-{frac:g}.json"
     cmd = [sys.executable, "-m", "kvstore.tools.replay_gpu", "--one", system, "--budget", str(frac), "--model",
-           a.model, "--trace", a.trace, "--out", str(dst)] + (["--warm"] if a.warm else [])
+           a.model, "--trace", a.trace, "--out", str(dst)] + (["--warm"] if a.warm else []) + \
+        (["--profile"] if a.profile else []) + \
+        ([] if a.switch_interval is None else ["--switch-interval", str(a.switch_interval)]) + \
+        (["--idle-writer"] if a.idle_writer else [])
     subprocess.run(cmd, check=True)
     return json.loads(dst.read_text())
 
@@ -195,13 +214,21 @@ def main(argv=None) -> int:
     ap.add_argument("--systems", nargs="+", default=["none", "lru", "kvstore_fp16", "kvstore_q8"])
     ap.add_argument("--budgets", nargs="+", type=float, default=[0.25, 0.10])
     ap.add_argument("--warm", action="store_true", help="the replay again on a second cache of the same process")
+    ap.add_argument("--profile", action="store_true", help="a cProfile of the first round's fetches in the JSON")
+    ap.add_argument("--switch-interval", type=float, default=None,
+                    help="sys.setswitchinterval in each replay's process (seconds; Python's default 0.005): how much of "
+                         "the engine's time goes to waiting for the interpreter while the store's threads work")
+    ap.add_argument("--idle-writer", action="store_true",
+                    help="flush after each put, untimed: each request runs with the store's writer idle (a diagnosis)")
     ap.add_argument("--one", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--budget", type=float, default=0.25, help=argparse.SUPPRESS)
     ap.add_argument("--out", type=Path, required=True)
     a = ap.parse_args(argv)
     if a.one is not None:
+        if a.switch_interval is not None:
+            sys.setswitchinterval(a.switch_interval)
         a.out.parent.mkdir(parents=True, exist_ok=True)
-        a.out.write_text(json.dumps(replay(a.one, a.budget, a.model, a.trace, a.warm), indent=1))
+        a.out.write_text(json.dumps(replay(a.one, a.budget, a.model, a.trace, a.warm, a.profile, a.idle_writer), indent=1))
         return 0
     a.out.mkdir(parents=True, exist_ok=True)
     results = {}
@@ -241,7 +268,7 @@ def _table(results: dict) -> dict:
             if r_ > 0:
                 row["vs_first_round"] = run["ttft_total_s"] / res["runs"][0]["ttft_total_s"]
             row["gc_full_s"] = run["gc_full_s"]
-            for k in ("puts_skipped", "blocks_skipped", "evictions_ram", "writer_us", "pinned_made_bytes",
+            for k in ("puts_skipped", "blocks_skipped", "evictions_ram", "writer_us", "fetch_waited_us", "pinned_made_bytes",
                       "pinned_made_s", "pageable_past_cap_bytes"):
                 if k in run.get("stats", {}):
                     row[k] = run["stats"][k]
@@ -250,7 +277,8 @@ def _table(results: dict) -> dict:
                   f"fetch {row['fetch_total_s']:5.2f} s  p50 {row['ttft_p50_s'] * 1e3:5.0f} ms  "
                   f"computed {row['computed_tokens']:8,}  put p99 {row['put_p99_ms']:6.2f} ms  " + "  ".join(
                       f"{k} {row[k]:.2f}" for k in ("vs_lru", "vs_floor", "worst_vs_cold", "vs_first_round")
-                      if k in row), flush=True)
+                      if k in row) + (f"  waited {row['fetch_waited_us'] / 1e6:.2f} s" if "fetch_waited_us" in row else ""),
+                  flush=True)
     return table
 
 
