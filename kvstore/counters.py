@@ -16,6 +16,7 @@ NAMES = ("hits", "misses", "tokens_requested", "tokens_ram", "tokens_ssd", "puts
          "blocks_gone",  # blocks the index had on disk that another process removed (kvstore clear): forgotten
          "writer_us",  # time the writer spent on jobs (encoding, and writing where there is a disk tier)
          "fetch_waited_us",  # time fetches waited for the writer to store blocks they serve (put just before)
+         "tokens_queued",  # of tokens_ram, tokens copied from a put's own arrays before the writer stored them
          "puts_skipped", "blocks_skipped",  # puts not stored (whole): queued puts held past the bound (a burst)
          "evicted_unwritten",  # blocks evicted from RAM before their write to disk finished (the writer holds them)
          "tokens_skipped_cost",  # stored tokens not served: recomputing was predicted faster (or a near tie)

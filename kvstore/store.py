@@ -50,6 +50,7 @@ from .index import Node
 from .layers import WARM_LAYERS, KVLayer, Layer, StateLayer, captured_layers
 from .planner import Planner
 from .priority import EngineFirst
+from .queued import rows_of_queued
 from .reader import Reader
 from .remote_sync import Remote
 from .table import BlockTable
@@ -133,6 +134,8 @@ class PrefixStore:
         self.config = cfg = store_config(config, **settings)
         self.block_size = cfg.block_size or DEFAULT_BLOCK  # an LMDB store's own, once it is open (below)
         self.codec = Codec.of(cfg)
+        # blocks hold the engine's rows as given: a put's own rows are what a fetch would read back (``queued``)
+        self._as_given = self.codec.key_bits is None and self.codec.value_bits is None
         self.namespace = cfg.namespace
         self.readonly = cfg.readonly
         self._counters = Counters()
@@ -221,8 +224,14 @@ class PrefixStore:
         pinned = [p for p in match.path if p.start < length]
         self._table.pin(pinned)
         try:
+            jobs = self._table.unwritten_jobs(pinned, skip=found.blocks.keys())
+            if jobs and self._as_given and quantized is None and not found.blocks and self.config.ssd_admit == "always":
+                with self._engine.engine():
+                    queued = rows_of_queued(jobs, toks, length)
+                if queued is not None:  # the put still holds the rows: no wait for the writer
+                    return self._queued_hit(len(toks), length, queued)
             waited = time.perf_counter()
-            for job in self._table.unwritten_jobs(pinned, skip=found.blocks.keys()):
+            for job in jobs:
                 job.done.wait()
             self._counters.count("fetch_waited_us", int((time.perf_counter() - waited) * 1e6))
             with self._engine.engine():  # (not around the wait above: the writer would wait for it)
@@ -256,6 +265,14 @@ class PrefixStore:
         self._counters.count("tokens_ssd", hit.ssd_tokens)
         self._counters.count("tokens_remote", hit.remote_tokens)
         return hit
+
+    def _queued_hit(self, n: int, length: int, layers: list) -> Hit:
+        """A hit copied from a put the writer has not stored yet (``queued``)."""
+        self._counters.count("tokens_requested", n)
+        self._counters.count("hits")
+        self._counters.count("tokens_ram", length)
+        self._counters.count("tokens_queued", length)
+        return Hit(length, layers, ram_tokens=length)
 
     def knows_prefill(self, model_key: Union[str, bytes]) -> bool:
         """Whether prefills of this model have been observed (here or by an earlier run on this machine)."""

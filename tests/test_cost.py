@@ -385,8 +385,10 @@ def test_the_first_request_through_generate_declines_a_losing_ssd_hit_and_serves
     cache = make_prompt_cache(model)  # the prompt's KV made outside generate: no prefill observed
     model(mx.array(p)[None], cache=cache)
     mx.eval([c.state for c in cache])
+    # (a calibration budget that times enough lengths to fit on a loaded 2-core box too: with fewer the first
+    # hit is served unweighed)
     priors = dict(block_size=64, remember_rates=False, prior_ram_gbps=1000.0, prior_ssd_cached_gbps=1e-6,
-                  prior_ssd_cold_gbps=1e-6)
+                  prior_ssd_cold_gbps=1e-6, calibrate_budget_s=10.0)
     with PrefixStore(ssd_path=tmp_path / "s", fetch_policy="never", **priors) as s:
         store_cache(s, key, p, cache)
     with PrefixStore(budget_gb=0, ssd_path=tmp_path / "s", **priors) as s:

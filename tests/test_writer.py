@@ -78,19 +78,40 @@ def test_a_put_past_the_bound_is_skipped_whole_and_the_caller_never_waits(ssd, m
     assert s.stats()["puts_skipped"] == 1
 
 
-def test_a_fetch_of_blocks_still_queued_waits_for_them_and_counts_the_wait(ssd, monkeypatch):
-    """A prompt fetched right after its put is served whole once the writer
-    has stored its blocks; the time the fetch waited for that is counted
-    (``fetch_waited_us``: on a GPU it was half of an fp16 replay's fetch time)."""
+def test_a_fetch_of_a_put_not_yet_stored_is_served_from_the_puts_own_arrays(ssd, monkeypatch):
+    """A prompt fetched while the writer has not yet stored its put (the
+    next turn of a conversation) is served at once, bit-exact, from the rows
+    the put still holds (``tokens_queued``), without waiting for the writer;
+    once stored it is served from the store, the same."""
     gate = _writer_held(monkeypatch)
     s = ssd()
+    a = toks(20)
+    put(s, a)
+    longer = list(a) + list(toks(6, start=900))
+    assert_hit_is(s.fetch(M, longer), a, 20)  # (the writer is still held: no block of it is stored)
+    st = s.stats()
+    assert (st["tokens_queued"], st["fetch_waited_us"], st["blocks_stored"]) == (20, 0, 0)
+    gate.set()
+    s.flush()
+    assert_hit_is(s.fetch(M, longer), a, 20)
+    assert s.stats()["tokens_queued"] == 20
+
+
+def test_a_fetch_that_cannot_use_a_queued_put_waits_for_it_and_counts_the_wait(ssd, monkeypatch):
+    """Where the put's rows cannot be handed over as they are (here: under
+    ``ssd_admit="reuse"``, which must see the blocks stored to count the
+    reuse), the fetch waits for the writer to store them, and the time it
+    waited is counted (``fetch_waited_us``)."""
+    gate = _writer_held(monkeypatch)
+    s = ssd(ssd_admit="reuse")
     a = toks(20)
     put(s, a)
     opener = threading.Timer(0.3, gate.set)
     opener.start()
     assert_hit_is(s.fetch(M, a), a, 20)
     opener.join()
-    assert s.stats()["fetch_waited_us"] >= 250_000
+    st = s.stats()
+    assert st["fetch_waited_us"] >= 250_000 and st["tokens_queued"] == 0
 
 
 def test_a_job_lets_go_of_the_engines_arrays_once_encoded_not_once_written(ssd, monkeypatch):
