@@ -291,7 +291,8 @@ class Writer:
             self.engine.yield_to_engine()
             record = self._record(job, node, held, about) if to_disk or to_remote else None
             where = self.table.admit(node, job, held, ram_only=not to_disk, record=record)
-            if where is False:
+            if where is False:  # kept nowhere: its buffer is for the next block (page-locked memory is slow to make)
+                buffers.give_back(held.buf)
                 continue
             self.counters.count("blocks_stored")
             if where is None:  # in RAM until asked for again (ssd_admit="reuse")

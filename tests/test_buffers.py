@@ -161,3 +161,32 @@ def test_page_locked_memory_stays_under_the_budgets_and_is_kept_not_freed(pinned
     assert [cuda.is_pinned(w) for w in buffers._waiting] == [True] * 5
     assert buffers._pinned[0] - before == 50 * MiB
     buffers.reserve(owner, 0)
+
+
+def test_a_store_smaller_than_its_puts_makes_its_page_locked_memory_once(monkeypatch):
+    """Blocks that fit nowhere (a RAM-only store, a put larger than its
+    budget) hand their buffers back like evicted ones: page-locked memory is
+    made for the budget's worth of blocks and then only reused, never freed
+    and made again (on CUDA each make and free holds up the GPU)."""
+    import types
+
+    import mlx.core as mx
+
+    from kvstore.layers import KVLayer
+    from kvstore.store import PrefixStore
+
+    rt = _PinningRuntime()  # (page-locked for the pool only: the rest of the store runs its host paths)
+    monkeypatch.setattr(buffers, "cuda", types.SimpleNamespace(runtime=lambda: rt, is_pinned=cuda.is_pinned,
+                                                               Carved=cuda.Carved))
+    rng = np.random.default_rng(0)
+    with PrefixStore(budget_gb=16 / 1024, block_size=256) as s:  # 256-token blocks of 2 MiB
+        for i in range(16):
+            n = int(rng.integers(600, 6000))  # up to 47 MiB a put
+            kv = [mx.random.normal((1, 8, n, 128), key=mx.random.key(i * 2 + j)).astype(mx.float16) for j in range(2)]
+            s.put("m", np.arange(n) + i * 100_000, [KVLayer(kv[0], kv[1]), KVLayer(kv[1], kv[0])])
+            if i % 4 == 3:
+                s.flush()
+        s.flush()
+        assert s.stats()["evictions_ram"] > 0
+        assert buffers._pinned[0] == sum(rt.made)  # nothing made was freed
+        assert sum(rt.made) <= buffers._pinned_cap()
