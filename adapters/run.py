@@ -11,7 +11,8 @@ When the engine imports ``mlx_lm.generate`` (directly, through ``mlx_lm`` or
 through ``from mlx_lm.generate import stream_generate``), the hook patches
 the module right after it runs and before the import returns, so every name
 an engine or mlx-lm's own modules take from it is already the instrumented
-one (:mod:`kvstore.adapters.run_patch`). The store opens on the first
+one, and its ``BatchGenerator`` class is instrumented in place
+(:mod:`kvstore.adapters.run_patch`). The store opens on the first
 request. A ``sitecustomize`` that ours shadows (a distribution's) still runs.
 """
 
@@ -53,10 +54,11 @@ class _Finder(importlib.abc.MetaPathFinder):
 
 def patch(module) -> None:
     """Instrument a loaded ``mlx_lm.generate`` (once)."""
-    if getattr(module.generate_step, "__wrapped__", None) is None:
-        from .run_patch import instrument
+    from .run_patch import instrument, instrument_batch
 
+    if getattr(module.generate_step, "__wrapped__", None) is None:
         module.generate_step = instrument(module.generate_step)
+    instrument_batch(module)  # (once: it knows its own wrappers)
 
 
 def install_hook() -> None:

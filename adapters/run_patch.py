@@ -19,18 +19,44 @@ It replaces ``mlx_lm.generate.generate_step``, which ``stream_generate`` and
 3. When the engine stops reading, what the cache covers (prompt and
    generated tokens) is offered to the store (``generate.store_cache``).
 
+It also wraps ``mlx_lm.generate.BatchGenerator`` (continuous batching, as
+mlx-lm's server uses it) with :func:`instrument_batch`:
+
+1. ``insert_segments`` (``insert`` calls it): for each prompt whose cache is
+   fresh (none given, or empty) or holds exactly the ``all_tokens`` the
+   engine says it holds (mlx-lm's server passes the prefix its LRU cache
+   served), where the store holds a block or more of ``all_tokens + prompt``
+   past it, the generator gets the store's cache (a new list: the engine's is
+   not touched) with ``all_tokens`` extended to match, and only the rest of
+   the prompt (at least one token), as mlx-lm's server does after its own
+   cache lookup.
+2. ``_next`` (``next`` and ``next_generated`` call it): a finished
+   sequence's cache, handed back as ``prompt_cache`` / ``all_tokens``, is
+   evaluated on the engine's thread and offered to the store (a put queues
+   the write; it never waits for it).
+
+Left to mlx-lm's own behaviour: a generator made with ``max_kv_size``,
+caches that cannot be trimmed (recurrent state, sliding windows: no block
+snapshots are taken inside a batch), a cache given without ``all_tokens``
+naming what it holds, and sequences ``remove``d before they finish (nothing
+stored). An mlx-lm whose ``BatchGenerator`` lacks what this relies on
+(:func:`batch_mismatch`) keeps its own, with a warning on stderr.
+
 The model key is ``generate.model_key(model)``: a digest of the loaded
 model's config and weights, so no other model is ever served this KV.
-Not covered: ``speculative_generate_step`` (a draft model), ``BatchGenerator``
-and ``input_embeddings``; those calls run as mlx-lm's own.
+Not covered: ``speculative_generate_step`` (a draft model) and
+``input_embeddings``; those calls run as mlx-lm's own.
 """
 
 from __future__ import annotations
 
 import atexit
+import dataclasses
+import inspect
 import json
 import logging
 import os
+import sys
 import threading
 import time
 import weakref
@@ -179,3 +205,196 @@ def instrument(generate_step: Callable) -> Callable:
     step.__wrapped__ = generate_step
     step.__doc__ = generate_step.__doc__
     return step
+
+
+# ---------------------------------------------------------------------------
+# BatchGenerator (continuous batching)
+# ---------------------------------------------------------------------------
+
+_INSERT_PARAMS = ["self", "segments", "max_tokens", "caches", "all_tokens"]
+_RESPONSE_FIELDS = {"uid", "finish_reason", "prompt_cache", "all_tokens"}
+
+
+def batch_mismatch(module) -> Optional[str]:
+    """What kvstore relies on in ``mlx_lm.generate``'s ``BatchGenerator`` and
+    this mlx-lm lacks, or None: ``insert_segments(segments, max_tokens,
+    caches, all_tokens, ...)``, ``_next()`` returning (prompt responses,
+    generation responses), finished responses carrying ``prompt_cache`` and
+    ``all_tokens``, and ``max_kv_size`` / ``model`` on the generator."""
+    bg = getattr(module, "BatchGenerator", None)
+    if bg is None:
+        return "no BatchGenerator"
+    try:
+        params = list(inspect.signature(bg.insert_segments).parameters)
+    except (AttributeError, TypeError, ValueError):
+        return "no BatchGenerator.insert_segments"
+    if params[: len(_INSERT_PARAMS)] != _INSERT_PARAMS:
+        return f"BatchGenerator.insert_segments{tuple(params)} (expected {tuple(_INSERT_PARAMS)} first)"
+    if not callable(getattr(bg, "_next", None)):
+        return "no BatchGenerator._next"
+    response = getattr(getattr(module, "GenerationBatch", None), "Response", None)
+    try:
+        fields = {f.name for f in dataclasses.fields(response)}
+    except TypeError:
+        return "no GenerationBatch.Response dataclass"
+    if not _RESPONSE_FIELDS <= fields:
+        return f"GenerationBatch.Response lacks {sorted(_RESPONSE_FIELDS - fields)}"
+    init = inspect.signature(bg.__init__).parameters
+    if "max_kv_size" not in init or "model" not in init:
+        return "BatchGenerator.__init__ takes no model / max_kv_size"
+    return None
+
+
+@dataclass
+class _Request:
+    key: str
+    t0: float
+    prompt_tokens: int
+    engine_tokens: int
+    store_tokens: int
+    calibrate_s: float
+    hit: Any
+    reported: bool = False
+
+
+def _trimmable(gen) -> bool:
+    """Whether the generator's model makes caches that can be trimmed (once per generator)."""
+    if "_kvstore_trimmable" not in gen.__dict__:
+        gen._kvstore_trimmable = not needs_snapshots(C.make_prompt_cache(gen.model))
+    return gen._kvstore_trimmable
+
+
+def _skip(segments: list, n: int) -> list:
+    """``segments`` less their first ``n`` tokens (empty segments dropped)."""
+    out = []
+    for seg in segments:
+        seg = list(seg)
+        if n >= len(seg):
+            n -= len(seg)
+            continue
+        out.append(seg[n:])
+        n = 0
+    return out
+
+
+def _requests(gen) -> dict:
+    return gen.__dict__.setdefault("_kvstore_requests", {})
+
+
+def _serve(gen, segments: list, cache: Optional[list], held: Optional[list]):
+    """(segments, cache, all_tokens, request) for one prompt: the rest of the
+    prompt past what the cache holds once filled from the store (nothing
+    added where ``request.store_tokens`` is 0), or None where the prompt is
+    not ours (mlx-lm's own)."""
+    if gen.max_kv_size is not None or not (cache is None or isinstance(cache, list)):
+        return None
+    if not _trimmable(gen) or (cache is not None and needs_snapshots(cache)):
+        return None
+    try:
+        n = cache_offset(cache) if cache else 0
+    except ValueError:
+        return None
+    held = [int(t) for t in held] if held is not None else []
+    if len(held) != n:  # the engine does not say what its cache holds
+        return None
+    prompt = [int(t) for seg in segments for t in np.asarray(seg).reshape(-1).tolist()]
+    if not prompt:
+        return None
+    store = open_store()
+    tokens = held + prompt
+    ids = as_tokens(tokens)
+    key = model_key(gen.model)
+    calibrate_s = calibrate_once(store, key, [gen.model])
+    t0 = time.perf_counter()
+    hit, pos = None, n
+    if store.contains(key, ids[:-1]) >= pos + store.block_size:
+        got = fetch_cache(store, gen.model, key, ids)
+        template = cache if cache else C.make_prompt_cache(gen.model)
+        if got.cached_tokens > pos and layout_signature(got.cache) == layout_signature(template):
+            cache, hit, pos = got.cache, got.hit, got.cached_tokens
+    return _skip(segments, pos - n), cache, tokens[:pos], _Request(key, t0, len(tokens), n, pos - n, calibrate_s, hit)
+
+
+def _offer(req: _Request, r) -> None:
+    """A finished sequence's cache (``r.prompt_cache``, holding ``r.all_tokens``) to the store."""
+    cache, tokens = r.prompt_cache, r.all_tokens
+    if not cache or tokens is None:
+        return
+    try:
+        n = cache_offset(cache)
+    except ValueError:
+        return
+    if 0 < n <= len(tokens):
+        mx.eval([c.state for c in cache])  # extract() hands back lazy slices of the batch's buffers
+        store_cache(open_store(), req.key, as_tokens(list(tokens)), cache)
+
+
+def instrument_batch(module) -> bool:
+    """Wrap ``module.BatchGenerator`` (``insert_segments``, ``_next``,
+    ``remove``) so its prompts are served from and offered to the store;
+    False (and a warning) where this mlx-lm's differs from what kvstore knows."""
+    bg = module.BatchGenerator
+    if getattr(bg.insert_segments, "__wrapped__", None) is not None:
+        return True
+    why = batch_mismatch(module)
+    if why is not None:
+        sys.stderr.write(f"kvstore run: mlx-lm's BatchGenerator is not instrumented ({why}): "
+                         "its requests run without the store\n")
+        return False
+    insert_segments, step, remove = bg.insert_segments, bg._next, bg.remove
+
+    def insert(self, segments, max_tokens=None, caches=None, all_tokens=None, *args, **kwargs):
+        k = len(segments)
+        if (caches is not None and len(caches) != k) or (all_tokens is not None and len(all_tokens) != k):
+            return insert_segments(self, segments, max_tokens, caches, all_tokens, *args, **kwargs)  # mlx-lm's error
+        segs = list(segments)
+        cs = list(caches) if caches is not None else [None] * k
+        ts = list(all_tokens) if all_tokens is not None else [[] for _ in range(k)]
+        reqs, hits = [], 0
+        for i in range(k):
+            served = _serve(self, segs[i], cs[i], ts[i])
+            reqs.append(served[3] if served is not None else None)
+            if served is not None and served[3].store_tokens > 0:  # the store's cache, the rest of the prompt
+                segs[i], cs[i], ts[i] = served[:3]
+                hits += 1
+        if hits:
+            uids = insert_segments(self, segs, max_tokens, cs, ts, *args, **kwargs)
+        else:  # exactly the engine's call
+            uids = insert_segments(self, segments, max_tokens, caches, all_tokens, *args, **kwargs)
+        ours = _requests(self)
+        for uid, req in zip(uids, reqs):
+            if req is not None:
+                ours[uid] = req
+        return uids
+
+    def next_(self):
+        prompt_responses, generation_responses = step(self)
+        ours = self.__dict__.get("_kvstore_requests")
+        for r in generation_responses if ours else ():
+            req = ours.get(r.uid)
+            if req is None:
+                continue
+            if not req.reported:
+                req.reported = True
+                ttft = time.perf_counter() - req.t0
+                store = open_store()
+                store.observe_request(req.key, req.prompt_tokens, req.hit, ttft)
+                _report(prompt_tokens=req.prompt_tokens, engine_tokens=req.engine_tokens,
+                        store_tokens=req.store_tokens,
+                        computed_tokens=req.prompt_tokens - req.engine_tokens - req.store_tokens, ttft_s=ttft,
+                        calibrate_s=req.calibrate_s, model=req.key[:12], batch=True)
+            if r.finish_reason is not None:
+                del ours[r.uid]
+                _offer(req, r)
+        return prompt_responses, generation_responses
+
+    def remove_(self, uids, *args, **kwargs):
+        ours = self.__dict__.get("_kvstore_requests")
+        for uid in uids if ours else ():
+            ours.pop(uid, None)
+        return remove(self, uids, *args, **kwargs)
+
+    insert.__wrapped__, insert.__doc__ = insert_segments, insert_segments.__doc__
+    next_.__wrapped__, remove_.__wrapped__ = step, remove
+    bg.insert_segments, bg._next, bg.remove = insert, next_, remove_
+    return True

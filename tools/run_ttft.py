@@ -1,13 +1,17 @@
 """First-token time of an unchanged mlx-lm engine under ``kvstore run``: cold, a second conversation
 sharing the system prompt, and a new engine process repeating the prompt.
 
-    python -m kvstore.tools.run_ttft [--prefix 1536] [--layers 8] [--hidden 1024] [--out FILE]
+    python -m kvstore.tools.run_ttft [--prefix 1536] [--layers 8] [--hidden 1024] [--batch] [--out FILE]
 
 The engine is ``kvstore.tools.run_engine`` (``mlx_lm.load`` + ``stream_generate``, a fresh prompt cache
 per request) on a random-weight llama built by ``adapters/tiny_models.py``, large enough that prefill
 dominates (float32: mlx's float16 matmuls are slow on CPU). Each process answers an unrelated warm-up prompt first (mlx's first-call costs), so ``cold`` is a
 warm engine computing the whole prompt. The store has kvstore run's defaults (``fetch_policy="auto"``)
 on a new directory. Answers are checked equal to the engine run alone.
+
+``--batch``: the engine is ``kvstore.tools.run_batch_engine`` (mlx-lm's ``BatchGenerator``, fresh caches,
+its own warm-up round): each request goes in with a short unrelated prompt inserted at the same time, the
+second conversation in a later round; first-token time from the round's insert.
 """
 
 from __future__ import annotations
@@ -23,8 +27,9 @@ from pathlib import Path
 from kvstore.adapters.tiny_models import make_tiny_model
 
 
-def _engine(model: Path, prompts: list[str], store: Path | None, report: Path) -> list[dict]:
-    argv = [sys.executable, "-m", "kvstore.tools.run_engine", str(model), "fresh", *prompts]
+def _engine(model: Path, prompts: list[str], store: Path | None, report: Path, batch: bool = False) -> list[dict]:
+    engine = "kvstore.tools.run_batch_engine" if batch else "kvstore.tools.run_engine"
+    argv = [sys.executable, "-m", engine, str(model), "fresh", *prompts]
     if store is not None:
         argv = [sys.executable, "-m", "kvstore.adapters.cli", "run", "--ssd-path", str(store), "--", *argv]
     done = subprocess.run(argv, capture_output=True, text=True, check=True,
@@ -37,6 +42,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--prefix", type=int, default=1536, help="tokens of the shared system prompt (about)")
     p.add_argument("--layers", type=int, default=4)
     p.add_argument("--hidden", type=int, default=512)
+    p.add_argument("--batch", action="store_true", help="the engine: mlx-lm's BatchGenerator")
     p.add_argument("--out", type=Path, default=None)
     a = p.parse_args(argv)
     with tempfile.TemporaryDirectory() as tmp:
@@ -48,13 +54,22 @@ def main(argv: list[str] | None = None) -> int:
         warm = ["Warm up with something else entirely. " * 8, "And once more, unrelated. " * 8]
         first, second = system + "Say hello.", system + "How are you today?"
         store, report = root / "store", root / "report.jsonl"
-        run1 = _engine(model, [warm[0], first, second], store, report)
-        run2 = _engine(model, [warm[1], first], store, report)
-        alone = _engine(model, [warm[0], first, second], None, root / "none.jsonl")[1:]
+        if a.batch:  # [the warm-up round], first + a short one, then second + a short one: every other line
+            x, y = "Name a colour.", "What is two plus two?"
+            run1 = [None, *_engine(model, [first, x, "--", second, y], store, report, True)[::2]]
+            run2 = [None, *_engine(model, [first, x], store, report, True)[::2]]
+            alone = _engine(model, [first, x, "--", second, y], None, root / "none.jsonl", True)[::2]
+        else:
+            run1 = _engine(model, [warm[0], first, second], store, report)
+            run2 = _engine(model, [warm[1], first], store, report)
+            alone = _engine(model, [warm[0], first, second], None, root / "none.jsonl")[1:]
         got = [json.loads(line) for line in report.read_text().splitlines()]
+        if a.batch:  # one line per sequence, warm-up rounds included: where the requests above are
+            got = [None, got[1], got[3], None, got[6]]
         cold = run1[1]["ttft_s"]
         out = {
-            "model": {"layers": a.layers, "hidden": a.hidden}, "prompt_tokens": run1[1]["prompt_tokens"],
+            "model": {"layers": a.layers, "hidden": a.hidden}, "engine": "BatchGenerator" if a.batch else
+            "stream_generate", "prompt_tokens": run1[1]["prompt_tokens"],
             "cold_s": cold, "alone_s": alone[0]["ttft_s"], "shared_system_s": run1[2]["ttft_s"], "new_process_s": run2[1]["ttft_s"],
             "shared_system_ratio": run1[2]["ttft_s"] / cold, "new_process_ratio": run2[1]["ttft_s"] / cold,
             "store_tokens": {"shared_system": got[2]["store_tokens"], "new_process": got[4]["store_tokens"]},
