@@ -128,15 +128,17 @@ def _openai_server():
 
 
 @pytest.mark.skipif(_openai_server() is None, reason="mlx-openai-server not installed (its lane: .ci/run)")
-def test_mlx_openai_server_restarted_is_served_from_the_store(model, tmp_path):
-    """mlx-openai-server 1.8.1 (--disable-batching: its batching path is not tested here) under
-    `kvstore run`: after a restart the repeated prompt comes from the store, answers equal it alone."""
+@pytest.mark.parametrize("batching", [False, True])
+def test_mlx_openai_server_restarted_is_served_from_the_store(model, tmp_path, batching):
+    """mlx-openai-server 1.8.1 under `kvstore run`, with continuous batching (mlx-lm's BatchGenerator) or
+    without (`--disable-batching`: stream_generate): after a restart the repeated prompt comes from the
+    store, answers equal it alone."""
     from .test_server import free_port
 
     def serve(under_run, log):
         port = free_port()
         cmd = ["mlx-openai-server", "launch", "--model-path", str(model), "--model-type", "lm", "--host",
-               "127.0.0.1", "--port", str(port), "--disable-batching", "--no-log-file"]
+               "127.0.0.1", "--port", str(port), "--no-log-file"] + ([] if batching else ["--disable-batching"])
         if under_run:
             cmd = [sys.executable, "-m", "kvstore.adapters.cli", "run", "--ssd-path", str(tmp_path / "store"),
                    "--block-size", "64", "--calibrate-budget-s", "0", "--", *cmd]
@@ -155,6 +157,7 @@ def test_mlx_openai_server_restarted_is_served_from_the_store(model, tmp_path):
                 proc.wait(timeout=60)
     assert answers[1] == answers[0] and answers[2] == answers[0]
     first, again = report(tmp_path / "report.jsonl")
+    assert [first.get("batch", False), again.get("batch", False)] == [batching, batching]  # the path asked for
     assert first["store_tokens"] == 0
     assert again["store_tokens"] == again["prompt_tokens"] - 1 and again["engine_tokens"] == 0
 
