@@ -152,6 +152,17 @@ def _report(**fields) -> None:
             f.write(json.dumps(fields) + "\n")
 
 
+def _past(store: PrefixStore, model, key: str, ids: np.ndarray, pos: int, like: Callable[[], list], **kw):
+    """``fetch_cache``'s result for ``ids`` where the store serves more than
+    the ``pos`` tokens the engine's cache holds, in the layout of ``like()``
+    (the cache the engine would use); None otherwise. Loading re-reads the
+    prefix the engine holds too: asked only for a whole block or more past it."""
+    if store.contains(key, ids[:-1]) < pos + store.block_size:
+        return None
+    got = fetch_cache(store, model, key, ids, **kw)
+    return got if got.cached_tokens > pos and layout_signature(got.cache) == layout_signature(like()) else None
+
+
 def instrument(generate_step: Callable) -> Callable:
     """``generate_step`` with its prompt cache taken from and given back to the store."""
     from mlx_lm.generate import DEFAULT_QUANTIZED_KV_START
@@ -174,12 +185,10 @@ def instrument(generate_step: Callable) -> Callable:
         qkw = dict(kv_bits=kwargs.get("kv_bits"), kv_group_size=kwargs.get("kv_group_size", 64),
                    quantized_kv_start=kwargs.get("quantized_kv_start", DEFAULT_QUANTIZED_KV_START))
         hit, pos = None, len(held)
-        # loading re-reads the prefix the engine holds too: worth it for a whole block or more past it
-        if store.contains(key, ids[:-1]) >= pos + store.block_size:
-            got = fetch_cache(store, model, key, ids, max_kv_size=kwargs.get("max_kv_size"), **qkw)
-            if got.cached_tokens > pos and layout_signature(got.cache) == layout_signature(cache):
-                cache[:] = got.cache  # the engine's own list: it keeps what the store served
-                hit, pos = got.hit, got.cached_tokens
+        got = _past(store, model, key, ids, pos, lambda: cache, max_kv_size=kwargs.get("max_kv_size"), **qkw)
+        if got is not None:
+            cache[:] = got.cache  # the engine's own list: it keeps what the store served
+            hit, pos = got.hit, got.cached_tokens
         from_store = pos - len(held)
         if needs_snapshots(cache) and pos < len(tokens) - 1:
             prefill(model, cache, tokens, pos, len(tokens) - 1, store=store, key=key,
@@ -307,11 +316,9 @@ def _serve(gen, segments: list, cache: Optional[list], held: Optional[list]):
     calibrate_s = calibrate_once(store, key, [gen.model])
     t0 = time.perf_counter()
     hit, pos = None, n
-    if store.contains(key, ids[:-1]) >= pos + store.block_size:
-        got = fetch_cache(store, gen.model, key, ids)
-        template = cache if cache else C.make_prompt_cache(gen.model)
-        if got.cached_tokens > pos and layout_signature(got.cache) == layout_signature(template):
-            cache, hit, pos = got.cache, got.hit, got.cached_tokens
+    got = _past(store, gen.model, key, ids, pos, lambda: cache if cache else C.make_prompt_cache(gen.model))
+    if got is not None:
+        cache, hit, pos = got.cache, got.hit, got.cached_tokens
     return _skip(segments, pos - n), cache, tokens[:pos], _Request(key, t0, len(tokens), n, pos - n, calibrate_s, hit)
 
 
