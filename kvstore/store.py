@@ -134,8 +134,9 @@ class PrefixStore:
         self.config = cfg = store_config(config, **settings)
         self.block_size = cfg.block_size or DEFAULT_BLOCK  # an LMDB store's own, once it is open (below)
         self.codec = Codec.of(cfg)
-        # blocks hold the engine's rows as given: a put's own rows are what a fetch would read back (``queued``)
-        self._as_given = self.codec.key_bits is None and self.codec.value_bits is None
+        # a fetch of blocks still queued may take the put's own rows (``queued``): blocks keep rows as given, so
+        # those are what it would read back, and no reuse has to be seen stored (ssd_admit="reuse")
+        self._from_queued = self.codec.key_bits is None and self.codec.value_bits is None and cfg.ssd_admit == "always"
         self.namespace = cfg.namespace
         self.readonly = cfg.readonly
         self._counters = Counters()
@@ -225,15 +226,16 @@ class PrefixStore:
         self._table.pin(pinned)
         try:
             jobs = self._table.unwritten_jobs(pinned, skip=found.blocks.keys())
-            if jobs and self._as_given and quantized is None and not found.blocks and self.config.ssd_admit == "always":
+            if jobs and self._from_queued and quantized is None and not found.blocks:
                 with self._engine.engine():
                     queued = rows_of_queued(jobs, toks, length)
                 if queued is not None:  # the put still holds the rows: no wait for the writer
                     return self._queued_hit(len(toks), length, queued)
-            waited = time.perf_counter()
-            for job in jobs:
-                job.done.wait()
-            self._counters.count("fetch_waited_us", int((time.perf_counter() - waited) * 1e6))
+            if jobs:
+                waited = time.perf_counter()
+                for job in jobs:
+                    job.done.wait()
+                self._counters.count("fetch_waited_us", int((time.perf_counter() - waited) * 1e6))
             with self._engine.engine():  # (not around the wait above: the writer would wait for it)
                 plan = self._planner.plan(root.key, len(toks), pinned, length, found.blocks)
                 path = [p for p in pinned if p.start < plan.length]
