@@ -1,6 +1,6 @@
 """Engine adapters (installed as ``kvstore.adapters``): translate an engine's
 own prompt-cache objects to and from the per-layer arrays of
-:mod:`kvstore.layers`.
+:mod:`kvstore.blocks.layers`.
 
 This folder lives outside ``kvstore/`` on purpose: the store never imports an
 engine's cache classes, so each engine gets a module here

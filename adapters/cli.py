@@ -1,4 +1,4 @@
-"""The ``kvstore`` console script: the store commands of ``kvstore.cli`` plus
+"""The ``kvstore`` console script: the store commands of ``kvstore.admin.cli`` plus
 the ones that run an engine (demo, bench, serve). Engine imports stay inside
 each command, so ``kvstore inspect`` never loads mlx-lm."""
 
@@ -10,7 +10,7 @@ from typing import Optional
 
 import typer
 
-from kvstore.cli import TOKENIZER_LOADERS, app, err, main as run, out
+from kvstore.admin.cli import TOKENIZER_LOADERS, app, err, main as run, out
 
 
 def _gguf_tokenizer(path: Path):

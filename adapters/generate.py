@@ -25,7 +25,7 @@ from mlx_lm.generate import stream_generate as _mlx_stream_generate
 from mlx_lm.models import cache as C
 
 from kvstore import Hit, PrefixStore
-from kvstore.hashing import as_tokens
+from kvstore.blocks.hashing import as_tokens
 
 from .calibration import calibrate, calibrate_once
 from .gguf import gguf_fingerprint, is_gguf

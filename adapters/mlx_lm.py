@@ -1,6 +1,6 @@
 """mlx-lm adapter, conversion half: mlx-lm prompt caches <-> ``kvstore`` layers.
 
-The store speaks :mod:`kvstore.layers` (one ``KVLayer`` / ``StateLayer`` per
+The store speaks :mod:`kvstore.blocks.layers` (one ``KVLayer`` / ``StateLayer`` per
 cache slot); mlx-lm speaks its cache classes from ``mlx_lm.models.cache``. This
 module is the only place that knows both.
 
@@ -54,8 +54,8 @@ import xxhash
 from mlx.utils import tree_flatten
 from mlx_lm.models import cache as C
 
-from kvstore.codec import convert, densify, layer_arrays
-from kvstore.layers import WARM_LAYERS, KVLayer, Layer, Quantized, StateLayer, Tensor, own, take_rows
+from kvstore.blocks.codec import convert, densify, layer_arrays
+from kvstore.blocks.layers import WARM_LAYERS, KVLayer, Layer, Quantized, StateLayer, Tensor, own, take_rows
 
 from .file_digests import file_digests
 

@@ -69,7 +69,7 @@ from mlx_lm.models import cache as C
 
 from kvstore import PrefixStore
 from kvstore.config import store_config
-from kvstore.hashing import as_tokens
+from kvstore.blocks.hashing import as_tokens
 
 from .calibration import calibrate_once
 from .generate import fetch_cache, model_key, needs_snapshots, prefill, store_cache

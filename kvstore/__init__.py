@@ -1,9 +1,9 @@
 """kvstore: a tiered, persistent prefix KV cache for mlx-lm engines."""
 
-from .codec import Codec
+from .blocks.codec import Codec
 from .errors import (BlockDecodeError, ConfigError, InputError, KVStoreError, LayoutError, ReadOnlyError, RemoteConfigError,
                      StorageError, StoreClosedError, StoreOpenError, TransferError)
-from .layers import KVLayer, Layer, Quantized, StateLayer
+from .blocks.layers import KVLayer, Layer, Quantized, StateLayer
 from .store import Hit, PrefixStore
 
 __all__ = ["PrefixStore", "Hit", "KVLayer", "StateLayer", "Quantized", "Layer", "Codec",

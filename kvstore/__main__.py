@@ -5,7 +5,7 @@ without it."""
 
 import importlib
 
-from .cli import main
+from .admin.cli import main
 
 try:
     importlib.import_module("kvstore.adapters.cli")  # registers its commands on the same app

@@ -10,12 +10,15 @@ tests and benchmarks vary them the same way.
 from __future__ import annotations
 
 import difflib
+import inspect
 import math
 import os
 from dataclasses import dataclass, field, fields, replace
 from typing import Optional, Union
 
+from .blocks.codec import ROTATE_AT_OR_BELOW, Codec
 from .errors import ConfigError
+from .gpu import cuda
 
 GB = 1 << 30
 DEFAULT_BLOCK = 256  # tokens per block of a new store
@@ -37,7 +40,7 @@ class StoreConfig:
     ``ssd_admit="reuse"`` writes there only blocks asked for again.
     ``kv_bits`` stores KV quantized (an int, or ``(key_bits, value_bits)``);
     ``None`` keeps the engine's dtype. ``rotate_keys`` rotates keys before
-    quantizing them (``kvstore.rotation``; ``None``: at 4 bits or fewer),
+    quantizing them (``kvstore.blocks.rotation``; ``None``: at 4 bits or fewer),
     ``rotate_values`` values (``None``: at 4 bits or fewer too).
     ``full_attention_bits`` (as ``kv_bits``; ``"same"``: ``kv_bits``) keeps the
     full-attention layers of a model that also has sliding-window layers
@@ -100,8 +103,8 @@ class StoreConfig:
     # --------------------------------------------------------------- tuning
     # Rotation before quantizing is the default at or below these bits: it measured better at 4 bits and not
     # at 8 (docs/benchmarks.md, fidelity).
-    rotate_keys_at_or_below: Optional[int] = 4
-    rotate_values_at_or_below: Optional[int] = 4
+    rotate_keys_at_or_below: Optional[int] = ROTATE_AT_OR_BELOW
+    rotate_values_at_or_below: Optional[int] = ROTATE_AT_OR_BELOW
     # Bytes per disk write transaction: each commit idles the disk and the writer, so few large ones.
     write_batch_bytes: int = 512 << 20
     # Bytes encoded and not yet taken by the transaction being written (what the writer may run ahead by).
@@ -202,7 +205,6 @@ class StoreConfig:
 
     def device_bytes(self) -> int:
         """The device tier's budget on this machine (0 without CUDA)."""
-        from . import cuda
         rt = cuda.runtime()
         if rt is None:
             return 0
@@ -252,7 +254,16 @@ def store_config(config: Optional[StoreConfig] = None, **settings) -> StoreConfi
                                                                     if near else "")
                               + " (the settings are kvstore.config.StoreConfig's fields)")
     cfg = StoreConfig(**settings) if config is None else replace(config, **settings)
-    from .codec import Codec  # (it imports this module)
-
     Codec.of(cfg)  # the bits, group size and rotation settings
     return cfg
+
+
+def init_signature() -> inspect.Signature:
+    """``PrefixStore(config=None, *, <StoreConfig's fields>)``: what ``help()`` and editors show of the
+    keywords ``__init__`` takes as ``**settings``."""
+    params = [inspect.Parameter("self", inspect.Parameter.POSITIONAL_OR_KEYWORD),
+              inspect.Parameter("config", inspect.Parameter.POSITIONAL_OR_KEYWORD, default=None,
+                                annotation=Optional[StoreConfig])]
+    params += [inspect.Parameter(f.name, inspect.Parameter.KEYWORD_ONLY, default=f.default, annotation=f.type)
+               for f in fields(StoreConfig)]
+    return inspect.Signature(params)

@@ -4,10 +4,12 @@ added to the store's lifetime totals on disk, and block uses not yet saved."""
 from __future__ import annotations
 
 import threading
-from typing import Iterable
+from typing import TYPE_CHECKING, Iterable
 
-from .index import Node
-from .record import Use
+from .blocks.record import Use
+
+if TYPE_CHECKING:
+    from .state.index import Node
 
 NAMES = ("hits", "misses", "tokens_requested", "tokens_ram", "tokens_ssd", "puts", "blocks_written",
          "bytes_written",  # payload bytes of the blocks written to the SSD tier (blocks_written)

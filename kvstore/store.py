@@ -26,95 +26,40 @@ from __future__ import annotations
 
 import atexit
 import gc
-import inspect
 import logging
 import time
 import weakref
-from dataclasses import dataclass, field, fields, replace
+from dataclasses import replace
 from functools import partial
-from typing import Callable, Optional, Sequence, Union
+from typing import Optional, Sequence, Union
 
-import mlx.core as mx
 import numpy as np
 
-from . import buffers, lookup
-from .codec import Codec, layer_arrays
-from .config import DEFAULT_BLOCK, StoreConfig, gib, store_config
-from .cost import CostModel
+from .blocks.codec import Codec
+from .blocks.hashing import KeyChain, as_tokens, root_key
+from .blocks.layers import Layer
+from .config import DEFAULT_BLOCK, StoreConfig, gib, init_signature, store_config
+from .convert.queued import rows_of_queued
+from .cost.model import CostModel
+from .cost.planner import Planner
 from .counters import Counters
-from .discovery import Discovery, Found
-from .disk import Disk
 from .errors import InputError, ReadOnlyError, StoreClosedError
-from .hashing import KeyChain, as_tokens, root_key
-from .index import Node
-from .layers import WARM_LAYERS, KVLayer, Layer, StateLayer, captured_layers
-from .planner import Planner
-from .priority import EngineFirst
-from .queued import rows_of_queued
-from .reader import Reader
-from .remote_sync import Remote
-from .table import BlockTable
-from .tiers.lmdb import LmdbTier
+from .flow.discovery import Discovery, Found
+from .flow.disk import Disk
+from .flow.find import find
+from .flow.priority import EngineFirst
+from .flow.put import index_put, warm_put
+from .flow.reader import Reader
+from .flow.writer import Writer
+from .gpu import buffers
+from .hit import Hit
+from .state.index import Node
+from .state.table import BlockTable
+from .tiers.disk.lmdb import LmdbTier
+from .tiers.remote.sync import Remote
 from .warmup import warm_device
-from .writer import Job, Writer
 
 log = logging.getLogger("kvstore")
-
-
-def _index_put(table: BlockTable, root_of: Callable[[], Node], tokens, layers: Sequence[Layer],
-               block_size: int) -> tuple[int, Optional[Job]]:
-    """A put's work on the engine's thread but queueing its job: the input
-    checked and captured, the blocks ``table`` lacks hashed and indexed, and
-    their job (``None`` when none is new). Returns the token count too."""
-    toks = as_tokens(tokens)
-    n = len(toks)
-    layers = captured_layers(layers, n)  # the values of now, whatever the caller changes later
-    if n == 0:
-        return 0, None
-    # Evaluate here: mlx streams are per thread, so the background thread cannot evaluate a lazy graph
-    # built on the caller's (a no-op when the engine evaluated its cache, as it does after every step).
-    # The second call marks each array's record available, here: mlx does that the first time it finds the
-    # computation done, from whichever thread asks, and the writer may hold the engine's own records (the
-    # engine's buffers, passed with ``rows``), whose status the engine's next step reads and writes.
-    arrays = [a for l in layers for a in layer_arrays(l)]
-    mx.eval(arrays)
-    mx.eval(arrays)
-    has_state = any(isinstance(l, StateLayer) for l in layers)
-    late = [l for l in layers if isinstance(l, KVLayer) and l.start > 0]  # layers lacking early rows
-    root = root_of()
-    chain = KeyChain(root.key, toks, block_size)
-    return n, table.index_put(root, chain, n, has_state, late,
-                              lambda new: Job(new, root.key, toks, layers, sum(l.nbytes for l in layers),
-                                              held=sum(a.nbytes for a in arrays)))
-
-
-def _warm_put(block_size: int) -> None:
-    """``_index_put`` once, at open, into a throwaway table: otherwise the
-    engine's first put pays for Python's first pass over it, about twice its
-    later ones (docs/benchmarks.md, put)."""
-    table = BlockTable(0, Counters(), has_disk=False, writable=True)
-    n = 2 * block_size + 1
-    a = mx.zeros((1, 1, n + 1, 8), mx.float16)
-    _index_put(table, lambda: table.root(root_key("warm")), np.arange(n, dtype=np.int32),
-               [KVLayer(a, a, rows=n)] * WARM_LAYERS, block_size)
-
-
-@dataclass
-class Hit:
-    """What ``fetch`` found: ``length`` prompt tokens whose KV is in ``layers``."""
-
-    length: int = 0
-    layers: Optional[list[Layer]] = None
-    ram_tokens: int = 0  # of ``length``, tokens whose blocks came from RAM
-    ssd_tokens: int = 0  # ... and from the LMDB tier
-    skipped_tokens: int = 0  # stored tokens not served because recomputing them is faster
-    skip_reason: str = ""
-    predicted_s: float = 0.0  # what the cost model expected loading ``length`` to take
-    remote_tokens: int = 0  # of ``length``, tokens whose blocks this fetch read from the remote tier
-    source_bytes: dict = field(default_factory=dict)  # bytes served per source (``cost.STATES``)
-
-    def __bool__(self) -> bool:
-        return self.length > 0
 
 
 class PrefixStore:
@@ -170,10 +115,10 @@ class PrefixStore:
             self.block_size = self._disk.block_size(cfg.block_size)
         self.config = cfg = replace(cfg, block_size=self.block_size)
         self._planner.start()  # measured rates saved earlier, else priors (``probe``)
-        warm_device(cfg)  # on CUDA, what a process's first hits would pay (``warmup``), once
+        warm_device(cfg, type(self))  # on CUDA, what a process's first hits would pay (``warmup``), once
         if not cfg.readonly:
             self._writer.later(lambda: None)  # starts its thread here, not in the first put (a third of its cost)
-            _warm_put(self.block_size)
+            warm_put(self.block_size)
             # The young generations collected now, not in the first put: after a process's imports they hold
             # most of its objects, and the put's allocations would set off their collection (docs/benchmarks.md).
             gc.collect(1)
@@ -191,7 +136,7 @@ class PrefixStore:
         """
         self._check_open(write=True)
         with self._engine.engine():
-            n, job = _index_put(self._table, lambda: self._root(model_key), tokens, layers, self.block_size)
+            n, job = index_put(self._table, lambda: self._root(model_key), tokens, layers, self.block_size)
         if n:
             self._counters.count("puts")
         queued = 0 if job is None else len(job.nodes) if self._writer.submit(job) else 0
@@ -214,13 +159,13 @@ class PrefixStore:
         n = len(toks) if limit is None else min(len(toks), int(limit))
         root = self._root(model_key, register=False)
         chain = KeyChain(root.key, toks, self.block_size)
-        match = self._match(root, chain, n)
+        match = find(self._table, self._disk, self._reader.tokens_of, root, chain, n)
         found = Found()  # blocks just read from the remote, served as they are
         copies: list = []  # ... and their disk copies, queued once the hit is served
         if self._discovery is not None and match.matched < n:
             found = self._discovery.find(root, chain, n, match, copies, quantized)
             if found.blocks:
-                match = self._match(root, chain, n)
+                match = find(self._table, self._disk, self._reader.tokens_of, root, chain, n)
         length = self._table.servable(match.path, match.matched)
         pinned = [p for p in match.path if p.start < length]
         self._table.pin(pinned)
@@ -303,7 +248,8 @@ class PrefixStore:
         self._check_open()
         toks = as_tokens(tokens)
         root = self._root(model_key, register=False)
-        match = self._match(root, KeyChain(root.key, toks, self.block_size), len(toks))
+        match = find(self._table, self._disk, self._reader.tokens_of, root,
+                      KeyChain(root.key, toks, self.block_size), len(toks))
         return self._table.servable(match.path, match.matched)
 
     def register_model(self, model_key: Union[str, bytes], info: dict) -> None:
@@ -445,30 +391,6 @@ class PrefixStore:
                 self._remote.register_model(key, desc)
         return self._table.root(key)
 
-    def _match(self, root: Node, chain: KeyChain, n: int) -> lookup.Match:
-        """The stored blocks along ``chain.tokens[:n]``, looking on disk (outside
-        the table's lock) for blocks other processes wrote where the index
-        ends, and for one block the prompt ends or diverges inside of."""
-        looked: set[bytes] = set()
-        while True:
-            full = self._table.walk(root, chain, n)
-            stop = full.last
-            if (self._disk is None or stop.key in looked or full.length >= n
-                    or not (stop.is_root or stop.on_disk)):
-                break
-            # partial blocks other processes wrote below the stop are found only on disk, even where
-            # this process has children of its own there
-            looked.add(stop.key)
-            self._disk.discover(stop)
-        match = lookup.Match(full, list(full.nodes), full.length)
-        if full.length < n:
-            candidates = self._table.candidates(stop, chain, full.length, n)
-            best, shared = lookup.best_partial(candidates, chain, full.length, n, self._reader.tokens_of)
-            if best is not None:
-                match.path.append(best)
-                match.matched += shared
-        return match
-
     # ------------------------------------------------------------- helpers
 
     def _save(self) -> None:
@@ -501,18 +423,7 @@ def _count(value, name: str) -> None:
         raise InputError(f"{name} must be an int >= 0, got {value!r}")
 
 
-def _signature() -> inspect.Signature:
-    """``PrefixStore(config=None, *, <StoreConfig's fields>)``: what ``help()`` and editors show of the
-    keywords ``__init__`` takes as ``**settings``."""
-    params = [inspect.Parameter("self", inspect.Parameter.POSITIONAL_OR_KEYWORD),
-              inspect.Parameter("config", inspect.Parameter.POSITIONAL_OR_KEYWORD, default=None,
-                                annotation=Optional[StoreConfig])]
-    params += [inspect.Parameter(f.name, inspect.Parameter.KEYWORD_ONLY, default=f.default, annotation=f.type)
-               for f in fields(StoreConfig)]
-    return inspect.Signature(params)
-
-
-PrefixStore.__init__.__signature__ = _signature()
+PrefixStore.__init__.__signature__ = init_signature()
 
 _OPEN: "weakref.WeakSet[PrefixStore]" = weakref.WeakSet()
 

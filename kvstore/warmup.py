@@ -16,13 +16,14 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import replace
+from typing import Callable, ContextManager
 
 import mlx.core as mx
 import numpy as np
 
-from . import cuda
+from .gpu import cuda
 from .config import DEFAULT_BLOCK, StoreConfig
-from .layers import KVLayer
+from .blocks.layers import KVLayer
 
 log = logging.getLogger("kvstore")
 
@@ -31,8 +32,9 @@ _DTYPES = (mx.float16, mx.bfloat16)
 _SHAPE = (1, 8, 128)  # (batch, kv heads, head dim) of the throwaway KV: most models' head dim
 
 
-def warm_device(config: StoreConfig) -> float:
-    """Warm this process for stores of ``config``'s codec on CUDA; seconds it took (0 where done or no CUDA)."""
+def warm_device(config: StoreConfig, open_store: Callable[[StoreConfig], ContextManager]) -> float:
+    """Warm this process for stores of ``config``'s codec on CUDA, through a throwaway store ``open_store``
+    makes (``PrefixStore``: the facade hands itself in); seconds it took (0 where done or no CUDA)."""
     rt = cuda.runtime()
     what = (config.kv_bits, config.kv_group_size, config.rotate_keys, config.rotate_values,
             config.rotate_keys_at_or_below, config.rotate_values_at_or_below, config.full_attention_bits,
@@ -43,13 +45,11 @@ def warm_device(config: StoreConfig) -> float:
     t0 = time.perf_counter()
     with cuda.landing(cuda.LANDING):
         pass
-    from .store import PrefixStore  # (the store imports this module)
-
     n = 2 * (config.block_size or DEFAULT_BLOCK) + 1  # two whole blocks and a tail
     tokens = np.arange(n, dtype=np.int32)
     cfg = replace(config, ssd_path=None, remote=None, readonly=False, budget_gb=1 / 16, device_budget_gb=0,
                   fetch_policy="always", remember_rates=False)
-    with PrefixStore(cfg) as s:
+    with open_store(cfg) as s:
         for i, dtype in enumerate(_DTYPES):
             kv = mx.random.normal((*_SHAPE[:2], n, _SHAPE[2]), key=mx.random.key(i)).astype(dtype)
             s.put(f"kvstore-warm-{i}", tokens, [KVLayer(kv, kv), KVLayer(kv, kv)])

@@ -16,11 +16,11 @@ import numpy as np
 import xxhash
 from mlx.utils import tree_map
 
-from kvstore import header as wire_header
-from kvstore.codec import Block
-from kvstore.wire import serialize
-from kvstore.hashing import as_tokens
-from kvstore.layers import KVLayer, Quantized, StateLayer
+from kvstore.blocks import header as wire_header
+from kvstore.blocks.codec import Block
+from kvstore.blocks.wire import serialize
+from kvstore.blocks.hashing import as_tokens
+from kvstore.blocks.layers import KVLayer, Quantized, StateLayer
 
 _P = (1 << 31) - 1
 
@@ -160,7 +160,7 @@ BLOCK_BYTES = len(serialize(Block(as_tokens(toks(BS)), kv_layers(toks(BS))), b"k
 def block_by_block(monkeypatch) -> None:
     """The writer encodes each block by itself, as it does on the CPU (on CUDA it encodes runs of blocks at
     once): for tests that watch, or stop, the writer between one block's encoding and the next."""
-    import kvstore.encode as encoding
-    import kvstore.writer as writer
+    import kvstore.convert.encode as encoding
+    import kvstore.flow.writer as writer
 
     monkeypatch.setattr(writer, "encoded", partial(encoding.encoded, together=False))

@@ -49,7 +49,7 @@ from kvstore.adapters.mlx_lm import (  # noqa: E402
     layout_signature,
     model_fingerprint,
 )
-from kvstore.layers import KVLayer, Quantized, StateLayer, take_rows  # noqa: E402
+from kvstore.blocks.layers import KVLayer, Quantized, StateLayer, take_rows  # noqa: E402
 
 from ._helpers import MLX_LM, keys_and_values  # noqa: E402
 

@@ -5,10 +5,10 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from kvstore import buffers, cuda
-from kvstore.codec import Block
-from kvstore.hashing import as_tokens
-from kvstore.wire import serialize
+from kvstore.gpu import buffers, cuda
+from kvstore.blocks.codec import Block
+from kvstore.blocks.hashing import as_tokens
+from kvstore.blocks.wire import serialize
 
 from ._helpers import kv_layers
 
@@ -172,7 +172,7 @@ def test_a_store_smaller_than_its_puts_makes_its_page_locked_memory_once(monkeyp
 
     import mlx.core as mx
 
-    from kvstore.layers import KVLayer
+    from kvstore.blocks.layers import KVLayer
     from kvstore.store import PrefixStore
 
     rt = _PinningRuntime()  # (page-locked for the pool only: the rest of the store runs its host paths)

@@ -297,8 +297,8 @@ def test_verify_counts_orphans_apart_from_damage_and_repair_removes_them(store_p
     """An orphan (a block whose parent is gone: what a clear beside an older
     kvstore's engine left) is never served and is no damage: verify lists it
     as an orphan and exits 0; --repair removes it."""
-    from kvstore.catalog import Catalog
-    from kvstore.tiers.lmdb import LmdbTier
+    from kvstore.admin.catalog import Catalog
+    from kvstore.tiers.disk.lmdb import LmdbTier
 
     tier = LmdbTier.open(store_path)
     try:

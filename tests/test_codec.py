@@ -15,12 +15,12 @@ import xxhash
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
-from kvstore import header, wire
-from kvstore.codec import BITS, GROUP_SIZES, Block, Codec, convert
+from kvstore.blocks import header, wire
+from kvstore.blocks.codec import BITS, GROUP_SIZES, Block, Codec, convert
 from kvstore.errors import BlockDecodeError
-from kvstore.header import KVSpec, read_header
-from kvstore.layers import KVLayer, Quantized, StateLayer
-from kvstore.wire import Stored, deserialize, serialize
+from kvstore.blocks.header import KVSpec, read_header
+from kvstore.blocks.layers import KVLayer, Quantized, StateLayer
+from kvstore.blocks.wire import Stored, deserialize, serialize
 
 from ._helpers import raw_header, repack, same, wire_prefix
 

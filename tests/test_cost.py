@@ -10,7 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvstore import ConfigError, PrefixStore
-from kvstore.cost import STATES, CostModel, PrefillModel
+from kvstore.cost.model import STATES, CostModel, PrefillModel
 
 from ._helpers import assert_hit_is, kv_layers
 
@@ -264,7 +264,7 @@ def _dropped(data) -> bool:
     import mmap
     import os
 
-    from kvstore.tiers.residency import address, resident_at
+    from kvstore.tiers.disk.residency import address, resident_at
 
     fd = os.open(data, os.O_RDONLY)
     try:
@@ -316,7 +316,7 @@ def test_blocks_without_a_recorded_offset_teach_no_rate_until_read_once(tmp_path
     is, and from then on its residency is known."""
     import lmdb
 
-    from kvstore.record import BlockRecord
+    from kvstore.blocks.record import BlockRecord
 
     p = _prompt(4 * 64)
     with PrefixStore(budget_gb=1, ssd_path=tmp_path / "s", block_size=64) as s:

@@ -1,4 +1,4 @@
-"""The staged transfers of ``kvstore.cuda`` (pinned buffers, two in turn per
+"""The staged transfers of ``kvstore.gpu.cuda`` (pinned buffers, two in turn per
 transfer, from a process-wide pool), driven through a runtime whose copy
 engine is ``memmove`` on host memory: the chunking and the pool are the same
 code the CUDA runtime runs (the copies themselves need a GPU)."""
@@ -10,7 +10,7 @@ import threading
 
 import numpy as np
 
-from kvstore import cuda
+from kvstore.gpu import cuda
 
 
 class HostRuntime:
@@ -95,7 +95,7 @@ class _HostLib:
 
 
 class PinnedHostRuntime(HostRuntime):
-    """A runtime whose page-locked memory is ``kvstore.cuda``'s own, on the heap."""
+    """A runtime whose page-locked memory is ``kvstore.gpu.cuda``'s own, on the heap."""
 
     def __init__(self):
         super().__init__()
@@ -148,7 +148,7 @@ def test_a_remote_read_never_makes_page_locked_memory_but_reuses_what_the_ram_ti
     """Making page-locked memory holds up the whole GPU, so a payload read while the engine runs
     (``tiers/resp``) takes a handed-back page-locked buffer when one is free and a pageable one
     otherwise; the RAM tier's own blocks are still made page-locked."""
-    from kvstore import buffers
+    from kvstore.gpu import buffers
 
     _drain_pool()
     rt = PinnedHostRuntime()

@@ -3,7 +3,7 @@ to the GPU keeps a device copy of each under ``device_budget_gb``; the next
 hit is cut from those copies with the same KV; copies go least recently used
 first, with ``trim_device``, and with their blocks.
 
-Driven on this CPU through ``kvstore.cuda``'s own code paths on a runtime
+Driven on this CPU through ``kvstore.gpu.cuda``'s own code paths on a runtime
 whose copy engine is ``memmove`` and whose page-locked memory is the heap
 (test_cuda_staging.py): the store, the table and ``gather``'s device path
 are the code a GPU runs; only the copies differ. Without CUDA the tier is
@@ -15,10 +15,11 @@ import lmdb
 import numpy as np
 import pytest
 
-from kvstore import PrefixStore, cuda
+from kvstore import PrefixStore
+from kvstore.gpu import cuda
 
-from kvstore.hashing import KeyChain, as_tokens, root_key
-from kvstore.layers import Quantized
+from kvstore.blocks.hashing import KeyChain, as_tokens, root_key
+from kvstore.blocks.layers import Quantized
 
 from ._helpers import BS, M, assert_hit_is, bits_of, kv_layers, toks
 from .test_cuda_staging import PinnedHostRuntime, _drain_pool

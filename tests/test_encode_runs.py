@@ -14,9 +14,9 @@ from functools import partial
 import mlx.core as mx
 import pytest
 
-import kvstore.encode as encoding
-import kvstore.writer as writer_mod
-from kvstore.layers import KVLayer
+import kvstore.convert.encode as encoding
+import kvstore.flow.writer as writer_mod
+from kvstore.blocks.layers import KVLayer
 from kvstore.store import PrefixStore
 
 from ._helpers import BS, M, assert_hit_is, kv_layers, state_at, toks

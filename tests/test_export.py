@@ -1,4 +1,4 @@
-"""`kvstore export` / `kvstore import` (kvstore.transfer): a store's entries carried in one file,
+"""`kvstore export` / `kvstore import` (kvstore.admin.transfer): a store's entries carried in one file,
 checked whole before anything of it is written. Real LMDB stores, real mlx arrays, a real tiny
 mlx-lm model, the CLI as a subprocess, and an engine process beside an import."""
 
@@ -14,7 +14,7 @@ import pytest
 
 from kvstore import PrefixStore
 from kvstore.errors import TransferError
-from kvstore.transfer import MAGIC, PREFIX, export_store, import_store
+from kvstore.admin.transfer import MAGIC, PREFIX, export_store, import_store
 
 from ._helpers import assert_hit_is, kv_layers, same
 
@@ -216,7 +216,7 @@ def test_export_leaves_out_a_damaged_block_and_the_blocks_below_it(tmp_path):
     fill(src, PROMPTS[:1])  # blocks at 0, 16, 32, 48
     env = lmdb.open(str(src), max_dbs=8)
     nodes, blocks = env.open_db(b"nodes", create=False), env.open_db(b"blocks", create=False)
-    from kvstore.record import BlockRecord
+    from kvstore.blocks.record import BlockRecord
     with env.begin(write=True) as txn:
         key = next(bytes(k) for k, v in txn.cursor(db=nodes) if BlockRecord.unpack(bytes(k), v).start == 32)
         bad = bytearray(txn.get(key, db=blocks))

@@ -10,13 +10,13 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from kvstore.codec import Block, Codec
+from kvstore.blocks.codec import Block, Codec
 from kvstore.errors import ConfigError
-from kvstore.header import read_header
-from kvstore.layers import KVLayer, Quantized
-from kvstore.rotation import DEFAULT_SEED
+from kvstore.blocks.header import read_header
+from kvstore.blocks.layers import KVLayer, Quantized
+from kvstore.blocks.rotation import DEFAULT_SEED
 from kvstore.store import PrefixStore
-from kvstore.wire import deserialize, serialize
+from kvstore.blocks.wire import deserialize, serialize
 
 M = "full-attention-bits-model"
 N, WINDOW = 24, 8

@@ -1,4 +1,4 @@
-"""The one-copy read path (``kvstore.gather``): blocks straight from their
+"""The one-copy read path (``kvstore.convert.gather``): blocks straight from their
 stored bytes, or from RAM, into one tensor per layer. It must give exactly
 what decoding every block and concatenating gives, cut a hit at a corrupt
 block, and mix RAM and disk blocks in one prompt."""
@@ -10,11 +10,11 @@ import numpy as np
 import pytest
 
 from kvstore import PrefixStore
-from kvstore.codec import Block, Codec
-from kvstore.gather import _slow, gather
-from kvstore.hashing import KeyChain, root_key
-from kvstore.layers import KVLayer, Quantized, take_rows
-from kvstore.wire import Stored, serialize
+from kvstore.blocks.codec import Block, Codec
+from kvstore.convert.gather import _slow, gather
+from kvstore.blocks.hashing import KeyChain, root_key
+from kvstore.blocks.layers import KVLayer, Quantized, take_rows
+from kvstore.blocks.wire import Stored, serialize
 
 from ._helpers import bits_of, kv_layers, raw_header, repack
 

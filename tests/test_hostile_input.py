@@ -41,7 +41,7 @@ import pytest
 from kvstore import (ConfigError, InputError, KVStoreError, LayoutError, PrefixStore, ReadOnlyError,
                      RemoteConfigError, StoreClosedError, StoreOpenError)
 from kvstore.config import StoreConfig
-from kvstore.layers import KVLayer
+from kvstore.blocks.layers import KVLayer
 
 from ._helpers import assert_hit_is, kv_layers
 

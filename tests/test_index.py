@@ -18,8 +18,8 @@ from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from kvstore.hashing import KeyChain, as_tokens, chain_key, root_key
-from kvstore.index import RadixIndex
+from kvstore.blocks.hashing import KeyChain, as_tokens, chain_key, root_key
+from kvstore.state.index import RadixIndex
 
 SETTINGS = settings(max_examples=40, deadline=None)
 ROOT = Path(__file__).resolve().parent.parent
@@ -162,7 +162,7 @@ def test_add_checks_parent_and_position():
 
 _KEYS_SNIPPET = """
 import json, sys
-from kvstore.hashing import KeyChain, as_tokens, root_key
+from kvstore.blocks.hashing import KeyChain, as_tokens, root_key
 out = []
 for model, ns, toks in json.loads(sys.argv[1]):
     c = KeyChain(root_key(model, ns), as_tokens(toks), 4)

@@ -1,5 +1,7 @@
-"""The package's layering: the store knows no engine, and the install adds no
-generic top-level names."""
+"""The package's layering: the store knows no engine, the install adds no
+generic top-level names, and the core's sub-packages depend one way (the data
+flow: format below tiers below state below the paths that move blocks below
+the facade), with no import cycle and no module too long to read."""
 
 import ast
 import pathlib
@@ -66,3 +68,107 @@ def test_every_benchmark_file_and_anchor_the_docs_name_exists():
     got = subprocess.run([sys.executable, str(root / "tools" / "check_doc_links.py")], cwd=root,
                          capture_output=True, text=True)
     assert got.returncode == 0, got.stdout + got.stderr
+
+
+# The core's layers, lowest first: a module imports only from its own layer or lower ones (the
+# package root ``kvstore`` excepted, for ``__version__``). Sub-packages are named by their job:
+LAYERS = [
+    {"errors"},  # the exceptions
+    {"gpu"},  # the CUDA runtime and host buffers (the only place that knows CUDA)
+    {"blocks"},  # what a block is: keys, layers, codec, header, bytes, records
+    {"config", "counters"},  # the settings; what a store counts
+    {"convert"},  # engine arrays <-> blocks (encode, gather, assemble)
+    {"tiers"},  # where blocks live: device, RAM, disk (LMDB), remote; one ``Tier`` protocol
+    {"state"},  # which blocks the store knows and where: the index and the one table over it
+    {"flow"},  # the put and fetch paths that carry out the table's plans: writer, reader, discovery
+    {"cost"},  # whether loading beats recomputing
+    {"admin"},  # the offline commands: inspect, verify, clear, export/import
+    {"store", "hit", "warmup", "__init__", "__main__"},  # the facade
+]
+MAX_LINES = 450
+
+
+def _module_name(path: pathlib.Path) -> str:
+    parts = list(path.relative_to(CORE.parent).with_suffix("").parts)
+    if parts[-1] == "__init__":
+        parts = parts[:-1]
+    return ".".join(parts)
+
+
+def _core_modules() -> dict[str, pathlib.Path]:
+    return {_module_name(p): p for p in CORE.rglob("*.py")}
+
+
+def _runtime_imports(path: pathlib.Path, modules) -> set[str]:
+    """The kvstore modules ``path`` imports, at module level or in a function
+    (imports under ``if TYPE_CHECKING:`` are annotations, not imports)."""
+    name = _module_name(path)
+    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    out = set()
+
+    def visit(node):
+        if isinstance(node, ast.If) and getattr(node.test, "id", getattr(node.test, "attr", "")) == "TYPE_CHECKING":
+            for child in node.orelse:
+                visit(child)
+            return
+        if isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = package.split(".")[: len(package.split(".")) - node.level + 1]
+                mod = ".".join(base + ([node.module] if node.module else []))
+            else:
+                mod = node.module or ""
+            if mod.split(".")[0] == "kvstore":
+                for a in node.names:
+                    out.add(f"{mod}.{a.name}" if f"{mod}.{a.name}" in modules else mod)
+        elif isinstance(node, ast.Import):
+            out.update(a.name for a in node.names if a.name.split(".")[0] == "kvstore")
+        for child in ast.iter_child_nodes(node):
+            visit(child)
+
+    visit(ast.parse(path.read_text()))
+    return {m for m in out if m in modules and m != name}
+
+
+def _graph() -> dict[str, set[str]]:
+    modules = _core_modules()
+    return {m: _runtime_imports(p, modules) for m, p in modules.items()}
+
+
+def _layer(module: str) -> int:
+    top = module.split(".")[1] if "." in module else "__init__"
+    for i, names in enumerate(LAYERS):
+        if top in names:
+            return i
+    raise AssertionError(f"{module} is in no layer of test_layering.LAYERS: add its package there")
+
+
+def test_core_sub_packages_depend_one_way():
+    bad = [f"{m} ({LAYERS[_layer(m)]}) imports {d} ({LAYERS[_layer(d)]})"
+           for m, deps in _graph().items() for d in sorted(deps) if d != "kvstore" and _layer(d) > _layer(m)]
+    assert not bad, "\n".join(bad)
+
+
+def test_no_import_cycle_in_the_core():
+    graph = _graph()
+    state: dict[str, int] = {}  # 1: on the stack, 2: done
+    stack: list[str] = []
+
+    def visit(m):
+        state[m] = 1
+        stack.append(m)
+        for d in sorted(graph[m]):
+            if state.get(d) == 1:
+                raise AssertionError("import cycle: " + " -> ".join(stack[stack.index(d):] + [d]))
+            if d not in state:
+                visit(d)
+        stack.pop()
+        state[m] = 2
+
+    for m in sorted(graph):
+        if m not in state:
+            visit(m)
+
+
+def test_no_core_module_over_the_line_limit():
+    long = {m: n for m, p in _core_modules().items() if (n := len(p.read_text().splitlines())) > MAX_LINES}
+    assert not long, f"over {MAX_LINES} lines (split by job): {long}"

@@ -14,12 +14,12 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from kvstore.codec import Block
-from kvstore.wire import serialize
+from kvstore.blocks.codec import Block
+from kvstore.blocks.wire import serialize
 from kvstore.errors import BlockDecodeError
-from kvstore.hashing import KeyChain, as_tokens, root_key
-from kvstore.record import BlockRecord, Entry
-from kvstore.tiers.lmdb import LmdbTier
+from kvstore.blocks.hashing import KeyChain, as_tokens, root_key
+from kvstore.blocks.record import BlockRecord, Entry
+from kvstore.tiers.disk.lmdb import LmdbTier
 
 from ._helpers import BS, M, assert_hit_is, kv_layers, put, toks
 
@@ -32,7 +32,7 @@ def test_a_transaction_that_outgrows_the_map_is_written_again_whole(ssd, monkeyp
     """A streamed transaction that fills the map part-way (no room made
     ahead) is retried with a larger map: the blocks it had taken are written
     again with the rest, and every block is on disk and exact."""
-    from kvstore.tiers.lmdb import LmdbTier
+    from kvstore.tiers.disk.lmdb import LmdbTier
 
     grown: list[int] = []
     real_grow = LmdbTier._grow
@@ -53,14 +53,14 @@ def test_a_transaction_that_outgrows_the_map_is_written_again_whole(ssd, monkeyp
 # -------------------------------------------------- write-out, prefill
 
 
-@pytest.mark.skipif(not __import__("kvstore.tiers.residency").tiers.residency.can_start_writeback(),
+@pytest.mark.skipif(not __import__("kvstore.tiers.disk.residency").tiers.residency.can_start_writeback(),
                     reason="sync_file_range is Linux-only")
 def test_each_block_starts_its_write_out_where_its_bytes_lie_in_the_file(ssd, monkeypatch):
     """The writer asks the kernel to write each value out as soon as it is in
     the map, at its real place in data.mdb (what lies there is the block)."""
     import os
 
-    import kvstore.tiers.lmdb as lmdb_tier
+    import kvstore.tiers.disk.lmdb as lmdb_tier
 
     asked: list[tuple[int, int]] = []
     real = lmdb_tier.start_writeback
@@ -81,14 +81,14 @@ def test_each_block_starts_its_write_out_where_its_bytes_lie_in_the_file(ssd, mo
     assert on_file == stored
 
 
-@pytest.mark.skipif(not __import__("kvstore.tiers.residency").tiers.residency.can_start_writeback(),
+@pytest.mark.skipif(not __import__("kvstore.tiers.disk.residency").tiers.residency.can_start_writeback(),
                     reason="Linux only")
 def test_the_pages_a_write_takes_are_prefilled_only_where_lmdb_appends(ssd, monkeypatch):
     """A store with no free pages gets its values past the last page in use:
     those pages' cache is put in place before the copy (zeros written over
     unused pages), and every value lies inside them. With free pages (after
     an eviction) LMDB may reuse them instead, and nothing is prefilled."""
-    import kvstore.tiers.lmdb as lmdb_tier
+    import kvstore.tiers.disk.lmdb as lmdb_tier
 
     big = dict(heads=4, dim=256)  # 64 KiB blocks: values on pages of their own
     s = ssd(budget_gb=0)
@@ -117,16 +117,16 @@ def test_the_pages_a_write_takes_are_prefilled_only_where_lmdb_appends(ssd, monk
     assert_hit_is(s.fetch(M, q), q, len(q), **big)
 
 
-@pytest.mark.skipif(not __import__("kvstore.tiers.residency").tiers.residency.can_start_writeback(),
+@pytest.mark.skipif(not __import__("kvstore.tiers.disk.residency").tiers.residency.can_start_writeback(),
                     reason="Linux only")
 def test_a_value_appended_without_prefill_is_never_zeroed_by_the_next_ones_prefill(tmp_path):
     """Where free pages could hold a value, nothing is prefilled for it, yet
     LMDB may append it after all (pages freed by the last transaction are not
     reusable yet): a larger value after it in the same transaction must not
     have its prefill start below it. Both come back intact."""
-    from kvstore.record import BlockRecord
-    from kvstore.record import Entry
-    from kvstore.tiers.lmdb import LmdbTier
+    from kvstore.blocks.record import BlockRecord
+    from kvstore.blocks.record import Entry
+    from kvstore.tiers.disk.lmdb import LmdbTier
 
     def entry(i: int, n: int, fill: int) -> Entry:
         key = i.to_bytes(KEY_BYTES, "little")
@@ -156,7 +156,7 @@ def test_a_disk_hit_reads_no_block_whole_before_copying_it(ssd, monkeypatch):
     say they lie: no block is read whole first (py-lmdb's get reads every
     page of a value before it returns, so a cold hit read all its blocks
     before copying the first)."""
-    from kvstore.tiers.lmdb import LmdbTier
+    from kvstore.tiers.disk.lmdb import LmdbTier
 
     big = dict(heads=4, dim=256)  # values on pages of their own
     p = toks(4 * BS)
@@ -179,7 +179,7 @@ def test_a_record_pointing_at_other_bytes_falls_back_to_lmdb(ssd):
     LMDB: the hit is whole and exact, and nothing is dropped as corrupt."""
     from dataclasses import replace
 
-    from kvstore.record import BlockRecord
+    from kvstore.blocks.record import BlockRecord
 
     big = dict(heads=4, dim=256)
     p = toks(3 * BS)

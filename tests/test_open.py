@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 
 from kvstore import PrefixStore, ReadOnlyError, StoreOpenError
-from kvstore.tiers.lmdb import LmdbTier
+from kvstore.tiers.disk.lmdb import LmdbTier
 
 from ._helpers import assert_hit_is, kv_layers, put
 

@@ -13,8 +13,8 @@ import lmdb
 import msgpack
 import pytest
 
-from kvstore.codec import Codec
-from kvstore.hashing import KeyChain, as_tokens, root_key
+from kvstore.blocks.codec import Codec
+from kvstore.blocks.hashing import KeyChain, as_tokens, root_key
 
 from ._helpers import BS, M, assert_hit_is, kv_layers, put, same, toks
 

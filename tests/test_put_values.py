@@ -16,7 +16,7 @@ import pytest
 from mlx_lm.models.cache import KVCache
 
 from kvstore import LayoutError, PrefixStore
-from kvstore.layers import KVLayer, StateLayer
+from kvstore.blocks.layers import KVLayer, StateLayer
 
 from ._helpers import assert_hit_is, block_by_block, kv_layers, state_at
 
@@ -119,7 +119,7 @@ def test_quantized_kv_with_numpy_int_settings_is_stored_like_any_other():
     """``Quantized`` settings given as numpy ints (a caller's own arithmetic
     makes them) store, and do not stop later puts of the same layout from
     storing (equal layouts share one header table)."""
-    from kvstore.layers import Quantized
+    from kvstore.blocks.layers import Quantized
 
     with PrefixStore(block_size=BS, kv_bits=4, kv_group_size=64) as s:
         for i, settings in enumerate([(np.int64(4), np.int64(64)), (4, 64)]):
@@ -193,7 +193,7 @@ def test_a_put_keeps_the_kv_it_was_given_when_the_engine_writes_its_buffer_after
     """The writer serializes straight from the engine's buffers, after put
     has returned; an engine that writes into those buffers meanwhile (mlx-lm
     fills its cache in place) does not change what is stored."""
-    import kvstore.encode as encoding
+    import kvstore.convert.encode as encoding
 
     p = toks(3 * BS)
     layers = kv_layers(p)

@@ -14,17 +14,17 @@ import numpy as np
 import pytest
 
 from kvstore import KVLayer, PrefixStore
-from kvstore.codec import Block
+from kvstore.blocks.codec import Block
 from kvstore.counters import Counters
 from kvstore.errors import ConfigError, RemoteConfigError
-from kvstore.hashing import KeyChain, as_tokens, root_key
-from kvstore.layers import Quantized
-from kvstore.record import BlockRecord
-from kvstore.remote_sync import Remote
+from kvstore.blocks.hashing import KeyChain, as_tokens, root_key
+from kvstore.blocks.layers import Quantized
+from kvstore.blocks.record import BlockRecord
+from kvstore.tiers.remote.sync import Remote
 from kvstore.config import StoreConfig
-from kvstore.record import Entry
-from kvstore.tiers.remote import PREFIX, RemoteTier
-from kvstore.wire import serialize
+from kvstore.blocks.record import Entry
+from kvstore.tiers.remote.tier import PREFIX, RemoteTier
+from kvstore.blocks.wire import serialize
 
 from ._helpers import assert_hit_is, kv_layers, same
 from ._redis import PASSWORD, RedisServer, free_port, need_redis, start_cluster
@@ -484,7 +484,7 @@ def test_cli_stats_and_clear_act_on_one_models_remote_blocks(server, host):
 
 
 def test_the_remote_tier_writes_reads_and_removes_blocks_as_kept(server, monkeypatch):
-    import kvstore.tiers.remote as remote_module
+    import kvstore.tiers.remote.tier as remote_module
 
     tokens = prompt(128, seed=40)
     chain = KeyChain(root_key(MODEL), as_tokens(tokens), BS)

@@ -12,9 +12,9 @@ import pytest
 from kvstore import PrefixStore
 from kvstore.config import StoreConfig
 from kvstore.errors import ConfigError
-from kvstore.hashing import KeyChain, as_tokens, root_key
-from kvstore.record import BlockRecord
-from kvstore.tiers.remote_auth import SECRET_ENV, Signer
+from kvstore.blocks.hashing import KeyChain, as_tokens, root_key
+from kvstore.blocks.record import BlockRecord
+from kvstore.tiers.remote.auth import SECRET_ENV, Signer
 
 from ._helpers import assert_hit_is
 from .test_remote import MODEL, block_name, host, prompt, put, server  # noqa: F401 (fixtures)

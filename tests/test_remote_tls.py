@@ -10,7 +10,8 @@ import pytest
 
 from kvstore import PrefixStore
 from kvstore.errors import RemoteConfigError
-from kvstore.tiers.remote import PREFIX, RemoteURL
+from kvstore.tiers.remote.tier import PREFIX
+from kvstore.tiers.remote.url import RemoteURL
 
 from ._helpers import assert_hit_is
 from ._redis import PASSWORD, RedisServer, need_redis

@@ -9,13 +9,13 @@ import numpy as np
 import pytest
 import xxhash
 
-from kvstore.codec import Block, Codec, convert
+from kvstore.blocks.codec import Block, Codec, convert
 from kvstore.config import StoreConfig
-from kvstore.header import read_header
-from kvstore.layers import KVLayer, Quantized
-from kvstore.rotation import DEFAULT_SEED, rotatable, rotate, signs, unrotate
+from kvstore.blocks.header import read_header
+from kvstore.blocks.layers import KVLayer, Quantized
+from kvstore.blocks.rotation import DEFAULT_SEED, rotatable, rotate, signs, unrotate
 from kvstore.store import PrefixStore
-from kvstore.wire import deserialize, serialize
+from kvstore.blocks.wire import deserialize, serialize
 
 M = "rotation-test-model"
 

@@ -28,8 +28,8 @@ from mlx_lm.utils import load, load_tokenizer
 from kvstore.adapters.server import parse_args, start
 from kvstore.adapters.tiny_models import make_tiny_model
 from kvstore.adapters.tiny_vlm import make_tiny_vlm
-from kvstore.catalog import Catalog
-from kvstore.tiers.lmdb import LmdbTier
+from kvstore.admin.catalog import Catalog
+from kvstore.tiers.disk.lmdb import LmdbTier
 
 from ._helpers import MLX_LM
 

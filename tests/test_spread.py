@@ -1,4 +1,4 @@
-"""kvstore.spread: per-layer work on every core, results in order, and a cap
+"""kvstore.convert.spread: per-layer work on every core, results in order, and a cap
 on the threads it uses (1: everything in the caller)."""
 
 import os
@@ -7,7 +7,7 @@ import threading
 import mlx.core as mx
 import pytest
 
-from kvstore import spread
+from kvstore.convert import spread
 
 
 def _run(n):

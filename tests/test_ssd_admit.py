@@ -21,7 +21,7 @@ from ._helpers import BLOCK_BYTES, BS, M, assert_hit_is, put, toks
 _READ = """
 import json, sys
 import lmdb
-from kvstore.record import BlockRecord
+from kvstore.blocks.record import BlockRecord
 env = lmdb.open(sys.argv[1], max_dbs=8, subdir=True, readonly=True, lock=False)
 with env.begin() as txn:
     nodes, blocks = env.open_db(b"nodes", txn=txn, create=False), env.open_db(b"blocks", txn=txn, create=False)
@@ -152,7 +152,7 @@ def test_always_writes_every_block_through(ssd, tmp_path):
 
 
 def test_lifetime_counters_of_writes_are_saved_in_the_store(reuse, tmp_path):
-    from kvstore.tiers.lmdb import LmdbTier
+    from kvstore.tiers.disk.lmdb import LmdbTier
 
     s = reuse()
     put(s, toks(16))

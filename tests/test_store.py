@@ -18,9 +18,9 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from kvstore.codec import Codec
+from kvstore.blocks.codec import Codec
 from kvstore.errors import ConfigError, KVStoreError, LayoutError
-from kvstore.layers import KVLayer, Quantized, StateLayer
+from kvstore.blocks.layers import KVLayer, Quantized, StateLayer
 from kvstore.config import GB, StoreConfig
 from kvstore.store import PrefixStore
 

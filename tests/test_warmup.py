@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from kvstore import cuda
+from kvstore.gpu import cuda
 from kvstore.config import StoreConfig
 from kvstore.store import PrefixStore
 from kvstore.warmup import warm_device
@@ -19,7 +19,7 @@ needs_cuda = pytest.mark.skipif(cuda.runtime() is None, reason="needs mlx's CUDA
 def test_without_cuda_nothing_is_warmed():
     if cuda.runtime() is not None:
         pytest.skip("on CUDA")
-    assert warm_device(StoreConfig(kv_bits=4)) == 0.0
+    assert warm_device(StoreConfig(kv_bits=4), PrefixStore) == 0.0
 
 
 @needs_cuda
@@ -29,7 +29,7 @@ def test_a_store_opening_on_cuda_makes_the_landing_buffer_whole_once_per_codec()
     for b in landing:
         cuda._landing.put(b)
     assert any(buf.size >= cuda.LANDING for buf, _ in landing)
-    assert warm_device(s.config) == 0.0  # once per process and codec
+    assert warm_device(s.config, PrefixStore) == 0.0  # once per process and codec
     p = toks(600)
     put(s, p)
     s.flush()

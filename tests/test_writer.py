@@ -23,8 +23,8 @@ import threading
 import mlx.core as mx
 import pytest
 
-from kvstore.hashing import root_key
-from kvstore.layers import KVLayer
+from kvstore.blocks.hashing import root_key
+from kvstore.blocks.layers import KVLayer
 from kvstore.store import PrefixStore
 
 from ._helpers import BS, M, assert_hit_is, block_by_block, kv_layers, put, toks
@@ -36,10 +36,10 @@ def _writer_held(monkeypatch) -> threading.Event:
     """The writer thread waits before encoding anything until the returned
     event is set (at most 30 s); puts encoded in the caller go on. (On CUDA
     no warm-up store is opened: its flush would wait at the gate.)"""
-    import kvstore.encode as encoding
+    import kvstore.convert.encode as encoding
     import kvstore.store
 
-    monkeypatch.setattr(kvstore.store, "warm_device", lambda config: 0.0)
+    monkeypatch.setattr(kvstore.store, "warm_device", lambda config, open_store: 0.0)
 
     gate = threading.Event()
     real = encoding.encode
@@ -119,7 +119,7 @@ def test_a_job_lets_go_of_the_engines_arrays_once_encoded_not_once_written(ssd, 
     ``pending_bytes`` as soon as its blocks are encoded, while the disk
     transaction is still being written, so the next put queues instead of
     being skipped behind a slow disk."""
-    from kvstore.tiers.lmdb import LmdbTier
+    from kvstore.tiers.disk.lmdb import LmdbTier
 
     written = threading.Event()
     real = LmdbTier.store
@@ -218,8 +218,8 @@ def test_a_transaction_copies_the_first_block_before_the_writer_has_encoded_the_
     has the first block of a put before the writer encodes its last one, so
     the disk is not idle while a whole batch is encoded first; the put
     still lands whole, in one transaction."""
-    import kvstore.encode as encoding
-    from kvstore.tiers.lmdb import LmdbTier
+    import kvstore.convert.encode as encoding
+    from kvstore.tiers.disk.lmdb import LmdbTier
 
     events: list[str] = []
     real_encode, real_store = encoding.encode, LmdbTier.store
@@ -280,7 +280,7 @@ def test_a_disk_only_store_serializes_into_the_buffers_it_wrote_before(ssd):
     """Blocks written through (no RAM to keep them) hand their bytes back,
     and the next put's blocks are serialized into them: no fresh memory (page
     faults) per block in the steady state, and every block still exact."""
-    from kvstore import buffers
+    from kvstore.gpu import buffers
 
     big = dict(n_layers=2, heads=16, dim=1024)  # 1 MiB blocks: the size buffers are kept for
     s = ssd(budget_gb=0)
@@ -316,7 +316,7 @@ def test_a_disk_only_store_serializes_into_the_buffers_it_wrote_before(ssd):
 def test_put_leaves_every_disk_write_to_the_background_threads(ssd, monkeypatch):
     """A put never waits on a disk transaction (an fsync): not for its blocks
     and not for the first description of a new model, which still lands."""
-    from kvstore.tiers.lmdb import LmdbTier
+    from kvstore.tiers.disk.lmdb import LmdbTier
 
     writers: list[str] = []
     real = LmdbTier.write
@@ -339,7 +339,7 @@ def test_a_write_that_fails_part_way_leaves_the_writer_free_and_ram_serving(ssd,
     """When the disk write fails after taking some blocks, the writer is not
     left waiting on the transaction: the put finishes, the failure is
     counted, RAM still serves the prompt, and the next put is written."""
-    from kvstore.tiers.lmdb import LmdbTier
+    from kvstore.tiers.disk.lmdb import LmdbTier
 
     real_store = LmdbTier.store
     calls = []
@@ -392,7 +392,7 @@ def test_where_no_thread_can_start_a_put_is_written_in_the_callers_thread(ssd, m
     """An exiting interpreter (Python 3.12+) refuses new threads: a put (and a
     new model's description) then runs in the caller, written whole, with no
     error raised into the engine and nothing left pending."""
-    from kvstore.hashing import root_key
+    from kvstore.blocks.hashing import root_key
 
     def start(self):
         raise RuntimeError("can't create new thread at interpreter shutdown")
@@ -413,7 +413,7 @@ def test_an_interrupt_while_the_engine_thread_encodes_leaves_no_transaction_open
     once the blocks handed over are written, the others are stored by the
     next put, and the store closes (no write transaction left waiting for
     blocks that never come)."""
-    import kvstore.encode as encoding
+    import kvstore.convert.encode as encoding
 
     real_encode = encoding.encode
 

@@ -2,7 +2,7 @@
 
 mlx keeps what its kernels make in device memory and moves an array into
 managed memory, with a copy, the first time its address is taken. This makes
-4 GiB of fresh arrays, takes their addresses (``kvstore.cuda.address``, the
+4 GiB of fresh arrays, takes their addresses (``kvstore.gpu.cuda.address``, the
 buffer protocol) twice, and has a kernel read them; then the same from mlx's
 buffer cache (arrays moved before), and fresh again. Run on
 the device machine::
@@ -23,7 +23,7 @@ from kvstore.tools.bench.common import write_json
 def run(gib: int) -> dict:
     import mlx.core as mx
 
-    from kvstore import cuda
+    from kvstore.gpu import cuda
 
     def ms(t0: float) -> float:
         mx.synchronize()

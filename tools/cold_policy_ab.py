@@ -27,7 +27,8 @@ from pathlib import Path
 import mlx.core as mx
 import numpy as np
 
-from kvstore import PrefixStore, probe
+from kvstore import PrefixStore
+from kvstore.cost.model import probe
 from kvstore.config import StoreConfig
 from kvstore.tools.bench.common import drop_page_cache, resident_fraction, write_json
 from kvstore.tools.ssd_bench import KV, _layers, _ready

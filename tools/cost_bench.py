@@ -55,7 +55,7 @@ from mlx_lm import load
 
 from kvstore import PrefixStore
 from kvstore.adapters.generate import generate, model_key
-from kvstore.cost import PrefillModel
+from kvstore.cost.model import PrefillModel
 from kvstore.tools.bench.common import drop_page_cache
 from kvstore.tools.hot_path_table import timed_fetch
 
@@ -180,7 +180,7 @@ def run(model_path: str | None, lengths: list[int], kinds: list[str], repeats: i
                 prompt = _prompt(tokenizer, n, n + len(kind))
                 if fresh:
                     cache = _prefilled(model, prompt)
-                    from kvstore import cuda
+                    from kvstore.gpu import cuda
                     for source in sources or SOURCES + (("device",) if cuda.runtime() is not None else ()):
                         row = {"tokens": n, "kv": kind, "source": source}
                         row.update(_fresh_row(model, tokenizer, key, prompt, cache, path, kind, block, source,

@@ -15,7 +15,8 @@ import time
 import mlx.core as mx
 import numpy as np
 
-from kvstore import KVLayer, PrefixStore, spread
+from kvstore import KVLayer, PrefixStore
+from kvstore.convert import spread
 
 
 def main() -> None:

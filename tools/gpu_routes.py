@@ -5,7 +5,7 @@ the route decides the speed. Each route moves the same bytes and is timed
 until a kernel has read them on the GPU (or the host has read them back):
 
 - ``fault``: ``mx.array(numpy)``, then the first kernel faults pages over.
-- ``prefetch``: ``mx.array(numpy)``, then ``cudaMemPrefetchAsync`` (kvstore.cuda).
+- ``prefetch``: ``mx.array(numpy)``, then ``cudaMemPrefetchAsync`` (kvstore.gpu.cuda).
 - ``assign``: ``dst[..., :n] = mx.array(numpy)`` into a device-resident buffer.
 - ``d2h_fault`` / ``d2h_prefetch``: a GPU-computed array read by numpy,
   without / with a prefetch to the host first.
@@ -25,7 +25,7 @@ import time
 import mlx.core as mx
 import numpy as np
 
-from kvstore import cuda
+from kvstore.gpu import cuda
 
 
 def _time(fn, repeats: int) -> float:

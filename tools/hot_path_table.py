@@ -58,7 +58,7 @@ def _open(device_gb: float | None = None, **kw) -> PrefixStore | None:
 
 
 def _on_cuda() -> bool:
-    from kvstore import cuda
+    from kvstore.gpu import cuda
     return cuda.runtime() is not None
 
 

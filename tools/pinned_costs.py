@@ -34,7 +34,7 @@ def _forward(mx, x, w, steps: int) -> float:
 def run(gibs: list[float], repeats: int) -> dict:
     import mlx.core as mx
 
-    from kvstore import cuda
+    from kvstore.gpu import cuda
     rt = cuda.runtime()
     if rt is None:
         raise SystemExit("no CUDA runtime: this measures page-locked memory on CUDA only")

@@ -27,7 +27,8 @@ def run(model_path: str, tokens: int, repeats: int) -> dict:
     import numpy as np
     from mlx_lm import load
 
-    from kvstore import PrefixStore, rowcopy
+    from kvstore import PrefixStore
+    from kvstore.convert import rowcopy
     from kvstore.adapters.calibration import vocab_size
     from kvstore.adapters.generate import fetch_cache, model_key, prefill, store_cache
     from mlx_lm.models import cache as C

@@ -107,7 +107,7 @@ class Server:
                 time.sleep(0.05)
 
     def _tier(self):
-        from kvstore.tiers.remote import RemoteTier
+        from kvstore.tiers.remote.tier import RemoteTier
 
         tier = RemoteTier(self.url, timeout=5.0)
         tier.connect()
@@ -139,10 +139,11 @@ class Server:
 
 
 def bench_restore(cfg: dict, R: int, tmp: Path, server: Server) -> dict:
-    from kvstore import PrefixStore, buffers
-    from kvstore.hashing import KeyChain, root_key
-    from kvstore.tiers.remote import RemoteTier
-    from kvstore.wire import deserialize
+    from kvstore import PrefixStore
+    from kvstore.gpu import buffers
+    from kvstore.blocks.hashing import KeyChain, root_key
+    from kvstore.tiers.remote.tier import RemoteTier
+    from kvstore.blocks.wire import deserialize
 
     c = cfg["restore"]
     rng = np.random.default_rng(10)
@@ -235,7 +236,7 @@ def bench_restore(cfg: dict, R: int, tmp: Path, server: Server) -> dict:
 def plain_hget(tier, keys: list, sizes: list) -> list:
     """The payloads as a plain redis-py client reads them (hiredis makes each a ``bytes``), pipelined per
     64 MiB (round trips one after another)."""
-    from kvstore.tiers.remote import FIELD_PAYLOAD, _chunks
+    from kvstore.tiers.remote.tier import FIELD_PAYLOAD, _chunks
     return [p for chunk in _chunks(keys, sizes, 64 << 20)
             for p in tier._each(tier.reads, "hget", [tier.key_name(k) for k in chunk], FIELD_PAYLOAD)]
 

@@ -52,7 +52,7 @@ def _load(model: str):
 
 def _bus_gbps() -> float:
     """Host -> device bytes per second: pinned memory on the copy engine on CUDA, a memcpy elsewhere."""
-    from kvstore import cuda
+    from kvstore.gpu import cuda
 
     n = 1 << 30
     rt = cuda.runtime()

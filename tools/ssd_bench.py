@@ -27,7 +27,7 @@ kind back to back (see ``run``):
 - ``prior_ssd_cold_GBps``: what ``fetch_policy="auto"`` assumes of a cold
   read before it has measured one (a new store opened on the dropped file),
   against ``fetch_ssd_cold_GBps``; ``probe_cold_GBps``: the direct reads of
-  the file that prior is made from (``kvstore.probe``), by size and threads;
+  the file that prior is made from (``kvstore.cost.probe``), by size and threads;
 - baselines: ``read_cached`` / ``read_cold`` (``np.fromfile`` into a fresh
   buffer), and on CUDA the same read followed by mlx's own route to the GPU
   (``mx.array`` + first kernel), which is what an engine without kvstore gets.
@@ -54,8 +54,10 @@ from pathlib import Path
 import mlx.core as mx
 import numpy as np
 
-from kvstore import PrefixStore, cuda, probe
-from kvstore.layers import KVLayer
+from kvstore import PrefixStore
+from kvstore.gpu import cuda
+from kvstore.cost.model import probe
+from kvstore.blocks.layers import KVLayer
 from kvstore.tools.bench.common import WRITE_CHUNK, drop_page_cache, random_chunk, write_file
 
 KV = {"fp16": None, "q8": 8, "q4": 4}

@@ -15,7 +15,7 @@ _.skip_reason     # Hit: why they were not served
 _.predicted_s     # Hit: the cost model's load estimate
 _.set_budget      # PrefixStore.set_budget: the RAM budget changed at run time (documented in README)
 _.trim_device     # PrefixStore.trim_device: GPU memory handed back to an engine that needs it (README)
-_.serialize       # kvstore.wire.serialize: a block's bytes (tests, tools/bench, users checking the format)
+_.serialize       # kvstore.blocks.wire.serialize: a block's bytes (tests, tools/bench, users checking the format)
 _.total_s         # adapters.generate's result: request time, reported by tools and users
 
 # --- hooks a framework or the interpreter calls

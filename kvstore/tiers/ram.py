@@ -15,8 +15,8 @@ from __future__ import annotations
 from collections import OrderedDict
 from typing import Iterable, Iterator, Optional
 
-from .. import buffers
-from ..wire import Stored
+from ..gpu import buffers
+from ..blocks.wire import Stored
 
 
 PREFILL = 8 << 30  # page-locked bytes made at open at most (making them is slow: ``buffers.reserve``)

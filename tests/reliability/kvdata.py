@@ -213,7 +213,7 @@ def open_env(path, readonly: bool = False):
 def block_key(model, toks: Sequence[int], start: int, namespace: Optional[str] = None) -> bytes:
     """Key of the block of prompt ``toks`` (of ``model``) that starts at token
     ``start``: a full block, or the prompt's last, partial one."""
-    from kvstore.hashing import KeyChain, as_tokens, root_key
+    from kvstore.blocks.hashing import KeyChain, as_tokens, root_key
 
     t = as_tokens(toks)
     chain = KeyChain(root_key(model, namespace), t, BLOCK)
@@ -230,8 +230,8 @@ def rewrite(path, key: bytes, fn, db: bytes = b"blocks") -> None:
     test the old, intact block instead)."""
     from dataclasses import replace
 
-    from kvstore.record import BlockRecord
-    from kvstore.tiers.residency import address, map_base
+    from kvstore.blocks.record import BlockRecord
+    from kvstore.tiers.disk.residency import address, map_base
 
     env = open_env(path)
     try:

@@ -20,7 +20,7 @@ import msgpack
 import pytest
 
 from kvstore import PrefixStore
-from kvstore.header import read_header
+from kvstore.blocks.header import read_header
 
 from . import kvdata as D
 

@@ -17,7 +17,7 @@ import msgpack
 import pytest
 
 from kvstore import PrefixStore, StoreOpenError
-from kvstore.tiers.lmdb_layout import FORMAT_VERSION
+from kvstore.tiers.disk.lmdb_layout import FORMAT_VERSION
 
 from . import kvdata as D
 

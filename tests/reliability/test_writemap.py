@@ -15,7 +15,7 @@ from pathlib import Path
 import msgpack
 
 from kvstore import PrefixStore
-from kvstore.tiers.lmdb_layout import FORMAT_VERSION
+from kvstore.tiers.disk.lmdb_layout import FORMAT_VERSION
 
 from . import kvdata as D
 

@@ -124,7 +124,7 @@ def lmdb_readahead(enabled: bool):
 
 def lmdb_readahead_flag(tmp: Path) -> Optional[bool]:
     """Whether kvstore's LMDB tier opens its environment with readahead."""
-    from kvstore.tiers.lmdb import LmdbTier
+    from kvstore.tiers.disk.lmdb import LmdbTier
 
     t = LmdbTier(tmp / "flag-probe", 64 << 20)
     try:
@@ -233,7 +233,7 @@ def rand_tokens(rng: np.random.Generator, n: int, hi: int = 1000) -> np.ndarray:
 
 def kv_layers(rng: np.random.Generator, layers: int, heads: int, dim: int, tokens: int, distinct: bool = True):
     """``layers`` KVLayers of fp16 normal noise (``distinct=False`` shares one K/V pair)."""
-    from kvstore.layers import KVLayer
+    from kvstore.blocks.layers import KVLayer
 
     def one():
         a = rng.standard_normal((1, heads, tokens, dim), dtype=np.float32).astype(np.float16)

@@ -1,7 +1,7 @@
 """lookup: key hashing and the index walk of a long prompt against an index of
 many blocks, and ``contains`` / ``fetch`` of it on a store.
 
-The walk is timed on a ``kvstore.index.RadixIndex`` built here with the
+The walk is timed on a ``kvstore.state.index.RadixIndex`` built here with the
 prompt's chain plus filler chains (the store's own index is not public);
 ``contains`` is timed on a store holding the prompt, and the walk is timed on
 an index of the prompt alone too, to show what the filler changes."""
@@ -24,8 +24,8 @@ FILLER_CHAIN = 512  # blocks per filler chain, every chain under the prompt's ro
 
 def run(cfg: dict, R: int, tmp: Path) -> dict:
     from kvstore import PrefixStore
-    from kvstore.hashing import KeyChain, as_tokens, root_key
-    from kvstore.index import RadixIndex
+    from kvstore.blocks.hashing import KeyChain, as_tokens, root_key
+    from kvstore.state.index import RadixIndex
 
     c = cfg["lookup"]
     reps = c["repeats"]

@@ -41,7 +41,7 @@ def _measured_put(path: Optional[Path], budget_gb: float, warm_tokens: np.ndarra
 
 
 def run(cfg: dict, R: int, tmp: Path) -> dict:
-    from kvstore.layers import KVLayer
+    from kvstore.blocks.layers import KVLayer
 
     c = cfg["put"]
     rng = np.random.default_rng(30)

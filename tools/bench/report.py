@@ -182,7 +182,7 @@ def _lookup_section(p: dict, a) -> None:
     a("## lookup: index walk + hashing\n")
     chain = p.get("filler_chain_blocks")
     a(f"A {p['prompt_tokens']:,}-token prompt ({p['prompt_blocks']} blocks of {p['block_size']}, real KV) in a RAM "
-      f"store, whose index then holds the prompt's blocks. The walk is also timed in a `kvstore.index.RadixIndex` of "
+      f"store, whose index then holds the prompt's blocks. The walk is also timed in a `kvstore.state.index.RadixIndex` of "
       f"{p['blocks_indexed']:,} blocks: the prompt's chain plus filler chains"
       + (f" of {chain} blocks" if chain else "") + " under the same root.\n")
     turn = p.get("next_turn_new_tokens")

@@ -46,8 +46,8 @@ def _np_dequant(q):
 
 def _dequant_paths(hit_q, R: int, nbytes_out: int) -> dict:
     """Time the ways to turn the fetched Quantized tensors into fp16 mx arrays."""
-    from kvstore.layers import Quantized, dequantize
-    from kvstore.spread import spread
+    from kvstore.blocks.layers import Quantized, dequantize
+    from kvstore.convert.spread import spread
 
     qs = [t for l in hit_q.layers for t in (l.keys, l.values) if isinstance(t, Quantized)]
     if not qs or qs[0].bits not in (8, 4):
@@ -73,7 +73,7 @@ def _dequant_paths(hit_q, R: int, nbytes_out: int) -> dict:
 
     res = {}
     for name, fn in ((SHIPPED, evaluated(lambda q: q.dequantize())),
-                     ("the same on every core (kvstore.spread, as fetch runs it)",
+                     ("the same on every core (kvstore.convert.spread, as fetch runs it)",
                       lambda: spread([q.dequantize for q in qs])),
                      (COMPILED, evaluated(lambda q: compiled_dequantize(q.data, q.scales, q.biases))),
                      (MX_KERNEL, evaluated(lambda q: mx.dequantize(q.data, q.scales, q.biases, group_size=gs,
@@ -103,8 +103,8 @@ def _ssd_numpy_assemble(disk, block_size: int, key: str, toks: np.ndarray, names
     instead of ``mx.array`` per block and ``mx.concatenate`` per layer."""
     import xxhash
 
-    from kvstore.hashing import KeyChain, root_key
-    from kvstore.header import read_header
+    from kvstore.blocks.hashing import KeyChain, root_key
+    from kvstore.blocks.header import read_header
 
     bs = block_size
     chain = KeyChain(root_key(key, namespace), toks, bs)
@@ -132,7 +132,7 @@ def _ssd_numpy_assemble(disk, block_size: int, key: str, toks: np.ndarray, names
 
 def run(cfg: dict, R: int, tmp: Path) -> dict:
     from kvstore import PrefixStore
-    from kvstore.tiers.lmdb import LmdbTier
+    from kvstore.tiers.disk.lmdb import LmdbTier
 
     c = cfg["restore"]
     rng = np.random.default_rng(10)

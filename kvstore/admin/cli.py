@@ -1,0 +1,444 @@
+"""The store commands of ``kvstore``: look into, check and clean an SSD store.
+
+They read LMDB and nothing else; the commands that need an engine (demo,
+bench, serve) are added by ``kvstore.adapters.cli``, the console script.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import json
+import sys
+from contextlib import contextmanager
+from enum import Enum
+from pathlib import Path
+from typing import Any, Callable, Optional
+
+import typer
+from rich.markup import escape
+from rich.progress import DownloadColumn, Progress
+from rich.table import Table
+
+from .. import __version__
+from .catalog import Catalog, check_block, parse_age, select
+from ..cost.model import CostModel
+from ..errors import KVStoreError, StoreOpenError
+from ..tiers.disk.lmdb import LmdbTier
+from .transfer import export_store, import_store
+from .cli_remote import (clear_remote as _clear_remote, path_or_remote as _path_or_remote,
+                         print_remote_stats as _print_remote_stats, remote_catalog as _remote_catalog)
+from .ui import err, out, size as _size
+from ..tiers.disk.users import other_processes
+
+app = typer.Typer(add_completion=False, no_args_is_help=True, rich_markup_mode="rich",
+                  help="kvstore: a tiered, persistent prefix KV cache for mlx-lm engines.")
+
+
+def _print_version(value: bool) -> None:
+    if value:
+        print(f"kvstore {__version__}")
+        raise typer.Exit()
+
+
+@app.callback()
+def _options(version: bool = typer.Option(False, "--version", callback=_print_version, is_eager=True,
+                                          help="Print kvstore's version and exit.")):
+    """kvstore: a tiered, persistent prefix KV cache for mlx-lm engines."""
+
+PathArg = typer.Argument(..., help="The store directory (the ssd_path the engine used).", show_default=False)
+OptionalPathArg = typer.Argument(None, help="The store directory (the ssd_path the engine used).", show_default=False)
+RemoteOpt = typer.Option(None, "--remote", help="A shared remote tier: redis://[:password@]host:port/db, rediss://, "
+                         "unix://; the password may come from $KVSTORE_REMOTE_PASSWORD or $REDISCLI_AUTH.")
+NamespaceOpt = typer.Option(None, "--namespace", help="With --remote: only this namespace (default: every one).")
+
+
+class SortKey(str, Enum):
+    last_used = "last-used"
+    tokens = "tokens"
+    bytes = "bytes"
+    hits = "hits"
+    created = "created"
+
+
+def _open(path: Path, readonly: bool = True) -> LmdbTier:
+    """An existing store: a command never creates one (a typo in a path is an error, not a new store)."""
+    path = path.expanduser()
+    if not readonly and (not path.exists() or path.is_dir() and not (path / "data.mdb").is_file()):
+        # (a read-only open refuses these itself; a writable one would make a store)
+        err.print(f"[red]error:[/red] {path}: no kvstore store here (no data.mdb). Check the path; nothing was "
+                  f"created or changed.")
+        raise typer.Exit(2)
+    try:
+        return LmdbTier.open(path, readonly=readonly)
+    except StoreOpenError as e:
+        err.print(f"[red]error:[/red] {e}")
+        raise typer.Exit(2)
+
+
+def _when(t: float) -> str:
+    return dt.datetime.fromtimestamp(t).strftime("%Y-%m-%d %H:%M:%S") if t else "-"
+
+
+# Where a model's tokenizer is not a tokenizer.json in its folder: functions of the registered path giving a
+# tokenizer (``decode(ids, skip_special_tokens=False)``) or None. kvstore.adapters adds GGUF files'.
+TOKENIZER_LOADERS: list[Callable[[Path], Any]] = []
+
+
+def _tokenizer(path: Path):
+    if Path(path, "tokenizer.json").exists():
+        # the tokenizers library alone: transformers would say on stderr that PyTorch is missing
+        from tokenizers import Tokenizer
+        return Tokenizer.from_file(str(Path(path, "tokenizer.json")))
+    return next((t for load in TOKENIZER_LOADERS if (t := load(path)) is not None), None)
+
+
+def _decoder(catalog: Catalog):
+    """Per model root, a function turning token ids into text, when the model
+    folder or file named at registration is still there."""
+    cache = {}
+
+    def decode(root_hex: str, ids: list[int]) -> Optional[str]:
+        if root_hex not in cache:
+            cache[root_hex] = None
+            path = catalog.models.get(bytes.fromhex(root_hex), {}).get("path")
+            if path and Path(path).exists():
+                try:
+                    cache[root_hex] = _tokenizer(Path(path))
+                except Exception:
+                    pass
+        tok = cache[root_hex]
+        return None if tok is None else _decode_runs(tok, ids)
+    return decode
+
+
+def _decode_runs(tok, ids: list[int]) -> str:
+    """Text of ``ids``; a run of negative ids (mlx-lm's key for an image's
+    patch tokens) reads ``<image>``."""
+    out, run = [], []
+    for i, t in enumerate(ids):
+        if t >= 0:
+            run.append(t)
+        elif i == 0 or ids[i - 1] != t:
+            out += [tok.decode(run, skip_special_tokens=False), "<image>"]
+            run = []
+    return "".join(out + [tok.decode(run, skip_special_tokens=False)])
+
+
+@app.command()
+def inspect(
+    path: Path = PathArg,
+    as_json: bool = typer.Option(False, "--json", help="One JSON object per line, for scripts."),
+    model: Optional[str] = typer.Option(None, help="Only models whose name or root key starts with this."),
+    min_tokens: int = typer.Option(0, help="Only entries of at least this many tokens."),
+    sort: SortKey = typer.Option(SortKey.last_used, help="Order of the rows (largest / newest first)."),
+    limit: int = typer.Option(50, help="At most this many rows (0: all)."),
+    decode: bool = typer.Option(True, help="Show the first tokens as text when the model's tokenizer is found."),
+):
+    """List the stored prompts of a store: model, length, blocks, bytes, KV bits, use.
+
+    Opens the store read-only: safe while an engine writes to it.
+
+    Example: [bold]kvstore inspect ~/.cache/kvstore/store --sort tokens --min-tokens 1000[/bold]
+    """
+    disk = _open(path)
+    try:
+        cat = Catalog.read(disk)
+    finally:
+        disk.close()
+    rows = [e for e in cat.entries() if e.tokens >= min_tokens
+            and (model is None or e.model.startswith(model) or e.root.startswith(model))]
+    attr = {"last-used": "last_used"}.get(sort.value, sort.value)
+    rows.sort(key=lambda e: getattr(e, attr), reverse=True)
+    if limit:
+        rows = rows[:limit]
+    decoder = _decoder(cat) if decode else None
+    for e in rows:
+        if decoder is not None:
+            e.text = decoder(e.root, e.first_tokens)
+    if as_json:
+        for e in rows:
+            out.print_json(json.dumps(e.as_dict()), indent=None) if sys.stdout.isatty() else print(json.dumps(e.as_dict()))
+        return
+    table = Table(title=f"{path}: {len(cat.records)} blocks, {len(list(cat.entries()))} entries")
+    for col in ("model", "prefix", "tokens", "blocks", "bytes", "kv", "dtype", "created", "last used", "hits"):
+        table.add_column(col, justify="right" if col in ("tokens", "blocks", "bytes", "hits") else "left",
+                         overflow="fold", max_width=36 if col == "prefix" else None)
+    for e in rows:
+        prefix = repr(e.text[:60]) if e.text is not None else " ".join(map(str, e.first_tokens[:8])) + " …"
+        table.add_row(e.model[:16], prefix, str(e.tokens), str(e.blocks), _size(e.bytes), e.kv, e.dtype,
+                      _when(e.created), _when(e.last_used), str(e.hits))
+    out.print(table)
+
+
+@app.command()
+def stats(path: Optional[Path] = OptionalPathArg, as_json: bool = typer.Option(False, "--json", help="JSON output."),
+          remote: Optional[str] = RemoteOpt, namespace: Optional[str] = NamespaceOpt):
+    """Totals of a store: per model, disk budget use, hit rate and tokens saved over its life;
+    with --remote, what a shared Redis / Valkey tier holds per model and its eviction settings.
+
+    Example: [bold]kvstore stats ~/.cache/kvstore/store[/bold]   or   [bold]kvstore stats --remote redis://cache:6379/0[/bold]
+    """
+    _path_or_remote(path, remote)
+    remote_result = _remote_catalog(remote, namespace).summary() if remote is not None else None
+    if path is None:
+        print(json.dumps(remote_result)) if as_json else _print_remote_stats(remote_result)
+        return
+    disk = _open(path)
+    try:
+        cat = Catalog.read(disk)
+        counters = disk.get_counters()
+        usage, budget = disk.usage(), disk.get_info("budget")
+        measured = _measured_rates(disk.get_info("rates") or {}, cat)
+    finally:
+        disk.close()
+    requested = counters.get("tokens_requested", 0)
+    served = sum(counters.get(k, 0) for k in ("tokens_ram", "tokens_ssd", "tokens_remote"))
+    result = {
+        "path": str(path), "blocks": len(cat.records), "entries": sum(1 for _ in cat.entries()),
+        "bytes_used": usage, "disk_budget": budget, "orphans": len(cat.orphans()),
+        "models": cat.per_model(), "lifetime": counters,
+        "token_hit_rate": served / requested if requested else 0.0, "tokens_saved": served,
+        "tokens_skipped_cost": counters.get("tokens_skipped_cost", 0), "rates": measured,
+    }
+    if remote_result is not None:
+        result["remote"] = remote_result
+    if as_json:
+        print(json.dumps(result))
+        return
+    t = Table(title=f"{path}")
+    t.add_column("model")
+    for c in ("blocks", "tokens", "bytes", "block hits"):
+        t.add_column(c, justify="right")
+    for name, d in result["models"].items():
+        t.add_row(name[:24], str(d["blocks"]), str(d["tokens"]), _size(d["bytes"]), str(d["hits"]))
+    out.print(t)
+    out.print("block hits: times one of the model's blocks was served (a hit of 10 blocks counts 10)")
+    used = f"{_size(usage)} of {_size(budget)} ({100 * usage / budget:.1f}%)" if budget else _size(usage)
+    out.print(f"disk: {used}    blocks: {len(cat.records)}    entries: {result['entries']}")
+    out.print(f"lifetime: {counters.get('hits', 0)} fetches hit, {counters.get('misses', 0)} missed, "
+              f"token hit rate {100 * result['token_hit_rate']:.1f}%, tokens served from cache {served} "
+              f"(RAM {counters.get('tokens_ram', 0)}, SSD {counters.get('tokens_ssd', 0)}, "
+              f"remote {counters.get('tokens_remote', 0)})")
+    out.print(f"SSD writes: {counters.get('blocks_written', 0)} blocks, {_size(counters.get('bytes_written', 0))}"
+              f"; {counters.get('evicted_unadmitted', 0)} blocks left RAM never written (ssd_admit=reuse)")
+    pred, act = counters.get("predicted_us", 0), counters.get("actual_us", 0)
+    out.print(f"cost: {result['tokens_skipped_cost']} stored tokens recomputed (predicted faster, or a near tie)"
+              + (f"; served hits took {act / 1e3:.1f} ms against {pred / 1e3:.1f} ms predicted" if pred else ""))
+    for machine, d in measured.items():
+        rates = ", ".join(f"{s} {r['gb_per_s']:.2f} GB/s ({r['observed']}x)" for s, r in d["rates"].items())
+        out.print(f"measured on {machine}: {rates or 'no fetch yet'}")
+        for model, m in d["prefill"].items():
+            rate = m.get("tokens_per_s_at_8k")
+            out.print(f"  prefill of {model[:24]}: " + (f"{rate:,.0f} tokens/s at 8K ({m['observed']} requests)"
+                                                         if rate else f"{m['observed']} requests, not fitted yet"))
+    if remote_result is not None:
+        _print_remote_stats(remote_result)
+
+
+def _measured_rates(saved: dict, cat: Catalog) -> dict:
+    """The cost model's estimates per machine, with model names for root keys."""
+    out = {}
+    for machine, d in saved.items():
+        cm = CostModel()
+        cm.merge_saved(d if isinstance(d, dict) else {})
+        desc = cm.describe()
+        prefill = {}
+        for root_hex, m in desc["prefill"].items():
+            try:
+                name = cat.model_name(bytes.fromhex(root_hex))
+            except ValueError:
+                name = root_hex
+            prefill[name] = m
+        out[machine] = {"rates": desc["rates"], "prefill": prefill}
+    return out
+
+
+@app.command()
+def verify(path: Path = PathArg,
+           repair: bool = typer.Option(False, help="Remove bad blocks (and the blocks under them) and orphans.")):
+    """Check every block's header, checksum and tokens. Exit code 0 when all is well, 1 when a block is bad.
+
+    Orphans (blocks whose parent was removed, e.g. by a clear while an older kvstore wrote) are never served
+    and are no damage: they are counted apart and do not fail the check; --repair removes them too.
+
+    Example: [bold]kvstore verify ~/.cache/kvstore/store --repair[/bold]
+    """
+    from rich.progress import track
+
+    disk = _open(path, readonly=not repair)
+    try:
+        cat = Catalog.read(disk)
+        bad: dict[bytes, str] = {}
+        with disk.reader() as txn:
+            for rec in track(list(cat.records.values()), description="verifying", console=err, transient=True):
+                why = check_block(disk, txn, rec)
+                if why:
+                    bad[rec.key] = why
+        for key in cat.bad:
+            bad[key] = "index record unreadable"
+        orphans: list[bytes] = []
+        for key in cat.orphans():
+            if key in bad:
+                continue
+            if cat.records[key].parent in bad:  # its parent's record is damaged: part of that damage
+                bad[key] = "parent block's index record unreadable"
+            else:
+                orphans.append(key)
+                bad[key] = "parent block missing (orphan)"
+        for key, why in bad.items():
+            r = cat.records.get(key)
+            where = f"tokens {r.start}-{r.end}" if r else "tokens ?"
+            tag = "[yellow]orphan[/yellow]" if key in orphans else "[red]bad[/red]"
+            out.print(f"{tag} {key.hex()[:16]} {where}: {why}")
+        if bad and repair:
+            n = len(disk.remove(cat.with_descendants(bad)))
+            out.print(f"removed {n} blocks")
+    finally:
+        disk.close()
+    n_bad = len(bad) - len(orphans)
+    out.print(f"{len(cat.records) + len(cat.bad)} blocks checked, {n_bad} bad, {len(orphans)} orphans"
+              + (" (blocks whose parent was removed, by a clear or an eviction, while they were written: never "
+                 "served, no damage; --repair removes them)" if orphans and not repair else ""))
+    raise typer.Exit(1 if n_bad else 0)
+
+
+QuietOpt = typer.Option(False, "--quiet", "-q", help="No progress bar (there is none when stderr is not a terminal).")
+
+
+@contextmanager
+def _progress(what: str, quiet: bool):
+    """A progress bar on stderr, fed ``(bytes done, bytes in all)``."""
+    with Progress(*Progress.get_default_columns(), DownloadColumn(), console=err, transient=True,
+                  disable=quiet or not err.is_terminal) as bar:
+        task = bar.add_task(what, total=None)
+        yield lambda done, total: bar.update(task, completed=done, total=total)
+
+
+@app.command("export")
+def export_(
+    path: Path = PathArg,
+    file: Path = typer.Argument(..., help="The export file to write (replaced once complete).", show_default=False),
+    model_key: Optional[str] = typer.Option(None, "--model-key", help="Only this model's entries (the model key "
+                                            "its engine stored them under, as `kvstore inspect` names it)."),
+    namespace: Optional[str] = typer.Option(None, "--namespace", help="Only entries of this namespace."),
+    quiet: bool = QuietOpt,
+):
+    """Write a store's entries (tokens, records, KV blocks, a checksum per block) to one file, for
+    `kvstore import` on another machine or later. Opens the store read-only: safe while an engine writes it.
+
+    Example: [bold]kvstore export ~/.cache/kvstore/store cache.kvx --model-key my-model[/bold]
+    """
+    with _progress("exporting", quiet) as bar:
+        r = export_store(path, file, model_key, namespace, progress=bar)
+    out.print(f"exported {r.blocks} blocks ({_size(r.nbytes)}) of {len(r.models)} model"
+              f"{'' if len(r.models) == 1 else 's'} ({', '.join(r.models) or 'none matched'}) to {file}"
+              + (f"; {r.skipped} damaged blocks (or removed meanwhile) left out with the blocks below them "
+                 f"(`kvstore verify`)" if r.skipped else ""))
+
+
+@app.command("import")
+def import_(
+    path: Path = typer.Argument(..., help="The store directory to add to (made when the path is new or empty).",
+                                show_default=False),
+    file: Path = typer.Argument(..., help="A file `kvstore export` wrote.", show_default=False),
+    quiet: bool = QuietOpt,
+):
+    """Add the entries of an export file to a store. The whole file is checked first (every block's
+    checksum, key and tokens): a damaged, truncated or foreign file is refused and nothing is written.
+    Blocks the store holds already are skipped. Safe beside running engines: they find the new blocks
+    at their next lookup.
+
+    Example: [bold]kvstore import ~/.cache/kvstore/store cache.kvx[/bold]
+    """
+    with _progress("importing", quiet) as bar:
+        r = import_store(path, file, progress=bar)
+    out.print(f"imported {r.blocks} blocks ({_size(r.nbytes)}) of {', '.join(r.models) or 'no model'}; "
+              f"{r.present} already there" + (f"; {r.skipped} not written: their parent was removed meanwhile "
+                                               f"(a `kvstore clear`)" if r.skipped else ""))
+
+
+@app.command()
+def clear(
+    path: Optional[Path] = OptionalPathArg,
+    model: Optional[str] = typer.Option(None, help="Only blocks of models whose name or root key starts with this."),
+    older_than: Optional[str] = typer.Option(None, help="Only blocks unused for this long: 90s, 30m, 12h, 7d, 2w."),
+    all_: bool = typer.Option(False, "--all", help="Everything (needed when no filter is given)."),
+    yes: bool = typer.Option(False, "--yes", "-y", help="Do not ask before deleting."),
+    remote: Optional[str] = RemoteOpt, namespace: Optional[str] = NamespaceOpt,
+):
+    """Remove entries from a store, or with --remote from a shared Redis / Valkey tier. Asks first unless --yes.
+
+    Example: [bold]kvstore clear ~/.cache/kvstore/store --older-than 7d --yes[/bold]
+    or [bold]kvstore clear --remote redis://cache:6379/0 --model my-model --yes[/bold]
+    """
+    _path_or_remote(path, remote)
+    if model is None and older_than is None and not all_:
+        err.print("[red]error:[/red] say what to remove: --model, --older-than, or --all")
+        raise typer.Exit(2)
+    if remote is not None and older_than is not None:
+        err.print("[red]error:[/red] --older-than acts on local stores only: the remote tier keeps no use times "
+                  "(Redis evicts by its own LRU); use --model or --all with --remote")
+        raise typer.Exit(2)
+    try:
+        age = parse_age(older_than) if older_than is not None else None
+    except ValueError as e:
+        err.print(f"[red]error:[/red] {e}")
+        raise typer.Exit(2)
+    if path is not None:
+        _clear_local(path, model, age, yes)
+    if remote is not None:
+        _clear_remote(remote, namespace, model, yes)
+
+
+_DELETE_BATCH = 1024  # blocks per write transaction of `clear`
+
+
+def _clear_local(path: Path, model: Optional[str], age: Optional[float], yes: bool) -> None:
+    disk = _open(path, readonly=False)
+    try:
+        cat = Catalog.read(disk)
+        keys = select(cat, model=model, older_than=age)
+        nbytes = sum(cat.records[k].nbytes for k in keys if k in cat.records)
+        if not keys:
+            out.print("nothing matches")
+            return
+        _warn_users(disk)
+        if not yes and not typer.confirm(f"Delete {len(keys)} blocks ({_size(nbytes)}) from {path}?", default=False):
+            out.print("nothing deleted")
+            raise typer.Exit(1)
+        keys.sort(key=lambda k: -cat.records[k].start if k in cat.records else 0)  # later blocks first
+        n = 0
+        with Progress(*Progress.get_default_columns(), console=err, transient=True) as bar:
+            task = bar.add_task("deleting", total=len(keys))
+            for i in range(0, len(keys), _DELETE_BATCH):  # (one stopped part-way leaves servable prefixes)
+                n += len(disk.remove(keys[i : i + _DELETE_BATCH], clearing=True))
+                bar.advance(task, min(_DELETE_BATCH, len(keys) - i))
+        out.print(f"deleted {n} blocks ({_size(nbytes)})")
+    finally:
+        disk.close()
+
+
+def _warn_users(disk: LmdbTier) -> None:
+    """Say which other processes have the store open: the clear is safe beside them (their next write learns of
+    it and stores no block whose parent is gone), but they keep serving what they hold in RAM."""
+    pids = other_processes(disk)
+    if pids:
+        err.print(f"[yellow]warning:[/yellow] {len(pids)} other process{'es' if len(pids) > 1 else ''} "
+                  f"(pid {', '.join(map(str, pids))}) {'have' if len(pids) > 1 else 'has'} this store open: they "
+                  f"keep serving the cleared prompts they hold in RAM until their next write to the store, which "
+                  f"makes them forget what was cleared. Restart them for a clean slate.")
+
+
+def main() -> None:
+    """Run the commands. kvstore's own errors (a bad setting, a store it cannot
+    open, a model it cannot load) end as one line on stderr, exit code 2, for
+    every command alike; anything else is a bug and keeps its traceback."""
+    try:
+        app()
+    except KVStoreError as e:
+        err.print("[red]error:[/red]", escape(" ".join(str(e).split())))
+        raise SystemExit(2) from None
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,350 @@
+"""A hit's blocks to one tensor per layer, with one copy of each stored byte.
+
+Every tier hands over a block as ``Stored``, its serialized bytes with the
+header checked: from RAM (bytes this process holds, checksum known good) or
+from disk (as LMDB maps them, valid inside the read transaction, payload not
+checked yet). Where every block holds full rows of plain
+attention layers under one setting (the common case), the hit is built in
+one pass over the bytes, blocks side by side on a thread pool, each block's
+checksum verified by the thread that moves it:
+
+- **host memory** (the CPU, Apple silicon): each block's rows are copied from
+  the mapped pages straight into the final per-layer arrays;
+- **CUDA** (mlx has no host->device copy): blocks land on the copy engine in
+  a reused buffer (``cuda.landing``) and the arrays handed over are copied
+  out of it on the GPU. Dense layers land at their rows of every tensor by
+  strided copies (``kvstore.convert.rowcopy``); other layouts (quantized) land block
+  by block and are cut there: blocks of one layout are a ``[blocks, bytes]``
+  matrix whose column ranges are one layer's arrays, so one strided view per
+  layer and part replaces a concatenation of per-block pieces. Pageable bytes
+  (LMDB's pages) go through pinned staging buffers (``kvstore.gpu.cuda``).
+
+Quantized parts are assembled per layer before anything is dequantized.
+Anything else (state snapshots, sliding windows, mixed settings, an engine
+asking for other quantization) is decoded block by block for ``assemble``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from functools import lru_cache
+from typing import Optional, Sequence
+
+import mlx.core as mx
+import numpy as np
+import xxhash
+
+from ..gpu import cuda
+from . import rowcopy
+from .assemble import assemble
+from ..blocks.codec import Block
+from ..errors import BlockDecodeError
+from ..blocks.header import ArraySpec, KVSpec
+from ..blocks.layers import KVLayer, Layer, Quantized
+from .spread import each, spread
+from ..blocks.ondevice import DeviceBlock
+from ..blocks.wire import Stored
+
+_DTYPE = {"float16": mx.float16, "bfloat16": mx.bfloat16, "float32": mx.float32, "uint32": mx.uint32}
+
+
+@dataclass
+class Gathered:
+    """Layers of ``[0, length)``; or, when a block failed its checksum, no
+    layers and ``bad``, its index (the caller serves the blocks before it).
+    ``on_device``: with ``keep_on_device``, a device copy of each block this
+    hit moved to the GPU (for the device tier)."""
+
+    layers: list[Optional[Layer]]
+    length: int
+    bad: Optional[int] = None
+    on_device: list = field(default_factory=list)
+
+
+# ------------------------------------------------------------------ layout
+
+
+def _spec(item: Stored) -> Optional[tuple]:
+    """Per layer, the settings and per-array (dtype, heads, width) of a block
+    of full-row attention layers; ``None`` when the fast path cannot take it."""
+    return _layout(item.header.ntokens, item.header.layers)
+
+
+@lru_cache(maxsize=64)
+def _layout(n: int, layers: tuple) -> Optional[tuple]:
+    # once per byte layout, not per block (blocks of a hit share one): walking a layer table in Python costs
+    # several times what hashing it does, and a remote hit asks as each block is placed and again for the hit
+    out = []
+    for e in layers:
+        if not isinstance(e, KVSpec) or e.window is not None or e.row_offset != 0:
+            return None
+        ts = []
+        for t in (e.keys, e.values):
+            if any(len(a.shape) != 4 or a.shape[0] != 1 or a.shape[2] != n or a.dtype not in _DTYPE
+                   for a in t.arrays):
+                return None
+            ts.append((None if t.bits is None else (t.bits, t.group_size), t.rotation,
+                       tuple((a.dtype, a.shape[1], a.shape[3]) for a in t.arrays)))
+        out.append(tuple(ts))
+    return tuple(out)
+
+
+def _fast_spec(items: Sequence[Stored], quantized: Optional[tuple[int, int]]) -> Optional[tuple]:
+    specs = {_spec(it) for it in items}
+    if len(specs) != 1:
+        return None
+    spec = specs.pop()
+    if spec is None or not spec:
+        return None
+    if quantized is not None:  # handed over as they are, or not at all here
+        if any(q != tuple(quantized) or r is not None for layer in spec for q, r, _ in layer):
+            return None
+    return spec
+
+
+def gather(items: Sequence, length: int, quantized: Optional[tuple[int, int]] = None,
+           keep_on_device: bool = False, fill: Optional[HostFill] = None) -> Gathered:
+    """One tensor per layer (``Quantized`` when the engine asks for the stored
+    settings) for rows ``[0, length)`` of consecutive blocks from position 0
+    (``Stored`` bytes, or ``DeviceBlock``s already in GPU memory). ``fill``:
+    destinations some of these blocks were placed in already (used when
+    they are this hit's)."""
+    spans = []  # per block used: (first row, rows used)
+    pos = 0
+    for it in items:
+        if pos >= length:
+            break
+        n = it.header.ntokens
+        spans.append((pos, min(n, length - pos)))
+        pos += n
+    items = items[: len(spans)]
+    spec = _fast_spec(items, quantized)
+    if spec is None:
+        return _slow(items, length, quantized)
+    kept: list = []
+    kind = rowcopy.dense(items, spec) if cuda.runtime() is not None else None
+    if kind is not None:
+        parts, bad, kept = rowcopy.gather(items, spans, kind, _DTYPE[kind[0]], length, keep_on_device)
+    elif any(isinstance(it, DeviceBlock) and it.arrays is not None for it in items):
+        return _slow(items, length, quantized)  # (a host block laid out otherwise beside them)
+    elif cuda.runtime() is not None:
+        parts, bad, kept = _fill_device(items, spans, spec, length, keep_on_device)
+    else:
+        parts, bad = _fill_host(items, spans, spec, length, fill)
+    if bad is not None:
+        return Gathered([], 0, bad)
+    tensors: list[list] = []
+    dense: list[tuple[int, int, Quantized]] = []  # dequantized below, for an engine that asked for dense arrays
+    for layer, lspec in zip(parts, spec):
+        row: list = []
+        for arrays, (q, r, _) in zip(layer, lspec):
+            if q is None:
+                row.append(arrays[0])
+            else:
+                t = Quantized(*arrays, q[0], q[1], r)
+                if quantized is None:
+                    dense.append((len(tensors), len(row), t))
+                row.append(t)
+        tensors.append(row)
+    # layers side by side on the CPU's cores, and evaluated here like every other array a fetch returns
+    # (left lazy, the engine's first step would pay for it on one core, and the fetch's measured rate would
+    # leave it out)
+    for (li, ti, _), d in zip(dense, spread([t.dequantize for _, _, t in dense])):
+        tensors[li][ti] = d
+    return Gathered([KVLayer(k, v, 0, None) for k, v in tensors], length, on_device=kept)
+
+
+def _slow(items: Sequence[Stored], length: int, quantized) -> Gathered:
+    """Decode block by block (checksums included) and concatenate."""
+    blocks: list[Block] = []
+    for i, it in enumerate(items):
+        try:
+            blocks.append((it.to_stored() if isinstance(it, DeviceBlock) else it).decode())
+        except BlockDecodeError:
+            return Gathered([], 0, i)
+    return Gathered(assemble(blocks, length, quantized), length)
+
+
+# ------------------------------------------------------------- host memory
+
+
+def _np(a: mx.array) -> np.ndarray:
+    return np.asarray(a.view(mx.uint16) if a.dtype == mx.bfloat16 else a)
+
+
+def _stored_arrays(item: Stored) -> list[list[tuple[ArraySpec, ...]]]:
+    """Per layer, per tensor, where each array lies."""
+    return [[e.keys.arrays, e.values.arrays] for e in item.header.layers]
+
+
+def _zeros(spec, length: int) -> list:
+    """Per layer, per tensor, the destination arrays, made on the worker
+    threads: mlx has no uninitialized allocation, and zero-filling (on a
+    Linux CPU, faulting in) new memory on one core was a third of a
+    page-cached fetch on the 2-core box."""
+    def layer(li: int) -> list:
+        out = [[mx.zeros((1, h, length, w), _DTYPE[name]) for name, h, w in arrays] for _, _, arrays in spec[li]]
+        mx.eval([a for t in out for a in t])
+        return out
+
+    return each(layer, len(spec))
+
+
+class HostFill:
+    """The destination arrays of a host-memory hit, filled block by block. A
+    remote hit starts one as its first block arrives (``start``) and places
+    each block as it comes in, while the next is on the wire; ``gather``
+    then moves only what was not placed."""
+
+    def __init__(self, spec: tuple, length: int):
+        self.spec = spec
+        self.length = length
+        self.dests = _zeros(spec, length)
+        # writable, the arrays' memory, as [heads, rows, width]
+        self.views = [[[_np(a)[0] for a in t] for t in layer] for layer in self.dests]
+        self.placed: dict[int, object] = {}  # first row -> the item whose rows are there
+
+    def place(self, item: Stored, start: int) -> bool:
+        """Move ``item``'s rows to ``start``; False (nothing kept) when they
+        do not fit or its checksum fails."""
+        rows = min(item.header.ntokens, self.length - start)
+        if rows <= 0 or _spec(item) != self.spec or not self.move(item, start, rows):
+            return False
+        self.placed[start] = item
+        return True
+
+    def move(self, item: Stored, s: int, n: int) -> bool:
+        payload = item.payload
+        placed = [(dst, a) for lv, la in zip(self.views, _stored_arrays(item)) for tv, ta in zip(lv, la)
+                  for dst, a in zip(tv, ta)]
+        # the checksum is taken array by array as each is copied, while its bytes are in the cache
+        # (one read of the mapped pages instead of two), where the arrays lie in the payload's order
+        offsets = [a.offset for _, a in placed]
+        h = xxhash.xxh3_64() if not item.checked and offsets == sorted(offsets) else None
+        if h is None and not item.intact():
+            return False
+        pos = 0
+        for dst, a in placed:
+            end = a.offset + a.nbytes
+            if h is not None and end > pos:  # every payload byte hashed once, in order
+                h.update(payload[pos:end])
+                pos = end
+            _, heads, rows, width = a.shape
+            t = a.np_dtype
+            # one call per array (not a view, a reshape and two slices): a block has hundreds of them
+            dst[:, s : s + n] = np.ndarray((heads, n, width), t, payload, a.offset,
+                                           (rows * width * t.itemsize, width * t.itemsize, t.itemsize))
+        if h is not None:
+            h.update(payload[pos:])
+            return h.intdigest() == item.header.checksum  # a bad block's rows are never served
+        return True
+
+
+def start(first: Stored, length: int, quantized: Optional[tuple[int, int]]) -> Optional[HostFill]:
+    """A fill for a hit of ``length`` rows of blocks laid out like ``first``
+    (``None`` where ``gather`` would not fill host arrays: CUDA, other layouts)."""
+    spec = None if cuda.runtime() is not None else _fast_spec([first], quantized)
+    return None if spec is None else HostFill(spec, length)
+
+
+def _fill_host(items, spans, spec, length, fill: Optional[HostFill]):
+    if fill is None or fill.spec != spec or fill.length != length:
+        fill = HostFill(spec, length)
+    todo = [i for i, (s, _) in enumerate(spans) if fill.placed.get(s) is not items[i]]
+    ok = each(lambda k: fill.move(items[todo[k]], *spans[todo[k]]), len(todo))
+    bad = next((i for i, good in zip(todo, ok) if not good), None)
+    return fill.dests, bad
+
+
+# -------------------------------------------------------------------- CUDA
+
+
+def _fill_device(items, spans, spec, length, keep_on_device: bool = False):
+    """Blocks of other layouts (quantized) to per-layer GPU arrays: host
+    blocks land as many at a time as a landing buffer holds (``cuda.landing``:
+    an array mlx made fresh would be moved into managed memory, with a copy,
+    the first time its address is taken), and each run of blocks is cut into
+    its layers there, on the GPU; blocks in the device tier are cut from its
+    buffers. The device tier keeps a device copy of what landed."""
+    pieces: list[list[list[list[mx.array]]]] = [[[[] for _ in t[2]] for t in layer] for layer in spec]
+    kept: list = [None] * len(items)
+    i = 0
+    while i < len(items):
+        j = i + 1
+        if isinstance(items[i], DeviceBlock):
+            while j < len(items) and isinstance(items[j], DeviceBlock) and items[j].data is items[i].data:
+                j += 1
+            _cut(items[i:j], spans[i:j], items[i].data, [it.offset for it in items[i:j]], pieces, False)
+            i = j
+            continue
+        offsets, size = [0], -(-len(items[i].payload) // 64) * 64
+        while j < len(items) and not isinstance(items[j], DeviceBlock):
+            n = -(-len(items[j].payload) // 64) * 64
+            if size + n > cuda.LANDING:
+                break
+            offsets.append(size)
+            size += n
+            j += 1
+        with cuda.landing(size) as (buf, base):
+            bad = _land(items[i:j], offsets, base)
+            if bad is not None:
+                return [], i + bad, []
+            data = mx.array(buf[:size]) if keep_on_device else buf[:size]  # the device tier's: a copy of its own
+            new = _cut(items[i:j], spans[i:j], data, offsets, pieces, not keep_on_device)
+            mx.eval(new + [data])  # done with the landing buffer before it is used again
+        if keep_on_device:
+            kept[i:j] = [DeviceBlock.kept(it, data=data, offset=o) for it, o in zip(items[i:j], offsets)]
+        i = j
+    out = [[[p[0] if len(p) == 1 else mx.concatenate(p, axis=2) for p in tp] for tp in lp] for lp in pieces]
+    mx.eval([a for lp in out for tp in lp for a in tp])
+    return out, None, kept
+
+
+def _land(items: Sequence[Stored], offsets: Sequence[int], base: int) -> Optional[int]:
+    """Host blocks to GPU address ``base`` + their offsets (``rowcopy.move_blocks``);
+    the index of the first block whose checksum failed, if any."""
+    rt = cuda.runtime()
+
+    def queue(k: int, stream) -> None:
+        a = np.frombuffer(items[k].payload, np.uint8)
+        rt.copy(base + offsets[k], a.ctypes.data, len(a), stream)
+
+    return rowcopy.move_blocks(items, queue, lambda k: cuda.upload(rt, base + offsets[k], items[k].payload))
+
+
+def _cut(items: Sequence, spans: Sequence[tuple[int, int]], data: mx.array, offsets: Sequence[int], pieces: list,
+         own: bool) -> list[mx.array]:
+    """Each run of consecutive blocks of one byte layout in ``data`` (uint8,
+    a block at each offset) cut into its layers as a strided matrix, per
+    array appended to ``pieces`` (a copy on the GPU where ``own``); returns
+    the pieces appended."""
+    views = {name: data.view(dt) for name, dt in _DTYPE.items()}
+    new: list[mx.array] = []
+    i = 0
+    while i < len(items):
+        item = items[i]
+        j = i + 1
+        size = _payload_size(item)
+        while (j < len(items) and _payload_size(items[j]) == size and size % 64 == 0
+               and items[j].header.layers == item.header.layers and offsets[j] - offsets[j - 1] == size):
+            j += 1
+        m = j - i
+        rows = sum(n for _, n in spans[i:j])
+        stride = -(-size // 64) * 64
+        for lp, la in zip(pieces, _stored_arrays(item)):
+            for tp, ta in zip(lp, la):
+                for p, a in zip(tp, ta):
+                    isz = a.np_dtype.itemsize
+                    o = offsets[i]
+                    flat = views[a.dtype][o // isz : (o + m * stride) // isz]
+                    x = flat.reshape(m, stride // isz)[:, a.offset // isz : (a.offset + a.nbytes) // isz]
+                    _, h, r, w = a.shape
+                    x = x.reshape(m, h, r, w).transpose(1, 0, 2, 3).reshape(1, h, m * r, w)[..., :rows, :]
+                    p.append(mx.array(x) if own else x)
+                    new.append(p[-1])
+        i = j
+    return new
+
+
+def _payload_size(item) -> int:
+    return item.size if isinstance(item, DeviceBlock) else len(item.payload)

@@ -1,0 +1,261 @@
+"""The store's side of its LMDB tier: writing batches, staying under the
+disk budget, a full device, finding what other processes wrote, the index
+rebuilt at open.
+
+Disk I/O runs here, outside the table's lock; what it learns goes to the
+``BlockTable`` (which takes its lock only for in-memory steps). Blocks other
+processes wrote are known once this process has seen them (at open, or found
+by a lookup); each process evicts what it knows.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import time
+from typing import Callable, Iterable, Iterator, Optional, Sequence
+
+import numpy as np
+
+from ..config import DEFAULT_BLOCK, StoreConfig
+from ..counters import Counters
+from ..errors import StoreOpenError
+from ..state.index import Node
+from ..blocks.record import BlockRecord, Entry
+from ..state.table import BlockTable
+from ..tiers.disk.lmdb import LmdbTier
+
+log = logging.getLogger("kvstore")
+
+
+class Disk:
+    def __init__(self, tier: LmdbTier, table: BlockTable, counters: Counters, config: StoreConfig,
+                 warn: Callable[[str, str], None]):
+        self.tier = tier
+        self.table = table
+        self.counters = counters
+        self.config = config
+        self.warn = warn
+        self.orphans = 0  # blocks found at open whose parent is missing (ignored)
+        # what the index says of the block size: the smallest start past 0 (a second block starts one block
+        # in), the longest first block (a full one is one block long)
+        self._second_start: Optional[int] = None
+        self._first_length = 0
+        self.cleared = 0  # the store's clear count as this process last saw it (``LmdbTier.cleared``)
+        self._full_at: Optional[float] = None  # when a full device last stopped writes to it
+
+    # ------------------------------------------------------------- writes
+
+    def write(self, entries: Iterable[tuple[Node, Entry]], nbytes: Optional[int] = None) -> bool:
+        """Write blocks and their records in one transaction; True when written.
+        ``entries`` may be a stream (``nbytes``: about its total), copied as it
+        comes; it is taken to its end whether written or not."""
+        source = iter(entries)
+        first = next(source, None)
+        if first is None:
+            return False
+        pairs: list[tuple[Node, Entry]] = []
+        known: set[bytes] = set()  # blocks whose parent this process took for on disk (a clear may have removed it)
+
+        def taken() -> Iterator[Entry]:
+            for pair in itertools.chain((first,), source):
+                pairs.append(pair)
+                if pair[0].parent.on_disk:
+                    known.add(pair[0].key)
+                yield pair[1]
+
+        if self._full_at is not None and time.monotonic() - self._full_at < self.config.full_pause_s:
+            for _ in source:
+                pass
+            return False  # the device is full and evicting did not help: RAM only for now
+        try:
+            written = self.tier.store(taken(), nbytes, lambda e: e.key in known)
+        except Exception as e:
+            for _ in source:
+                pass
+            self.counters.count("write_errors")
+            self.failed("writing to", e)
+            if self.tier.is_full(e) and not self._shrink():
+                self._full_at = time.monotonic()
+            return False
+        self._full_at = None
+        recs = {r.key: r for r in written.records}
+        self.table.written((n, recs[n.key]) for n, _ in pairs if n.key in recs)
+        self.counters.count("blocks_written", len(recs))
+        self.counters.count("bytes_written", sum(len(e.payload) for n, e in pairs if n.key in recs))
+        if written.parentless or written.cleared != self.cleared:
+            self.recheck(written.cleared, len(written.parentless))
+        try:
+            if self.tier.usage() > self.tier.budget:
+                self.evict_to(int(self.tier.budget * self.config.evict_to))
+        except Exception as e:  # the blocks are written; staying under budget is retried next write
+            self.failed("evicting from", e)
+        return True
+
+    def evict_to(self, target: int) -> int:
+        """Delete least recently used disk leaves until usage <= ``target``;
+        a block then in no tier leaves the index."""
+        gone = 0
+        for _ in range(self.config.evict_rounds):
+            over = self.tier.usage() - target
+            if over <= 0:
+                break
+            victims = self.table.disk_victims(over)
+            if not victims:
+                break
+            deleted = set(self.tier.remove([v.key for v in victims]))
+            self.table.left_disk(victims, deleted)
+            gone += len(deleted)
+        if gone:
+            self.counters.count("evictions_ssd", gone)
+            log.info("kvstore: evicted %d blocks from %s to stay under its budget", gone, self.tier.path)
+        return gone
+
+    def _shrink(self) -> bool:
+        """Lower the disk budget below what the full device holds and evict to
+        it; False when that failed too."""
+        try:
+            self.tier.budget = max(0, int(self.tier.usage() * self.config.evict_to))
+            self.evict_to(self.tier.budget)
+            return True
+        except Exception as e:
+            self.failed("evicting from", e)
+            return False
+
+    def recheck(self, cleared: int, parentless: int = 0) -> None:
+        """Blocks were removed under this process (a ``kvstore clear``, or
+        another process evicted a parent of blocks it wrote): the blocks it
+        knows on disk that are gone leave the index, with the blocks under
+        them, RAM copies too, so the next put stores them again rather than
+        keep them RAM-only."""
+        self.cleared = cleared
+        keys = self.table.disk_keys()
+        try:
+            with self.tier.reader() as txn:
+                gone = {k for k in keys if self.tier.record(txn, k) is None}
+        except Exception as e:
+            self.failed("reading", e)
+            return
+        dropped = self.table.disk_removed(gone)
+        log.info("kvstore: %s was cleared or evicted by another process: %d blocks not written (their parent was "
+                 "gone), %d blocks this process knew there forgotten", self.tier.path, parentless, dropped)
+
+    def delete(self, keys: Sequence[bytes]) -> None:
+        if keys:
+            try:
+                self.tier.remove(keys)
+            except Exception as e:
+                self.failed("deleting from", e)
+
+    def save(self) -> None:
+        """Write last-use times, hit counts and lifetime counters."""
+        uses, deltas = self.counters.drain()
+        if not uses and not deltas:
+            return
+        try:
+            self.tier.touch(uses)
+            self.tier.add_counters(deltas)
+        except Exception as e:
+            self.counters.restore(uses, deltas)
+            self.failed("updating use times in", e)
+
+    def block_size(self, asked: Optional[int]) -> int:
+        """The store's block size (call after ``load_index``): the one recorded
+        at its creation. A store without the record (made before kvstore kept
+        one) takes the one its blocks show, else ``asked`` (or the default),
+        and records it. ``asked`` other than the store's is logged, not used:
+        a block's key hashes its tokens, so blocks of another size would never
+        be found again."""
+        layout = self.tier.get_info("layout")
+        size = layout.get("block_size") if isinstance(layout, dict) else None
+        if not isinstance(size, int) or size < 1:
+            want = asked or DEFAULT_BLOCK
+            size = self._second_start or max(self._first_length, want)
+            if not self.tier.readonly:
+                try:
+                    size = self.tier.set_info_once("layout", {"block_size": size})["block_size"]
+                except Exception as e:  # (a full device) recorded at a later open
+                    self.failed("recording the block size in", e)
+        if asked is not None and asked != size:
+            log.warning("kvstore: %s holds blocks of %d tokens: block_size=%d is not used for it (blocks are keyed "
+                        "by their size; for another, use a new ssd_path or delete this store)", self.tier.path,
+                        size, asked)
+        return size
+
+    def register_model(self, root: bytes, info: dict) -> None:
+        try:
+            self.tier.register_model(root, info)
+        except Exception as e:  # a storage fault never reaches the engine; blocks still get stored
+            self.failed("registering a model in", e)
+
+    def failed(self, what: str, e: BaseException) -> None:
+        """Log a failed disk operation once per kind; every failure of a full
+        device is one kind."""
+        if self.tier.is_full(e):
+            self.warn("full", f"kvstore: {self.tier.path} is full; keeping new blocks in RAM only "
+                              f"and evicting old ones from disk")
+        else:
+            self.warn(what, f"kvstore: {what} {self.tier.path} failed: {e}")
+
+    # -------------------------------------------------------------- reads
+
+    def discover(self, node: Node) -> None:
+        """Index the blocks other processes wrote below ``node``."""
+        found: list[BlockRecord] = []
+        try:
+            with self.tier.reader() as txn:
+                for key in self.tier.children(txn, node.key):
+                    if key not in self.table:
+                        rec = self.tier.record(txn, key)
+                        if rec is not None:
+                            found.append(rec)
+        except Exception as e:  # a fault on disk is a miss
+            self.warn("discover", f"kvstore: reading {self.tier.path} failed: {e}")
+        if found:
+            self.table.adopt(node, found)
+
+    def on_disk(self, nodes: Sequence[Node]) -> dict[bytes, BlockRecord]:
+        """The records on disk of ``nodes`` (written by another process meanwhile)."""
+        try:
+            with self.tier.reader() as txn:
+                recs = {p.key: self.tier.record(txn, p.key) for p in nodes}
+        except Exception:
+            return {}
+        return {k: r for k, r in recs.items() if r is not None}
+
+    def tokens(self, node: Node) -> Optional[np.ndarray]:
+        """A block's stored tokens from its record (``None`` when unreadable)."""
+        try:
+            with self.tier.reader() as txn:
+                rec = self.tier.record(txn, node.key)
+            return None if rec is None else rec.tokens
+        except Exception:
+            return None
+
+    def load_index(self) -> None:
+        """Rebuild the index from disk: every block whose parent chain is whole."""
+        roots: set[bytes] = set()
+        by_parent: dict[bytes, list[BlockRecord]] = {}
+        bad: list[bytes] = []
+        try:
+            self.cleared = self.tier.cleared()  # (before the records: a clear after them is seen at the next write)
+            with self.tier.reader() as txn:
+                for rec in self.tier.records(txn, bad):
+                    by_parent.setdefault(rec.parent, []).append(rec)
+                    roots.add(rec.root)
+                    if rec.start == 0:
+                        self._first_length = max(self._first_length, rec.length)
+                    elif self._second_start is None or rec.start < self._second_start:
+                        self._second_start = rec.start
+        except Exception as e:  # LMDB's own pages are corrupt
+            self.tier.close()
+            raise StoreOpenError(f"{self.tier.path}: the store's index cannot be read ({e}). It is corrupt: "
+                                 f"move it away or delete the directory to start over.") from None
+        if bad:
+            log.warning("kvstore: %d blocks in %s have an unreadable index record and are ignored "
+                        "(`kvstore verify --repair` removes them)", len(bad), self.tier.path)
+        self.table.adopt_all(by_parent, roots)
+        self.orphans = sum(len(v) for v in by_parent.values())
+        if self.orphans:
+            log.info("kvstore: %d blocks in %s have no parent and are ignored (`kvstore verify --repair` "
+                     "removes them)", self.orphans, self.tier.path)

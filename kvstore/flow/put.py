@@ -1,0 +1,56 @@
+"""A put's work on the engine's thread: the input checked and captured, the
+blocks the table lacks hashed and indexed, and their writer job built (queued
+by the store)."""
+
+from __future__ import annotations
+
+from typing import Callable, Optional, Sequence
+
+import mlx.core as mx
+import numpy as np
+
+from ..blocks.codec import layer_arrays
+from ..blocks.hashing import KeyChain, as_tokens, root_key
+from ..blocks.layers import WARM_LAYERS, KVLayer, Layer, StateLayer, captured_layers
+from ..counters import Counters
+from ..state.index import Node
+from ..state.table import BlockTable
+from .writer import Job
+
+
+def index_put(table: BlockTable, root_of: Callable[[], Node], tokens, layers: Sequence[Layer],
+               block_size: int) -> tuple[int, Optional[Job]]:
+    """A put's work on the engine's thread but queueing its job: the input
+    checked and captured, the blocks ``table`` lacks hashed and indexed, and
+    their job (``None`` when none is new). Returns the token count too."""
+    toks = as_tokens(tokens)
+    n = len(toks)
+    layers = captured_layers(layers, n)  # the values of now, whatever the caller changes later
+    if n == 0:
+        return 0, None
+    # Evaluate here: mlx streams are per thread, so the background thread cannot evaluate a lazy graph
+    # built on the caller's (a no-op when the engine evaluated its cache, as it does after every step).
+    # The second call marks each array's record available, here: mlx does that the first time it finds the
+    # computation done, from whichever thread asks, and the writer may hold the engine's own records (the
+    # engine's buffers, passed with ``rows``), whose status the engine's next step reads and writes.
+    arrays = [a for l in layers for a in layer_arrays(l)]
+    mx.eval(arrays)
+    mx.eval(arrays)
+    has_state = any(isinstance(l, StateLayer) for l in layers)
+    late = [l for l in layers if isinstance(l, KVLayer) and l.start > 0]  # layers lacking early rows
+    root = root_of()
+    chain = KeyChain(root.key, toks, block_size)
+    return n, table.index_put(root, chain, n, has_state, late,
+                              lambda new: Job(new, root.key, toks, layers, sum(l.nbytes for l in layers),
+                                              held=sum(a.nbytes for a in arrays)))
+
+
+def warm_put(block_size: int) -> None:
+    """``index_put`` once, at open, into a throwaway table: otherwise the
+    engine's first put pays for Python's first pass over it, about twice its
+    later ones (docs/benchmarks.md, put)."""
+    table = BlockTable(0, Counters(), has_disk=False, writable=True)
+    n = 2 * block_size + 1
+    a = mx.zeros((1, 1, n + 1, 8), mx.float16)
+    index_put(table, lambda: table.root(root_key("warm")), np.arange(n, dtype=np.int32),
+               [KVLayer(a, a, rows=n)] * WARM_LAYERS, block_size)

@@ -1,0 +1,229 @@
+"""The read path: a pinned path's blocks, from RAM, from disk or as just
+read from the remote, checked against the prompt and gathered into one
+tensor per layer; blocks served from disk promoted to RAM afterwards, off
+the caller's path.
+
+Disk blocks are read and assembled inside one read transaction, straight
+from the mapped pages (``gather``). A bad block (foreign tokens, a failed
+checksum) cuts the hit and leaves the store; a block another process removed
+leaves the index. Neither ever raises into the engine.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+from concurrent.futures import Future, ThreadPoolExecutor, wait
+from dataclasses import dataclass
+from typing import Optional, Sequence
+
+import numpy as np
+
+from ..blocks.wire import Stored
+from ..counters import Counters
+from .disk import Disk
+from ..errors import BlockDecodeError
+from ..convert.gather import HostFill, gather
+from ..state.index import Node
+from ..state.lookup import servable
+from ..state.table import BlockTable
+
+log = logging.getLogger("kvstore")
+
+
+@dataclass
+class Served:
+    """What ``read`` served: layers of ``[0, length)``, and per block used,
+    whether it came from RAM and its stored bytes."""
+
+    layers: list
+    length: int
+    from_ram: list[bool]
+    nbytes: list[int]
+
+
+class Reader:
+    def __init__(self, table: BlockTable, disk: Optional[Disk], counters: Counters, writable: bool):
+        self.table = table
+        self.disk = disk
+        self.counters = counters
+        self.writable = writable
+        self._lock = threading.Lock()  # guards the promotions in flight (nothing of the table's)
+        self._promoting: dict[bytes, Future] = {}
+        self._pool: Optional[ThreadPoolExecutor] = None
+        self._pid = os.getpid()
+
+    def tokens_of(self, node: Node) -> Optional[np.ndarray]:
+        """A block's stored tokens, from wherever it is."""
+        block = self.table.held(node.key)
+        if block is not None:
+            return block.tokens
+        job = node.job
+        if job is not None:
+            return job.tokens[node.start : node.end]
+        if node.on_disk and self.disk is not None:
+            return self.disk.tokens(node)
+        return None
+
+    def read(self, path: list[Node], toks: np.ndarray, length: int, quantized: Optional[tuple[int, int]] = None,
+             cold: frozenset = frozenset(), found: Optional[dict[bytes, Stored]] = None,
+             fill: Optional[HostFill] = None) -> Served:
+        """The layers of ``path``'s blocks for ``[0, length)``. ``cold``: keys
+        of disk blocks the cost plan found out of the page cache (read ahead);
+        ``found``: blocks just read from the remote, served as they are, and
+        ``fill``, the arrays they were placed in as they came. Called with
+        ``path`` pinned."""
+        self.wait_promotions([p.key for p in path])
+        items: list = self.table.in_memory(path)
+        from_ram = [b is not None for b in items]
+        if found:
+            items = [it if it is not None else found.get(p.key) for p, it in zip(path, items)]
+        bad: list[tuple[Node, str]] = []  # dropped after the read transaction: no write inside one
+        gone: list[Node] = []
+        if all(it is not None for it in items) or self.disk is None:
+            served = self._serve(path, items, from_ram, toks, length, quantized, bad, fill)
+        else:
+            ahead: list[Future] = []
+            tier = self.disk.tier
+            try:
+                want = [p.key for p, it in zip(path, items) if it is None and p.key in cold]
+                ahead = tier.read_ahead(want) if len(want) > 1 else []  # a cached block's pages are left alone
+                with tier.reader() as txn:
+                    for i, p in enumerate(path):
+                        if items[i] is None:
+                            try:
+                                got = tier.stored(txn, p.key, p.start, unread=True)  # read while copied
+                            except BlockDecodeError as e:
+                                bad.append((p, str(e)))
+                                break
+                            if got is None:  # removed by another process (`kvstore clear`, its eviction)
+                                gone.append(p)
+                                break
+                            if p.offset < 0:
+                                self.table.learn_offset(p, tier.offset_of(got.buf))
+                            items[i] = got
+                    served = self._serve(path, items, from_ram, toks, length, quantized, bad, fill)
+            except Exception as e:
+                self.disk.warn("read", f"kvstore: reading {tier.path} failed: {e}")
+                k = next((i for i, p in enumerate(path) if not from_ram[i] and p.key not in (found or ())), len(path))
+                served = self._serve(path[:k], items[:k], from_ram[:k], toks, length, quantized, bad)
+            finally:
+                wait(ahead)  # (outside the read transaction: a read-ahead may wait on a resize that waits on it)
+        for p, why in bad:
+            self._drop_bad(p, why)
+        for p in gone:
+            self.counters.count("blocks_gone")
+            self.table.disk_gone(p)
+        self._promote_later([p for p, r in zip(path, served.from_ram) if not r])
+        return served
+
+    def _serve(self, path, items, from_ram, toks, length, quantized, bad: list,
+               fill: Optional[HostFill] = None) -> Served:
+        """Cut at the first missing or foreign block, gather, and retry
+        shorter when a payload fails its checksum."""
+        good = 0
+        for p, it in zip(path, items):
+            if it is None:
+                break
+            if not tokens_match(it, toks, p.start, min(p.end, length)):
+                bad.append((p, "tokens do not match the prompt (hash collision?)"))
+                break
+            good += 1
+        while True:
+            if good < len(path):
+                path, items, from_ram = path[:good], items[:good], from_ram[:good]
+                length = servable(path, min(length, path[-1].end)) if path else 0
+            if length == 0:
+                return Served([], 0, [], [])
+            path_used = [p for p in path if p.start < length]
+            k = len(path_used)
+            try:
+                got = gather(items[:k], length, quantized, keep_on_device=self.table.device_budget > 0, fill=fill)
+            except Exception as e:  # blocks that do not fit together (a reused model key, a bad index record)
+                log.warning("kvstore: stored blocks for this prompt do not fit together (%s); serving a miss", e)
+                return Served([], 0, [], [])
+            if got.bad is None:
+                break
+            bad.append((path_used[got.bad], "payload checksum mismatch"))
+            good = got.bad
+        now = time.time()
+        if got.on_device:
+            self.table.to_device(got.on_device)
+        self.table.served(path_used, now)
+        self.counters.used([p for p in path_used if p.on_disk], now)
+        return Served(got.layers, got.length, from_ram[:k], [it.nbytes for it in items[:k]])
+
+    def _drop_bad(self, node: Node, why: str) -> None:
+        self.counters.count("corrupt_blocks")
+        log.warning("kvstore: block %s (tokens %d-%d) is bad: %s; serving a shorter prefix",
+                    node.key.hex()[:16], node.start, node.end, why)
+        keys = self.table.forget(node)
+        if self.writable and self.disk is not None:
+            self.disk.delete(keys)
+
+    # ----------------------------------------------------------- promotion
+
+    def _promote_later(self, nodes: list[Node]) -> None:
+        """Copy blocks just served from disk into RAM on a thread of its own:
+        the hit that read them does not wait for the copies."""
+        nodes = [p for p in nodes if p.on_disk and p.nbytes <= self.table.ram_budget]
+        if not nodes or self.disk is None:
+            return
+        with self._lock:
+            if self._pool is None or self._pid != os.getpid():  # (a forked child: the thread is not here)
+                self._pool, self._pid = ThreadPoolExecutor(1, thread_name_prefix="kvstore-promote"), os.getpid()
+            fut = self._pool.submit(self._promote, nodes)
+            for p in nodes:
+                self._promoting[p.key] = fut
+
+    def settle(self) -> None:
+        """Wait for every promotion started so far."""
+        with self._lock:
+            futs = {id(f): f for f in self._promoting.values()}
+        for f in futs.values():
+            f.result()
+
+    def wait_promotions(self, keys: Sequence[bytes]) -> None:
+        with self._lock:
+            futs = {id(f): f for k in keys if (f := self._promoting.get(k)) is not None}
+        for f in futs.values():
+            f.result()
+
+    def _promote(self, nodes: list[Node]) -> None:
+        try:
+            held: list[Stored] = []
+            tier = self.disk.tier
+            with tier.reader() as txn:  # one copy of each value out of the map (checked), no decode
+                for p in nodes:
+                    try:
+                        got = tier.stored(txn, p.key, p.start)
+                    except BlockDecodeError:
+                        got = None
+                    got = got.held() if got is not None else None
+                    if got is None:
+                        break
+                    held.append(got)
+            for p, b in zip(nodes, held):
+                if not p.in_ram:
+                    self.table.promote(p, b)
+        except Exception as e:  # a cache: a failed promotion only means the next hit reads the disk again
+            log.debug("kvstore: promotion failed: %s", e)
+        finally:
+            with self._lock:
+                for p in nodes:
+                    self._promoting.pop(p.key, None)
+
+    def close(self) -> None:
+        with self._lock:
+            pool, self._pool = self._pool, None
+        if pool is not None:
+            pool.shutdown(wait=True)
+
+
+def tokens_match(item: Stored, toks: np.ndarray, start: int, stop: int) -> bool:
+    """Whether a stored block's tokens are the prompt's ``[start, stop)``."""
+    tokens = item.tokens
+    m = stop - start
+    return m <= len(tokens) and np.array_equal(tokens[:m], toks[start:stop])

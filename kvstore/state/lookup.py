@@ -1,0 +1,169 @@
+"""Which stored blocks serve a prompt, and at which lengths.
+
+Pure functions over the index: no tier is read here (the store hands in a
+``tokens_of`` for partial matches and reads disk around these calls). The
+servability rule has two halves that must agree:
+
+- ``block_gap`` (at ``put``): which rows a block lacks, when a sliding-window
+  layer kept only its last rows;
+- ``restorable`` (at ``fetch``): whether every layer can be rebuilt at a given
+  length from the blocks on the path.
+
+Callers hold the store lock for every function but ``best_partial``, which
+may read tokens from disk.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable, Optional, Sequence
+
+import numpy as np
+
+from ..blocks.hashing import KeyChain
+from .index import FULL_GAP, NO_GAP, Walk, Node, RadixIndex
+from ..blocks.layers import KVLayer
+
+
+@dataclass
+class Match:
+    """Blocks along a prompt: ``path`` shares ``matched`` tokens with it.
+
+    ``full`` is the walk over whole blocks; ``path`` may add one block the
+    prompt ends or diverges inside of (used up to ``matched``).
+    """
+
+    full: Walk
+    path: list[Node] = field(default_factory=list)
+    matched: int = 0
+
+
+def walk(index: RadixIndex, root: Node, chain: KeyChain, n: int) -> Walk:
+    """Whole blocks of ``chain.tokens[:n]`` found by key (hashing only as far
+    as the walk goes)."""
+    return index.match(root, (chain.key(i) for i in range(n // chain.block_size)))
+
+
+def partial_candidates(node: Node, chain: KeyChain, pos: int, n: int) -> list[Node]:
+    """Children of ``node`` that may share tokens with the prompt at ``pos``:
+    those starting with its token there."""
+    if pos >= n or not node.children:
+        return []
+    first = int(chain.tokens[pos])
+    return [c for c in node.children.values() if c.first == first]
+
+
+def best_partial(candidates: Sequence[Node], chain: KeyChain, pos: int, n: int,
+                 tokens_of: Callable[[Node], Optional[np.ndarray]]) -> tuple[Optional[Node], int]:
+    """The candidate sharing most tokens with the prompt at ``pos``: an exact
+    tail block by key, others by comparing stored tokens."""
+    i = pos // chain.block_size
+    best, best_len = None, 0
+    for child in candidates:
+        if child.length <= n - pos and child.key == chain.tail_key(i, child.length):
+            shared = child.length
+        else:
+            stored = tokens_of(child)
+            shared = 0 if stored is None else shared_prefix(stored, chain.tokens[pos:n])
+        if shared > best_len:
+            best, best_len = child, shared
+    return best, best_len
+
+
+def shared_prefix(a: np.ndarray, b: np.ndarray) -> int:
+    m = min(len(a), len(b))
+    diff = np.flatnonzero(a[:m] != b[:m])
+    return int(diff[0]) if diff.size else m
+
+
+# ------------------------------------------------------------ servability
+
+
+def block_gap(late: Sequence[KVLayer], start: int, end: int) -> tuple[int, int]:
+    """(``gap``, ``rows_from``) of block ``[start, end)`` given the layers whose
+    rows start after token 0 (see ``index.Node``)."""
+    gap, rows_from = NO_GAP, start
+    for l in late:
+        if l.start > start:
+            if l.window is None:
+                return FULL_GAP, end
+            gap, rows_from = max(gap, l.window), max(rows_from, min(l.start, end))
+    return gap, rows_from
+
+
+def restorable(path: Sequence[Node], length: int) -> bool:
+    """Whether every layer can be rebuilt at ``length`` from ``path``:
+    recurrent state only where a snapshot was taken, sliding-window layers only
+    where their window's rows are all there."""
+    for p in path:
+        if p.start >= length:
+            break
+        if p.gap == FULL_GAP:
+            return False
+        if p.gap > 0 and p.end > length - p.gap and max(p.start, length - p.gap) < p.rows_from:
+            return False  # a sliding window reaches rows this block lacks
+        if p.snap is not None and p.end == length and not p.snap:
+            return False
+    last = next(p for p in reversed(path) if p.start < length)
+    return last.snap is None or (last.end == length and last.snap)
+
+
+def servable(path: Sequence[Node], matched: int) -> int:
+    """Longest length <= ``matched`` along ``path`` that ``restorable`` allows."""
+    if not path:
+        return 0
+    stateful = any(p.snap is not None for p in path)
+    ends = {p.end for p in path if p.end <= matched}
+    if not stateful:
+        ends.add(matched)  # the last block may be used partially: KV trims
+    for length in sorted(ends, reverse=True):
+        if length and restorable(path, length):
+            return length
+    return 0
+
+
+# ------------------------------------------------------------------ put
+
+
+def new_blocks(index: RadixIndex, root: Node, chain: KeyChain, n: int, has_state: bool,
+               late: Sequence[KVLayer]) -> list[Node]:
+    """Index the blocks of ``chain.tokens[:n]`` the store lacks and return
+    them (a block stored without the state snapshot this put carries is
+    returned too, to be re-encoded in place)."""
+    bs = chain.block_size
+    new: list[Node] = []
+    node = root
+    keys = chain.first(n // bs)
+    firsts = chain.tokens[0:n:bs].tolist()
+    i, count = 0, (n + bs - 1) // bs
+    while i < count:
+        start = i * bs
+        if i < len(keys):
+            length, key = bs, keys[i]
+        else:
+            length = n - start
+            key = chain.tail_key(i, length)
+        child = node.children.get(key) if node.children else None
+        if child is None and i < len(keys) and not has_state and not late:
+            # the whole blocks from here on are new and alike: one pass (a long put's hot loop)
+            new += index.add_run(node, keys[i:], start, bs, firsts[i : len(keys)])
+            node, i = new[-1], len(keys)
+            continue
+        i += 1
+        end_here = start + length == n
+        if child is not None and not (end_here and has_state and child.snap is False):
+            node = child
+            continue
+        gap, rows_from = block_gap(late, start, start + length) if late else (NO_GAP, start)
+        if gap == FULL_GAP:
+            break
+        if child is not None:
+            # The blocks below it stay (dropping them would lose other prompts' prefixes), and a job
+            # still encoding it leaves it to this one.
+            child.snap, child.gap, child.rows_from = True, gap, rows_from
+            node = child
+        else:
+            node = index.add(node, key, start, length, firsts[i - 1],
+                             end_here if has_state else None, gap, rows_from)
+        new.append(node)
+    return new

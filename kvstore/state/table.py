@@ -1,0 +1,402 @@
+"""BlockTable: which blocks the store knows, where each one lives, and the
+one lock over all of it.
+
+A block is a ``Node`` of the radix index. The table alone changes nodes and
+the places that hold them: the RAM tier's bytes and LRU order, the disk
+tier's LRU of leaves, pins of readers in flight, and the job that has not yet
+made a block durable. Every method takes the table's lock itself and does no
+I/O, so the read, write, discovery and costing paths are siblings that ask
+the table, never each other.
+
+Lock order: a thread may hold an LMDB transaction (the tier's gate) when it
+calls the table, never the other way round; the table never waits on
+anything while locked.
+
+Eviction takes leaves first, without a scan, in both tiers:
+
+- RAM: ancestors are touched after their descendants, so the least recently
+  used end of the RAM order holds leaves; eviction walks from there, skipping
+  pinned blocks. A block evicted before its disk write finished stays indexed
+  (the writer holds it and writes it).
+- Disk: a heap of blocks on disk with no child on disk, by last use
+  (``DiskOrder``): O(log n) per evicted block.
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass
+from typing import Callable, Iterable, Mapping, Optional, Sequence
+
+from . import lookup
+from ..blocks.wire import Stored
+from ..counters import Counters
+from .disk_order import DiskOrder
+from .table_admit import AdmitSide
+from .table_disk import DiskSide
+from ..blocks.hashing import KeyChain
+from .index import Walk, Node, RadixIndex
+from ..blocks.layers import KVLayer
+from ..blocks.record import BlockRecord
+from ..tiers.device import DeviceTier
+from ..tiers.ram import RamTier
+
+
+@dataclass
+class PlanView:
+    """What the cost plan needs of a path, read under the lock at once."""
+
+    sizes: list[int]
+    in_ram: list[bool]
+    constrained: bool  # a snapshot or a window limits which lengths are servable
+    on_disk: dict[bytes, tuple[int, int]]  # key -> (offset, bytes) of blocks to read from disk
+
+
+class BlockTable(DiskSide, AdmitSide):
+    def __init__(self, ram_budget: int, counters: Counters, *, has_disk: bool, writable: bool,
+                 device_budget: int = 0, admit_on_reuse: bool = False):
+        self._lock = threading.RLock()
+        self._index = RadixIndex()
+        self._ram = RamTier(ram_budget)
+        self._dev = DeviceTier(device_budget)  # copies of RAM or disk blocks in GPU memory (CUDA only)
+        self._lru = DiskOrder(self._index)
+        self._counters = counters
+        self._has_disk = has_disk
+        self._writable = writable
+        self._admit_on_reuse = admit_on_reuse and has_disk and writable  # ``ssd_admit="reuse"``
+        self._admissions: list[Node] = []  # chains asked for again, to admit to disk (``table_admit``)
+
+    # ---------------------------------------------------------------- reads
+
+    def __len__(self) -> int:
+        return len(self._index)
+
+    def __contains__(self, key: bytes) -> bool:
+        return key in self._index
+
+    @property
+    def leaves(self) -> int:
+        return self._index.leaves
+
+    def root(self, key: bytes) -> Node:
+        with self._lock:
+            return self._index.root(key)
+
+    def walk(self, root: Node, chain: KeyChain, n: int) -> Walk:
+        with self._lock:
+            return lookup.walk(self._index, root, chain, n)
+
+    def candidates(self, stop: Node, chain: KeyChain, pos: int, n: int) -> list[Node]:
+        with self._lock:
+            return lookup.partial_candidates(stop, chain, pos, n)
+
+    def servable(self, path: Sequence[Node], matched: int) -> int:
+        with self._lock:
+            return lookup.servable(path, matched)
+
+    def current(self, node: Node) -> bool:
+        """Whether ``node`` is still the indexed block of its key."""
+        return node.is_root or self._index.get(node.key) is node
+
+    def held(self, key: bytes) -> Optional[Stored]:
+        """A block's bytes in RAM (a dict read: no lock needed)."""
+        return self._ram.get(key)
+
+    def in_memory(self, path: Sequence[Node]) -> list:
+        """Per block, its device copy, else its RAM bytes, else ``None``."""
+        with self._lock:
+            return [self._dev.get(p.key) or self._ram.get(p.key) for p in path]
+
+    @property
+    def device_budget(self) -> int:
+        return self._dev.budget
+
+    def to_device(self, blocks: Sequence) -> None:
+        """Keep device copies a hit made (``DeviceBlock``s) of blocks still
+        indexed, the least recently used making room; pinned blocks stay."""
+        def pinned(key: bytes) -> bool:
+            node = self._index.get(key)
+            return node is not None and node.pins > 0
+
+        with self._lock:
+            for b in blocks:
+                if b is not None and self._index.get(b.key) is not None:
+                    self._dev.add(b, pinned)
+
+    def trim_device(self, keep_bytes: int) -> None:
+        """Drop device copies, least recently used first, until at most ``keep_bytes`` are held."""
+        with self._lock:
+            self._dev.shrink(keep_bytes)
+
+    def plan_view(self, path: Sequence[Node], found: Mapping[bytes, Stored]) -> PlanView:
+        with self._lock:
+            blocks = [self._dev.get(p.key) or (self._ram.get(p.key) if p.in_ram else found.get(p.key)) for p in path]
+            return PlanView(sizes=[b.nbytes if b is not None else p.nbytes for p, b in zip(path, blocks)],
+                            in_ram=[b is not None for b in blocks],
+                            constrained=any(p.snap is not None or p.gap for p in path),
+                            on_disk={p.key: (p.offset, p.nbytes) for p, b in zip(path, blocks) if b is None})
+
+    def stats(self) -> dict:
+        with self._lock:
+            return dict(ram_bytes=self._ram.nbytes, ram_blocks=len(self._ram), ram_budget=self._ram.budget,
+                        device_bytes=self._dev.nbytes, device_blocks=len(self._dev), device_budget=self._dev.budget,
+                        blocks_indexed=len(self._index))
+
+    @property
+    def ram_bytes(self) -> int:
+        return self._ram.nbytes
+
+    @property
+    def ram_budget(self) -> int:
+        return self._ram.budget
+
+    # ------------------------------------------------------------------ put
+
+    def index_put(self, root: Node, chain: KeyChain, n: int, has_state: bool, late: Sequence[KVLayer],
+                  make_job: Callable[[list[Node]], object]):
+        """Index the blocks of a put the store lacks and give them their job
+        (``make_job(nodes)``); ``None`` when nothing is new."""
+        with self._lock:
+            new = lookup.new_blocks(self._index, root, chain, n, has_state, late)
+            if self._admit_on_reuse:
+                self._shared(new, lambda: lookup.walk(self._index, root, chain, n).last, chain.block_size)
+            if not new:
+                return None
+            job = make_job(new)
+            for node in new:
+                node.job = job
+            return job
+
+    def admit(self, node: Node, job, block: Stored, ram_only: bool, record: Optional[BlockRecord] = None
+              ) -> Optional[bool]:
+        """A freshly encoded block of ``job``: kept in RAM when it fits (room
+        made first, never from its own prefix). For a RAM-only store that is
+        where it is durable; one that fits nowhere leaves the index. True: to
+        write to disk; ``None``: kept in RAM only, with ``record``, until it is
+        asked for again (``ssd_admit="reuse"``); False when the block is no
+        longer this job's to store."""
+        with self._lock:
+            if not self._is_job(node, job):
+                return False
+            kept = self._admit(node, block)
+            wait = not ram_only and not self.admit_to_disk(node, job)
+            if ram_only or wait:
+                if not kept:
+                    self._forget(node)
+                    return False
+                node.job = None
+                if wait:
+                    node.record = record
+                    return None
+            return True
+
+    def is_job(self, node: Node, job) -> bool:
+        """Whether ``node`` is still indexed and ``job``'s to store (not
+        dropped meanwhile, nor re-encoded by a later put)."""
+        with self._lock:
+            return self._is_job(node, job)
+
+    def job_done(self, job, nodes: Iterable[Node], dropped: bool = False) -> None:
+        """``job`` is finished with ``nodes`` (its write done, or, ``dropped``,
+        failed): a block in no tier leaves the index (a later put stores it
+        again)."""
+        with self._lock:
+            for node in nodes:
+                if self._index.get(node.key) is not node:
+                    continue
+                if dropped and node.job is not job:
+                    continue
+                if node.job is job:
+                    node.job = None
+                if not node.in_ram and not node.on_disk:
+                    self._forget(node)
+
+    def release_job(self, job, nodes: Iterable[Node]) -> None:
+        with self._lock:
+            for node in nodes:
+                if node.job is job:
+                    node.job = None
+
+    def _is_job(self, node: Node, job) -> bool:
+        return self._index.get(node.key) is node and node.job is job
+
+    # ----------------------------------------------------------------- reads
+
+    def pin(self, nodes: Sequence[Node]) -> None:
+        with self._lock:
+            RadixIndex.pin(nodes)
+
+    def unpin(self, nodes: Sequence[Node]) -> None:
+        """Unpin; blocks promoted while pinned may have left RAM over budget."""
+        with self._lock:
+            RadixIndex.unpin(nodes)
+            self._make_room(0)
+
+    def unwritten_jobs(self, nodes: Sequence[Node], skip: set[bytes]) -> list:
+        """Jobs still encoding blocks of ``nodes`` that are not in RAM (a
+        fetch waits for them), leaving out the blocks in ``skip``."""
+        with self._lock:
+            return list({id(p.job): p.job for p in nodes
+                         if p.job is not None and not p.in_ram and p.key not in skip}.values())
+
+    def served(self, path: Sequence[Node], when: float) -> None:
+        """``path``'s blocks were served: ancestors end up more recent than
+        descendants, so eviction takes leaves first."""
+        with self._lock:
+            for p in path:
+                if p.on_disk and self._has_disk:
+                    p.used = when
+                    self._lru.push(p)
+            self._ram.touch([p.key for p in reversed(path)])
+            self._dev.touch([p.key for p in path])
+
+    def promote(self, node: Node, block: Stored) -> None:
+        """Keep a block read from disk or the remote in RAM, if it fits
+        beside pinned ones."""
+        with self._lock:
+            self._promote(node, block)
+
+    def keep_found(self, parent: Node, found: Sequence[tuple[BlockRecord, Stored]], now: float,
+                   make_job: Optional[Callable[[list[Node]], object]]) -> list[Node]:
+        """Index blocks read from the remote as a chain below ``parent``, into
+        RAM as far as they fit; returns the nodes that were new. They wait for
+        ``make_job(new)`` (their disk copy); without one, those held nowhere
+        leave the index (with what is below them)."""
+        fresh: list[Node] = []
+        pinned: list[Node] = []
+        with self._lock:
+            if not self.current(parent):
+                return []  # dropped while we read
+            for rec, block in found:
+                node = self._index.get(rec.key)
+                if node is None:
+                    try:
+                        node = self._index.add(parent, rec.key, rec.start, rec.length, rec.first, rec.snap,
+                                               rec.gap, rec.first_row if rec.gap else None)
+                    except (KeyError, ValueError):
+                        break
+                    node.used = now
+                    fresh.append(node)
+                elif node.parent is not parent:
+                    break
+                RadixIndex.pin([node])  # promoting the next one must not evict this one
+                pinned.append(node)
+                if not node.in_ram:
+                    self._promote(node, block)
+                parent = node
+            RadixIndex.unpin(pinned)
+            job = make_job(fresh) if fresh and make_job is not None else None
+            for node in fresh:
+                if job is not None:
+                    node.job = job  # evicted from RAM before its disk write, it stays indexed
+                elif not node.in_ram and self._index.get(node.key) is node:
+                    self._forget(node)
+                    break
+        return fresh
+
+    # ----------------------------------------------------------------- RAM
+
+    def set_ram_budget(self, budget: int) -> None:
+        with self._lock:
+            self._ram.set_budget(budget)
+            self._make_room(0)
+
+    def close(self) -> None:
+        """Let go of the RAM tier's blocks now (a store closing), not in a
+        garbage collection during some later request (``buffers.reserve``)."""
+        with self._lock:
+            self._make_room(self._ram.budget)
+            self._ram.set_budget(0)
+
+    def trim_ram(self, keep_bytes: int) -> None:
+        with self._lock:
+            if keep_bytes < self._ram.nbytes:
+                self._make_room(self._ram.budget - keep_bytes)
+
+    def forget(self, node: Node) -> list[bytes]:
+        """Drop ``node`` and its subtree if still indexed; returns the keys of
+        those with a disk copy (for the caller to delete, unlocked)."""
+        with self._lock:
+            return self._forget(node) if self._index.get(node.key) is node else []
+
+    def clear(self) -> None:
+        with self._lock:
+            for r in self._index.roots():
+                for child in list((r.children or {}).values()):
+                    self._forget(child)
+
+    # ------------------------------------------------------ lock held below
+
+    def _admit(self, node: Node, block: Stored) -> bool:
+        if block.nbytes > self._ram.budget:
+            return False
+        ancestors = node.path()[:-1]
+        RadixIndex.pin(ancestors)
+        try:
+            self._make_room(block.nbytes)
+        finally:
+            RadixIndex.unpin(ancestors)
+        if self._index.get(node.key) is not node or self._ram.over(block.nbytes) > 0:
+            return False  # dropped meanwhile, or its prefix and pinned blocks fill RAM
+        self._ram.add(node.key, block)
+        node.in_ram = True
+        self._ram.touch([p.key for p in reversed(ancestors) if p.in_ram])  # leaves stay the oldest
+        return True
+
+    def _promote(self, node: Node, block: Stored) -> None:
+        if block.nbytes > self._ram.budget or self._index.get(node.key) is not node:
+            return
+        self._make_room(block.nbytes)
+        if self._ram.over(block.nbytes) <= 0:
+            self._ram.add(node.key, block)
+            node.in_ram = True
+
+    def _make_room(self, extra: int) -> None:
+        """Evict least recently used blocks until ``extra`` more bytes fit."""
+        need = self._ram.over(extra)
+        if need <= 0:
+            return
+        victims: list[tuple[bytes, Optional[Node]]] = []
+        freed = 0
+        for key, block in self._ram.oldest():
+            node = self._index.get(key)
+            if node is not None and node.pins:
+                continue
+            victims.append((key, node))
+            freed += block.nbytes
+            if freed >= need:
+                break
+        for key, node in victims:
+            if self._ram.over(extra) <= 0:
+                return
+            if node is None:
+                self._ram.pop(key)
+            elif node.in_ram:  # not dropped with an evicted ancestor's subtree meanwhile
+                self._evict(node)
+
+    def _evict(self, node: Node) -> None:
+        self._counters.count("evictions_ram")
+        unwritten = node.job is not None and not node.on_disk and self._has_disk and self._writable
+        if node.on_disk or unwritten:
+            if unwritten:
+                self._counters.count("evicted_unwritten")
+            self._ram.pop(node.key)
+            node.in_ram = False
+        else:
+            if self._admit_on_reuse:
+                self._counters.count("evicted_unadmitted")
+            self._forget(node)
+
+    def _forget(self, node: Node) -> list[bytes]:
+        dropped = self._index.remove(node)
+        for d in dropped:
+            self._ram.pop(d.key)
+            self._dev.pop(d.key)
+            d.in_ram = False
+            if d.on_disk:
+                self._lru.blocks -= 1
+        top = dropped[0] if dropped else None
+        if top is not None and top.on_disk and top.parent is not None and not top.parent.is_root:
+            top.parent.disk_kids -= 1
+            self._lru.push(top.parent)
+        return [d.key for d in dropped if d.on_disk]

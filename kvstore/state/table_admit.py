@@ -1,0 +1,84 @@
+"""SSD admission on reuse (``ssd_admit="reuse"``): the table's side. Methods
+of the one ``BlockTable`` (its state and lock are declared in ``table``).
+
+A new block is kept in RAM with its record (``Node.record``) and goes to
+disk only once it is asked for again: a later put shares it, or a fetch
+serves it from RAM or the device. Then its whole chain from the root is
+admitted, parents first, so no block reaches disk without its parent (an
+orphan). A block dropped from RAM before that is gone (``evicted_unadmitted``).
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Optional
+
+from .index import Node
+from ..blocks.record import Entry
+
+
+class AdmitSide:
+    def reused(self, node: Node) -> None:
+        """``node`` (and so its prefix) was asked for again; its chain's blocks
+        without a disk copy are queued for admission (``take_admissions``)."""
+        with self._lock:
+            self._reused(node)
+
+    def _reused(self, node: Node) -> None:
+        if not self._admit_on_reuse or node.is_root:
+            return
+        path = node.path()
+        for p in path:
+            p.reused = True
+        if not all(p.on_disk for p in path):
+            self._admissions.append(node)
+
+    def _shared(self, new: list[Node], walked: Callable[[], Node], block_size: int) -> None:
+        """A put indexed ``new``: where it leaves the blocks it shares, another
+        prompt went on with a whole block of its own, then those blocks were
+        asked for again. A put that only extends a stored sequence (the same
+        request's prompt, then prompt and answer; a partial last block grown)
+        asks for nothing again: a later turn's fetch does."""
+        top = new[0].parent if new else walked()
+        if any(c.length == block_size and (not new or c is not new[0]) for c in (top.children or {}).values()):
+            self._reused(top)
+
+    def take_admissions(self) -> list[Node]:
+        """Chains to admit, queued by ``reused`` since the last call."""
+        with self._lock:
+            out, self._admissions = self._admissions, []
+            return out
+
+    def admit_to_disk(self, node: Node, job) -> bool:
+        """Under the lock, while ``job`` admits ``node`` to RAM: whether it goes
+        to disk now (reused, and its parent on disk or written before it by
+        ``job``); else it waits in RAM for ``claim``."""
+        if not self._admit_on_reuse:
+            return True
+        parent = node.parent
+        return node.reused and (parent.is_root or parent.on_disk or parent.job is job)
+
+    def claim(self, leaves: list[Node], make_job: Callable[[list[Node], dict[bytes, Entry]], object]
+              ) -> Optional[object]:
+        """The writer's job of the chains of ``leaves``' blocks held in RAM only,
+        parents first (``make_job(nodes, entries)``); ``None`` when none is left.
+        A chain stops at a block another job still holds: its children wait."""
+        with self._lock:
+            nodes: list[Node] = []
+            entries: dict[bytes, Entry] = {}
+            for leaf in leaves:
+                if not self.current(leaf):
+                    continue
+                for p in leaf.path():
+                    if p.on_disk or p.key in entries:
+                        continue
+                    block = self._ram.get(p.key)
+                    if p.job is not None or block is None or p.record is None:
+                        break
+                    nodes.append(p)
+                    entries[p.key] = Entry(p.record, block.buf)
+            if not nodes:
+                return None
+            job = make_job(nodes, entries)
+            for p in nodes:
+                p.job = job
+            return job

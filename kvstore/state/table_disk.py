@@ -1,0 +1,126 @@
+"""The disk side of ``BlockTable``: what the LMDB tier holds, as the table
+records it (written, evicted, found by this or another process). Methods of
+the one table (its state and lock are declared in ``table``), kept in a file
+of their own.
+"""
+
+from __future__ import annotations
+
+from typing import Iterable, Optional, Sequence
+
+from .index import Node
+from ..blocks.record import BlockRecord
+
+
+class DiskSide:
+    def written(self, pairs: Iterable[tuple[Node, BlockRecord]]) -> None:
+        """These blocks' records and bytes are on disk now."""
+        with self._lock:
+            for node, rec in pairs:
+                node.nbytes, node.used, node.offset = rec.nbytes, rec.used, rec.offset
+                node.record = None  # (held for admission on reuse until now)
+                self._mark(node, True)
+
+    @property
+    def disk_blocks(self) -> int:
+        """Indexed blocks with a disk copy."""
+        return self._lru.blocks
+
+    def disk_victims(self, nbytes: int) -> list[Node]:
+        """Least recently used disk leaves, unpinned, about ``nbytes`` of them."""
+        with self._lock:
+            return self._lru.victims(nbytes)
+
+    def left_disk(self, victims: Sequence[Node], deleted: set[bytes]) -> None:
+        """``deleted`` of ``victims`` left the disk; a block then in no tier
+        leaves the index."""
+        with self._lock:
+            for v in victims:
+                if self._index.get(v.key) is not v:
+                    continue
+                if v.key not in deleted and v.on_disk:
+                    self._lru.push(v)  # another process removed it first, or it survived: keep it known
+                    continue
+                self._mark(v, False)
+                if not v.in_ram and v.job is None:
+                    self._forget(v)
+
+    def adopt(self, parent: Node, records: Iterable[BlockRecord]) -> list[Node]:
+        """Index blocks found on disk below ``parent`` (by this or another
+        process); returns those indexed."""
+        with self._lock:
+            if not self.current(parent):
+                return []
+            return [n for n in (self._adopt(parent, r) for r in records) if n is not None]
+
+    def adopt_all(self, by_parent: dict[bytes, list[BlockRecord]], roots: Iterable[bytes]) -> None:
+        """Rebuild from disk: every block whose parent chain is whole (what is
+        left in ``by_parent`` has none)."""
+        with self._lock:
+            for r in roots:
+                stack = [self._index.root(r)]
+                while stack:
+                    node = stack.pop()
+                    for rec in by_parent.pop(node.key, []):
+                        child = self._adopt(node, rec)
+                        if child is not None:
+                            stack.append(child)
+
+    def _adopt(self, parent: Node, rec: BlockRecord) -> Optional[Node]:
+        if rec.parent != parent.key:
+            return None
+        try:
+            node = self._index.add(parent, rec.key, rec.start, rec.length, rec.first, rec.snap, rec.gap,
+                                   rec.first_row if rec.gap else None)
+        except (KeyError, ValueError):
+            return None
+        node.nbytes, node.used, node.offset = rec.nbytes, max(node.used, rec.used), rec.offset
+        self._mark(node, True)
+        return node
+
+    def disk_keys(self) -> list[bytes]:
+        """Keys of the indexed blocks with a disk copy."""
+        with self._lock:
+            return [n.key for n in self._index if n.on_disk]
+
+    def disk_removed(self, keys: set[bytes]) -> int:
+        """Blocks removed from disk by another process (a clear) leave the
+        index with the blocks under them, in RAM or not (a RAM copy of a block
+        whose disk copy is gone would never be written again: the next put
+        stores it anew). Returns how many blocks with a disk copy left."""
+        with self._lock:
+            n = 0
+            for key in keys:
+                node = self._index.get(key)
+                if node is not None and node.on_disk:
+                    n += len(self._forget(node))
+            return n
+
+    def disk_gone(self, node: Node) -> None:
+        """A block the index has on disk is no longer there (another process
+        removed it): it leaves the index with the blocks under it."""
+        with self._lock:
+            if self._index.get(node.key) is node and not node.in_ram and node.job is None:
+                self._forget(node)
+
+    def learn_offset(self, node: Node, offset: int) -> None:
+        """Where a block written before offsets were recorded sits (for residency checks)."""
+        with self._lock:
+            node.offset = offset
+
+    def _mark(self, node: Node, on_disk: bool) -> None:
+        """Set ``node.on_disk``, keeping leaf counts and the LRU heap."""
+        if node.on_disk == on_disk:
+            return
+        node.on_disk = on_disk
+        parent = node.parent
+        if on_disk:
+            self._lru.blocks += 1
+            if parent is not None and not parent.is_root:
+                parent.disk_kids += 1
+            self._lru.push(node)
+        else:
+            self._lru.blocks -= 1
+            if parent is not None and not parent.is_root:
+                parent.disk_kids -= 1
+                self._lru.push(parent)
