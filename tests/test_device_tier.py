@@ -17,6 +17,7 @@ import pytest
 
 from kvstore import PrefixStore
 from kvstore.gpu import cuda
+from kvstore.blocks import wire
 
 from kvstore.blocks.hashing import KeyChain, as_tokens, root_key
 from kvstore.blocks.layers import Quantized
@@ -92,7 +93,7 @@ def test_conversations_sharing_a_prefix_are_counted_for_the_memory_they_hold(on_
         s.flush()
         for p in prompts:
             assert_hit_is(s.fetch(M, p), p, 4 * BS, heads=2, dim=64)
-            held = {id(d.arrays): sum(t.nbytes for t in d.arrays.tensors) for d in s._table._dev._blocks.values()}
+            held = {id(d.arrays): d.arrays.nbytes for d in s._table._dev._blocks.values()}
             st = s.stats()
             assert st["device_bytes"] == sum(held.values()) <= st["device_budget"]
         assert len(held) > 1  # the first conversations' own blocks still hold their arrays
@@ -172,12 +173,17 @@ def test_a_hit_served_without_the_device_tier_owns_its_arrays(on_gpu, monkeypatc
         assert s.stats()["device_blocks"] == 0
 
 
+@pytest.mark.parametrize("layout", ["kinds", "layers"])
 @pytest.mark.parametrize("bits", [8, 4])
-def test_quantized_blocks_on_the_gpu_path_give_what_the_host_path_gives(on_gpu, tmp_path, monkeypatch, bits):
-    """Quantized blocks land block by block and their layers are cut on the
-    GPU: from RAM, from the device tier, from disk and handed over quantized,
-    the same arrays as the host path's, bit for bit."""
+def test_quantized_blocks_on_the_gpu_path_give_what_the_host_path_gives(on_gpu, tmp_path, monkeypatch, bits, layout):
+    """Quantized blocks land on the GPU, kind by kind at their rows of every
+    layer as blocks are written now (one strided copy per kind, dequantized
+    in one kernel), or block by block, cut there, as older blocks lie (each
+    layer's arrays side by side): from RAM, from the device tier, from disk
+    and handed over quantized, the same arrays as the host path's, bit for bit."""
     monkeypatch.setattr(cuda, "LANDING", 2 * (1 << 20) // 1024)  # a few blocks at a time
+    if layout == "layers":
+        monkeypatch.setattr(wire._Layout, "layers", lambda self, ls, n: tuple(self.layer(l, n) for l in ls))
     p = toks(4 * BS)
     rt = cuda.runtime()
 
@@ -199,6 +205,9 @@ def test_quantized_blocks_on_the_gpu_path_give_what_the_host_path_gives(on_gpu, 
         ref, qref = on_host(lambda: s.fetch(M, p)), on_host(lambda: s.fetch(M, p, quantized=(bits, 32)))
         assert same_hit(s.fetch(M, p), ref)  # from RAM
         assert s.stats()["device_blocks"] == 4
+        kept = list(s._table._dev._blocks.values())  # (4-bit keys are rotated: those go block by block)
+        assert all((d.arrays is not None and len(d.arrays.kinds) == 3) == (layout == "kinds" and bits == 8)
+                   for d in kept)
         assert same_hit(s.fetch(M, p), ref)  # from the device tier
         assert same_hit(s.fetch(M, p, quantized=(bits, 32)), qref)
     with _store(**kw) as s:

@@ -78,6 +78,7 @@ _DTYPES: dict[str, tuple[mx.Dtype, np.dtype]] = {
     "int8": (mx.int8, np.dtype("i1")),
 }
 NAME_OF = {mx_t: name for name, (mx_t, _) in _DTYPES.items()}
+MX_OF = {name: mx_t for name, (mx_t, _) in _DTYPES.items()}
 
 
 def aligned(n: int) -> int:

@@ -16,10 +16,22 @@ from .wire import Stored
 
 @dataclass(eq=False)
 class HitArrays:
-    """The arrays a dense hit built in GPU memory: per layer, keys then
-    values, each ``[1, heads, rows, dim]``, rows of several blocks."""
+    """The arrays a hit built in GPU memory (``kvstore.convert.rowcopy``), rows of
+    several blocks: per kind of array (one for plain KV; data, scales and
+    biases for quantized KV) a ``[lines, rows, width]`` array whose lines are
+    every layer's keys then values, head by head."""
 
-    tensors: list[mx.array]
+    kinds: list[mx.array]
+    heads: int
+
+    def tensor(self, i: int) -> mx.array:
+        """Array ``i`` of a block's ``header.kv_arrays()``, ``[1, heads, rows, width]`` (a view)."""
+        t, c = divmod(i, len(self.kinds))
+        return self.kinds[c][t * self.heads : (t + 1) * self.heads][None]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(x.nbytes for x in self.kinds)
 
 
 @dataclass
@@ -62,7 +74,7 @@ class DeviceBlock:
             payload[tok.offset : tok.offset + tok.nbytes] = self.tokens.astype(tok.np_dtype).view(np.uint8)
             n = self.header.ntokens
             for i, a in enumerate(self.header.kv_arrays()):
-                x = self.arrays.tensors[i][..., self.row : self.row + n, :]
+                x = self.arrays.tensor(i)[..., self.row : self.row + n, :]
                 x = np.array(x.view(mx.uint16) if x.dtype == mx.bfloat16 else x)
                 payload[a.offset : a.offset + a.nbytes] = x.reshape(-1).view(np.uint8)
         buf = np.concatenate([np.frombuffer(self.head, np.uint8), payload])

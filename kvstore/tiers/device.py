@@ -2,8 +2,8 @@
 byte budget.
 
 A hit that just moved blocks to the GPU leaves them here as they are, with
-no copy: a dense hit's per-layer arrays (``HitArrays``, built by
-``kvstore.convert.rowcopy``), each block the rows it holds there; any other layout's
+no copy: a hit's arrays (``HitArrays``, built by ``kvstore.convert.rowcopy``), each
+block the rows it holds there; any other layout's
 upload buffer, each block its payload bytes laid out as on disk, from which
 the next hit cuts its layers on the GPU (``gather``). A later hit of the same
 blocks at the same rows gets views of the arrays, so the engine's own
@@ -43,7 +43,7 @@ class DeviceTier:
     @staticmethod
     def _memory(block: DeviceBlock) -> tuple[int, int]:
         if block.arrays is not None:
-            return id(block.arrays), sum(t.nbytes for t in block.arrays.tensors)
+            return id(block.arrays), block.arrays.nbytes
         return id(block.data), block.data.nbytes
 
     def add(self, block: DeviceBlock, pinned: Callable[[bytes], bool]) -> bool:
