@@ -29,78 +29,19 @@ ADMISSIONS = ("always", "reuse")  # ssd_admit
 KvBits = Union[None, int, tuple[Optional[int], Optional[int]]]
 
 
+_POSITIVE = ("write_batch_bytes", "write_ahead_bytes", "write_seconds", "max_pending_bytes", "writer_patience_s",
+             "compress_rows", "full_pause_s", "evict_rounds", "remote_queue_bytes", "remote_batch_bytes", "remote_batch_blocks",
+             "remote_close_wait", "remote_probe_blocks", "remote_read_bytes", "prior_ram_gbps",
+             "prior_ssd_cached_gbps", "prior_ssd_cold_gbps", "unprobed_cold_gbps", "probe_bytes")
+
+
 @dataclass(frozen=True, kw_only=True)
-class StoreConfig:
-    """Every setting of a ``PrefixStore``, keyword-only and checked here.
+class Tuning:
+    """The store's tuning knobs, each with the reason for its value: what a user
+    rarely sets (``StoreConfig`` holds the settings a user chooses). Each is
+    also accepted by name as a keyword of ``StoreConfig`` and ``PrefixStore``
+    (``PrefixStore(write_batch_bytes=...)``), and read there as an attribute."""
 
-    ``budget_gb`` bounds the RAM tier; with ``ssd_path`` every block is also
-    written to an LMDB store there (write-through, in the background) that
-    survives restarts and may be shared by several processes, bounded by
-    ``disk_budget_gb`` (default: half the free space, at most 64 GiB);
-    ``ssd_admit="reuse"`` writes there only blocks asked for again.
-    ``kv_bits`` stores KV quantized (an int, or ``(key_bits, value_bits)``);
-    ``None`` keeps the engine's dtype. ``rotate_keys`` rotates keys before
-    quantizing them (``kvstore.blocks.rotation``; ``None``: at 4 bits or fewer),
-    ``rotate_values`` values (``None``: at 4 bits or fewer too).
-    ``full_attention_bits`` (as ``kv_bits``; ``"same"``: ``kv_bits``) keeps the
-    full-attention layers of a model that also has sliding-window layers
-    (Gemma 3's global ones) another way, e.g. ``None``: dense.
-    Entries remember their own settings, so
-    a store reopened with other settings reads old entries correctly.
-    ``namespace`` salts every key: tenants never share or see blocks.
-    ``fetch_policy``: ``"auto"`` serves the part of a hit that loads faster
-    than the engine recomputes it (rates measured here, see ``cost``),
-    ``"always"`` serves every stored token, ``"never"`` none.
-    ``remote`` (``redis://[[user]:password@]host:port/db``, ``rediss://`` for
-    TLS, ``unix:///path.sock``; the password may come from
-    ``$KVSTORE_REMOTE_PASSWORD`` or ``$REDISCLI_AUTH``) adds a Redis / Valkey
-    server or cluster shared by hosts, after RAM and LMDB: new blocks are
-    copied there in the background, and a fetch reads there what the local
-    tiers lack; a down server only costs ``remote_timeout`` seconds now and
-    then. ``remote_secret`` (else ``$KVSTORE_REMOTE_SECRET``, which keeps it out
-    of process lists) signs every block written there with a keyed MAC, and
-    serves from there only blocks whose MAC checks out under it.
-    The tuning fields below them say why they are what they are.
-    """
-
-    # ------------------------------------------------------------- settings
-    budget_gb: float = 4.0  # the RAM tier's bytes
-    # GPU memory for hot blocks' copies (CUDA; None: 1/16 of the GPU's memory, at most 8 GiB; 0: off). Where
-    # memory is one (Apple silicon, CPUs) the RAM tier is the device tier and this is 0.
-    device_budget_gb: Optional[float] = None
-    ssd_path: Optional[Union[str, os.PathLike]] = None  # an LMDB store there (None: RAM only)
-    disk_budget_gb: Optional[float] = None  # None: half the free space, at most 64 GiB
-    # tokens per block; None: the store's own (recorded at its creation), DEFAULT_BLOCK for a new one. A store
-    # reopened with another is served in its own, with a warning (its blocks' keys depend on it).
-    block_size: Optional[int] = None
-    kv_bits: KvBits = None  # an int, (key_bits, value_bits), or None: the engine's dtype
-    kv_group_size: int = 64
-    rotate_keys: Optional[bool] = None  # None: at 4 bits or fewer (``rotate_*_at_or_below``)
-    rotate_values: Optional[bool] = None
-    # Gemma 3-like models' full-attention layers: "same" as kv_bits, or bits of their own (None: dense); on
-    # Gemma 3 270M q8 meets its targets with them dense (docs/benchmarks.md, Gemma 3 on the CPU)
-    full_attention_bits: Union[KvBits, str] = "same"
-    namespace: Optional[str] = None  # salts every key: tenants never share or see blocks
-    readonly: bool = False
-    fetch_policy: str = "auto"  # "auto", "always" or "never"
-    # "always": every new block is written through to the SSD tier; "reuse": a block is written there only
-    # once it is asked for again (a later put shares it, or a fetch serves it from RAM or the device), with
-    # its prefix; until then it is in RAM only (one-off prompts cost no SSD writes, nor survive a restart)
-    ssd_admit: str = "always"
-    remote: Optional[str] = None  # redis://, rediss://, unix:// URL of a shared tier
-    remote_timeout: float = 0.5  # seconds a down remote costs now and then
-    # MAC key of remote blocks (None: $KVSTORE_REMOTE_SECRET, else none: blocks unsigned, any served);
-    # never shown (repr=False)
-    remote_secret: Optional[str] = field(default=None, repr=False)
-    # Keep the cost model's estimates in the store per machine, and start from them at open (False: every
-    # open starts knowing nothing, as a first request on a new machine does; benchmarks of that case).
-    remember_rates: bool = True
-    # fetch_policy="auto": seconds the first fetch of a model (``generate``) or its load (the servers) may spend
-    # timing prefills of it before its first request, so a hit is weighed against what recomputing costs
-    # (adapters/calibration.py). 0: none; hits are served until requests' own prefills have been timed.
-    calibrate_budget_s: float = 3.0
-
-    # --------------------------------------------------------------- tuning
     # Rotation before quantizing is the default at or below these bits: it measured better at 4 bits and not
     # at 8 (docs/benchmarks.md, fidelity).
     rotate_keys_at_or_below: Optional[int] = ROTATE_AT_OR_BELOW
@@ -157,6 +98,122 @@ class StoreConfig:
     serve_margin: float = 0.05
 
     def __post_init__(self):
+        for f in fields(self):
+            if f.name in _POSITIVE:
+                v = getattr(self, f.name)
+                if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float)) or v <= 0):
+                    raise ConfigError(f"{f.name} must be a number > 0, got {v!r}")
+        for name in ("evict_to", "cached_share", "prior_cold_share"):
+            if not 0 < getattr(self, name) <= 1:
+                raise ConfigError(f"{name} must be in (0, 1], got {getattr(self, name)!r}")
+        m = self.serve_margin
+        if isinstance(m, bool) or not isinstance(m, (int, float)) or not 0 <= m < 1:
+            raise ConfigError(f"serve_margin must be in [0, 1), got {m!r}")
+
+
+TUNING = frozenset(f.name for f in fields(Tuning))
+
+
+@dataclass(frozen=True, kw_only=True, init=False)
+class StoreConfig:
+    """Every setting of a ``PrefixStore``, keyword-only and checked here.
+
+    ``budget_gb`` bounds the RAM tier; with ``ssd_path`` every block is also
+    written to an LMDB store there (write-through, in the background) that
+    survives restarts and may be shared by several processes, bounded by
+    ``disk_budget_gb`` (default: half the free space, at most 64 GiB);
+    ``ssd_admit="reuse"`` writes there only blocks asked for again.
+    ``kv_bits`` stores KV quantized (an int, or ``(key_bits, value_bits)``);
+    ``None`` keeps the engine's dtype. ``rotate_keys`` rotates keys before
+    quantizing them (``kvstore.blocks.rotation``; ``None``: at 4 bits or fewer),
+    ``rotate_values`` values (``None``: at 4 bits or fewer too).
+    ``full_attention_bits`` (as ``kv_bits``; ``"same"``: ``kv_bits``) keeps the
+    full-attention layers of a model that also has sliding-window layers
+    (Gemma 3's global ones) another way, e.g. ``None``: dense.
+    Entries remember their own settings, so
+    a store reopened with other settings reads old entries correctly.
+    ``namespace`` salts every key: tenants never share or see blocks.
+    ``fetch_policy``: ``"auto"`` serves the part of a hit that loads faster
+    than the engine recomputes it (rates measured here, see ``cost``),
+    ``"always"`` serves every stored token, ``"never"`` none.
+    ``remote`` (``redis://[[user]:password@]host:port/db``, ``rediss://`` for
+    TLS, ``unix:///path.sock``; the password may come from
+    ``$KVSTORE_REMOTE_PASSWORD`` or ``$REDISCLI_AUTH``) adds a Redis / Valkey
+    server or cluster shared by hosts, after RAM and LMDB: new blocks are
+    copied there in the background, and a fetch reads there what the local
+    tiers lack; a down server only costs ``remote_timeout`` seconds now and
+    then. ``remote_secret`` (else ``$KVSTORE_REMOTE_SECRET``, which keeps it out
+    of process lists) signs every block written there with a keyed MAC, and
+    serves from there only blocks whose MAC checks out under it.
+    ``tuning`` holds the knobs (``Tuning``, each with its reason); each may
+    also be given here by its own name.
+    """
+
+    # ------------------------------------------------------------- settings
+    budget_gb: float = 4.0  # the RAM tier's bytes
+    # GPU memory for hot blocks' copies (CUDA; None: 1/16 of the GPU's memory, at most 8 GiB; 0: off). Where
+    # memory is one (Apple silicon, CPUs) the RAM tier is the device tier and this is 0.
+    device_budget_gb: Optional[float] = None
+    ssd_path: Optional[Union[str, os.PathLike]] = None  # an LMDB store there (None: RAM only)
+    disk_budget_gb: Optional[float] = None  # None: half the free space, at most 64 GiB
+    # tokens per block; None: the store's own (recorded at its creation), DEFAULT_BLOCK for a new one. A store
+    # reopened with another is served in its own, with a warning (its blocks' keys depend on it).
+    block_size: Optional[int] = None
+    kv_bits: KvBits = None  # an int, (key_bits, value_bits), or None: the engine's dtype
+    kv_group_size: int = 64
+    rotate_keys: Optional[bool] = None  # None: at 4 bits or fewer (``rotate_*_at_or_below``)
+    rotate_values: Optional[bool] = None
+    # Gemma 3-like models' full-attention layers: "same" as kv_bits, or bits of their own (None: dense); on
+    # Gemma 3 270M q8 meets its targets with them dense (docs/benchmarks.md, Gemma 3 on the CPU)
+    full_attention_bits: Union[KvBits, str] = "same"
+    namespace: Optional[str] = None  # salts every key: tenants never share or see blocks
+    readonly: bool = False
+    fetch_policy: str = "auto"  # "auto", "always" or "never"
+    # "always": every new block is written through to the SSD tier; "reuse": a block is written there only
+    # once it is asked for again (a later put shares it, or a fetch serves it from RAM or the device), with
+    # its prefix; until then it is in RAM only (one-off prompts cost no SSD writes, nor survive a restart)
+    ssd_admit: str = "always"
+    remote: Optional[str] = None  # redis://, rediss://, unix:// URL of a shared tier
+    remote_timeout: float = 0.5  # seconds a down remote costs now and then
+    # MAC key of remote blocks (None: $KVSTORE_REMOTE_SECRET, else none: blocks unsigned, any served);
+    # never shown (repr=False)
+    remote_secret: Optional[str] = field(default=None, repr=False)
+    # Keep the cost model's estimates in the store per machine, and start from them at open (False: every
+    # open starts knowing nothing, as a first request on a new machine does; benchmarks of that case).
+    remember_rates: bool = True
+    # fetch_policy="auto": seconds the first fetch of a model (``generate``) or its load (the servers) may spend
+    # timing prefills of it before its first request, so a hit is weighed against what recomputing costs
+    # (adapters/calibration.py). 0: none; hits are served until requests' own prefills have been timed.
+    calibrate_budget_s: float = 3.0
+    tuning: Tuning = Tuning()
+
+    def __init__(self, **settings):
+        """Keywords only: the settings, ``tuning``, and any of ``Tuning``'s knobs
+        by name (applied on top of ``tuning``). ``TypeError`` for other names, as a
+        dataclass gives (``store_config`` names the nearest ones instead)."""
+        knobs = {k: settings.pop(k) for k in list(settings) if k in TUNING}
+        tuning = settings.pop("tuning", Tuning())
+        if knobs and isinstance(tuning, Tuning):
+            tuning = replace(tuning, **knobs)
+        for f in fields(self):
+            if f.name == "tuning":
+                value = tuning
+            elif f.name in settings:
+                value = settings.pop(f.name)
+            else:
+                value = f.default
+            object.__setattr__(self, f.name, value)
+        if settings:
+            raise TypeError(f"StoreConfig() got unexpected keyword arguments {sorted(settings)}")
+        self.__post_init__()
+
+    def __getattr__(self, name: str):
+        """A tuning knob read by its name (``config.write_batch_bytes``), as before knobs were nested."""
+        if name in TUNING and "tuning" in self.__dict__:
+            return getattr(self.tuning, name)
+        raise AttributeError(f"'StoreConfig' object has no attribute {name!r}")
+
+    def __post_init__(self):
         bs = self.block_size
         if bs is not None and (isinstance(bs, bool) or not isinstance(bs, int) or not 1 <= bs <= MAX_BLOCK):
             raise ConfigError(f"block_size must be an int in [1, {MAX_BLOCK}] (tokens per block) or None, "
@@ -187,17 +244,8 @@ class StoreConfig:
         t = self.remote_timeout
         if isinstance(t, bool) or not isinstance(t, (int, float)) or not math.isfinite(t) or t <= 0:
             raise ConfigError(f"remote_timeout must be a number of seconds > 0, got {t!r}")
-        for f in fields(self):
-            if f.name in _POSITIVE:
-                v = getattr(self, f.name)
-                if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float)) or v <= 0):
-                    raise ConfigError(f"{f.name} must be a number > 0, got {v!r}")
-        for name in ("evict_to", "cached_share", "prior_cold_share"):
-            if not 0 < getattr(self, name) <= 1:
-                raise ConfigError(f"{name} must be in (0, 1], got {getattr(self, name)!r}")
-        m = self.serve_margin
-        if isinstance(m, bool) or not isinstance(m, (int, float)) or not 0 <= m < 1:
-            raise ConfigError(f"serve_margin must be in [0, 1), got {m!r}")
+        if not isinstance(self.tuning, Tuning):
+            raise ConfigError(f"tuning must be a kvstore.config.Tuning, got {self.tuning!r}")
 
     @property
     def ram_bytes(self) -> int:
@@ -217,13 +265,8 @@ class StoreConfig:
         return None if self.disk_budget_gb is None else int(self.disk_budget_gb * GB)
 
     def pending_bound(self) -> int:
-        return self.max_pending_bytes if self.max_pending_bytes is not None else max(256 << 20, self.ram_bytes)
+        return self.tuning.max_pending_bytes if self.tuning.max_pending_bytes is not None else max(256 << 20, self.ram_bytes)
 
-
-_POSITIVE = ("write_batch_bytes", "write_ahead_bytes", "write_seconds", "max_pending_bytes", "writer_patience_s",
-             "compress_rows", "full_pause_s", "evict_rounds", "remote_queue_bytes", "remote_batch_bytes", "remote_batch_blocks",
-             "remote_close_wait", "remote_probe_blocks", "remote_read_bytes", "prior_ram_gbps",
-             "prior_ssd_cached_gbps", "prior_ssd_cold_gbps", "unprobed_cold_gbps", "probe_bytes")
 
 
 def check_policy(policy: str) -> None:
@@ -246,7 +289,7 @@ def store_config(config: Optional[StoreConfig] = None, **settings) -> StoreConfi
     if config is not None and not isinstance(config, StoreConfig):  # e.g. PrefixStore("/path/to/store")
         raise ConfigError(f"PrefixStore: the one positional argument is a StoreConfig, not {config!r}; "
                           "settings are keywords (ssd_path=..., budget_gb=...)")
-    names = [f.name for f in fields(StoreConfig)]
+    names = [f.name for f in fields(StoreConfig)] + sorted(TUNING)
     for key in settings:
         if key not in names:
             near = difflib.get_close_matches(key, names, n=3, cutoff=0.6)
@@ -259,11 +302,11 @@ def store_config(config: Optional[StoreConfig] = None, **settings) -> StoreConfi
 
 
 def init_signature() -> inspect.Signature:
-    """``PrefixStore(config=None, *, <StoreConfig's fields>)``: what ``help()`` and editors show of the
+    """``PrefixStore(config=None, *, <StoreConfig's fields>, <Tuning's fields>)``: what ``help()`` and editors show of the
     keywords ``__init__`` takes as ``**settings``."""
     params = [inspect.Parameter("self", inspect.Parameter.POSITIONAL_OR_KEYWORD),
               inspect.Parameter("config", inspect.Parameter.POSITIONAL_OR_KEYWORD, default=None,
                                 annotation=Optional[StoreConfig])]
     params += [inspect.Parameter(f.name, inspect.Parameter.KEYWORD_ONLY, default=f.default, annotation=f.type)
-               for f in fields(StoreConfig)]
+               for f in (*fields(StoreConfig), *fields(Tuning))]
     return inspect.Signature(params)

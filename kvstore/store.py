@@ -85,7 +85,7 @@ class PrefixStore:
         self.namespace = cfg.namespace
         self.readonly = cfg.readonly
         self._counters = Counters()
-        self._cost = CostModel(cfg.fetch_policy, margin=cfg.serve_margin)
+        self._cost = CostModel(cfg.fetch_policy, margin=cfg.tuning.serve_margin)
         self._warned: set[str] = set()
         self._registered: set[bytes] = set()
         self._table = BlockTable(cfg.ram_bytes, self._counters, has_disk=cfg.ssd_path is not None,
@@ -103,7 +103,7 @@ class PrefixStore:
             self._disk = Disk(tier, self._table, self._counters, cfg, self._warn)
         self._reader = Reader(self._table, self._disk, self._counters, writable=not cfg.readonly)
         self._planner = Planner(self._cost, self._table, self._disk, self._counters, cfg)
-        self._engine = EngineFirst(cfg.writer_patience_s)
+        self._engine = EngineFirst(cfg.tuning.writer_patience_s)
         self._writer = Writer(self._table, self._disk, self.codec, self._counters, cfg, on_idle=self._save,
                               remote=None if cfg.readonly else self._remote, engine=self._engine)
         self._discovery = None if self._remote is None else Discovery(

@@ -37,7 +37,7 @@ def warm_device(config: StoreConfig, open_store: Callable[[StoreConfig], Context
     makes (``PrefixStore``: the facade hands itself in); seconds it took (0 where done or no CUDA)."""
     rt = cuda.runtime()
     what = (config.kv_bits, config.kv_group_size, config.rotate_keys, config.rotate_values,
-            config.rotate_keys_at_or_below, config.rotate_values_at_or_below, config.full_attention_bits,
+            config.tuning.rotate_keys_at_or_below, config.tuning.rotate_values_at_or_below, config.full_attention_bits,
             config.block_size)
     if rt is None or what in _done:
         return 0.0

@@ -188,3 +188,22 @@ def test_the_signature_lists_every_setting():
     assert list(params)[0] == "config"
     for f in dataclasses.fields(StoreConfig):
         assert params[f.name].kind is inspect.Parameter.KEYWORD_ONLY and params[f.name].default == f.default
+
+
+def test_tuning_knobs_are_nested_and_still_taken_by_their_old_names():
+    import dataclasses
+
+    from kvstore.config import Tuning
+
+    cfg = StoreConfig(budget_gb=1, write_batch_bytes=1 << 20, evict_to=0.5)
+    assert cfg.tuning == Tuning(write_batch_bytes=1 << 20, evict_to=0.5)
+    assert cfg.write_batch_bytes == 1 << 20 and cfg.tuning.evict_to == 0.5  # read by the old name too
+    assert cfg == StoreConfig(budget_gb=1, tuning=Tuning(write_batch_bytes=1 << 20, evict_to=0.5))
+    assert dataclasses.replace(cfg, evict_to=0.75).tuning == Tuning(write_batch_bytes=1 << 20, evict_to=0.75)
+    assert not {f.name for f in dataclasses.fields(StoreConfig)} & {f.name for f in dataclasses.fields(Tuning)}
+    with PrefixStore(budget_gb=0.01, serve_margin=0.2) as s:
+        assert s.config.tuning.serve_margin == 0.2
+    with pytest.raises(ConfigError, match="evict_to"):
+        StoreConfig(evict_to=3)
+    with pytest.raises(ConfigError, match="did you mean write_batch_bytes"):
+        PrefixStore(write_batch_byte=1)

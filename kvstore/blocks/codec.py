@@ -161,7 +161,8 @@ class Codec:
     def of(cls, cfg: "StoreConfig") -> "Codec":
         """The codec a store of ``cfg`` stores with (``ConfigError`` for bits or a group size it cannot use)."""
         return cls.from_bits(cfg.kv_bits, cfg.kv_group_size, cfg.rotate_keys, cfg.rotate_values,
-                             cfg.rotate_keys_at_or_below, cfg.rotate_values_at_or_below, cfg.full_attention_bits)
+                             cfg.tuning.rotate_keys_at_or_below, cfg.tuning.rotate_values_at_or_below,
+                             cfg.full_attention_bits)
 
     def for_layer(self, window: Optional[int], windowed_model: bool) -> "Codec":
         """The codec of one layer: ``full_attention`` for a full-attention layer (``window`` None) of a

@@ -30,7 +30,7 @@ class Planner:
         self.disk = disk
         self.counters = counters
         self.cfg = cfg
-        self.cached_share = cfg.cached_share  # a disk block with this share of its pages cached reads as cached
+        self.cached_share = cfg.tuning.cached_share  # a disk block with this share of its pages cached reads as cached
 
     def plan(self, root: bytes, n_prompt: int, path: list[Node], servable: int, found: Mapping = {}) -> Plan:
         """How much of the servable prefix to load: per block its tier and, on
@@ -107,19 +107,19 @@ class Planner:
 
     def _assume(self, unknown: set[str]) -> None:
         cfg, gb = self.cfg, 1e9
-        arrays = (cfg.prior_ram_gbps or 0) * gb or probe.array_rate(cfg.probe_bytes)
+        arrays = (cfg.tuning.prior_ram_gbps or 0) * gb or probe.array_rate(cfg.tuning.probe_bytes)
         for state in unknown:
             if state == "ram":
                 rate = arrays
             elif state == "ssd_cached":
-                rate = (cfg.prior_ssd_cached_gbps or 0) * gb or probe.in_series(probe.copy_rate(cfg.probe_bytes),
+                rate = (cfg.tuning.prior_ssd_cached_gbps or 0) * gb or probe.in_series(probe.copy_rate(cfg.tuning.probe_bytes),
                                                                                arrays)
-            elif cfg.prior_ssd_cold_gbps:
-                rate = cfg.prior_ssd_cold_gbps * gb
+            elif cfg.tuning.prior_ssd_cold_gbps:
+                rate = cfg.tuning.prior_ssd_cold_gbps * gb
             else:
-                read = probe.direct_read_rate(self.disk.tier.path / "data.mdb", 4 * cfg.probe_bytes) \
+                read = probe.direct_read_rate(self.disk.tier.path / "data.mdb", 4 * cfg.tuning.probe_bytes) \
                     if self.disk is not None else None
-                rate = cfg.prior_cold_share * (probe.in_series(read, arrays) if read else cfg.unprobed_cold_gbps * gb)
+                rate = cfg.tuning.prior_cold_share * (probe.in_series(read, arrays) if read else cfg.tuning.unprobed_cold_gbps * gb)
             self.cost.assume(state, rate)
 
     def start(self) -> None:

@@ -64,7 +64,7 @@ class Discovery:
         self.remote = remote
         self.table = table
         self.counters = counters
-        self.max_probe = config.remote_probe_blocks
+        self.max_probe = config.tuning.remote_probe_blocks
         self.keep_on_disk = keep_on_disk
         self._warned = False
 

@@ -64,7 +64,7 @@ class Disk:
                     known.add(pair[0].key)
                 yield pair[1]
 
-        if self._full_at is not None and time.monotonic() - self._full_at < self.config.full_pause_s:
+        if self._full_at is not None and time.monotonic() - self._full_at < self.config.tuning.full_pause_s:
             for _ in source:
                 pass
             return False  # the device is full and evicting did not help: RAM only for now
@@ -87,7 +87,7 @@ class Disk:
             self.recheck(written.cleared, len(written.parentless))
         try:
             if self.tier.usage() > self.tier.budget:
-                self.evict_to(int(self.tier.budget * self.config.evict_to))
+                self.evict_to(int(self.tier.budget * self.config.tuning.evict_to))
         except Exception as e:  # the blocks are written; staying under budget is retried next write
             self.failed("evicting from", e)
         return True
@@ -96,7 +96,7 @@ class Disk:
         """Delete least recently used disk leaves until usage <= ``target``;
         a block then in no tier leaves the index."""
         gone = 0
-        for _ in range(self.config.evict_rounds):
+        for _ in range(self.config.tuning.evict_rounds):
             over = self.tier.usage() - target
             if over <= 0:
                 break
@@ -115,7 +115,7 @@ class Disk:
         """Lower the disk budget below what the full device holds and evict to
         it; False when that failed too."""
         try:
-            self.tier.budget = max(0, int(self.tier.usage() * self.config.evict_to))
+            self.tier.budget = max(0, int(self.tier.usage() * self.config.tuning.evict_to))
             self.evict_to(self.tier.budget)
             return True
         except Exception as e:

@@ -83,7 +83,7 @@ class Writer:
                  config: StoreConfig, on_idle: Callable[[], None], remote: Optional["Remote"] = None,
                  engine: Optional[EngineFirst] = None):
         self.table = table
-        self.engine = engine if engine is not None else EngineFirst(config.writer_patience_s)
+        self.engine = engine if engine is not None else EngineFirst(config.tuning.writer_patience_s)
         self.disk = disk if disk is not None and not config.readonly else None
         self.remote = remote
         self.codec = codec
@@ -243,12 +243,12 @@ class Writer:
             for node, entry in self._entries(job, elsewhere, to_disk, to_remote):
                 n = len(entry.payload)
                 if feed is None:
-                    feed = Feed(cfg.write_ahead_bytes)
+                    feed = Feed(cfg.tuning.write_ahead_bytes)
                     writing.append(self._commit(feed, job, to_disk, to_remote,
-                                                min(cfg.write_batch_bytes + n, max(left, n))))
+                                                min(cfg.tuning.write_batch_bytes + n, max(left, n))))
                 feed.put((node, entry), n)
                 left -= n
-                if feed.nbytes >= cfg.write_batch_bytes or time.monotonic() - feed.opened >= cfg.write_seconds:
+                if feed.nbytes >= cfg.tuning.write_batch_bytes or time.monotonic() - feed.opened >= cfg.tuning.write_seconds:
                     feed, full = None, feed
                     full.close()
             self._let_go(job)  # encoded: the next put may queue while this one's blocks are written
@@ -287,7 +287,7 @@ class Writer:
         def wanted(n: Node) -> bool:
             return n.key not in elsewhere and self.table.is_job(n, job)
 
-        for node, held, about in encoded(job, self.codec, self.config.compress_rows, wanted):
+        for node, held, about in encoded(job, self.codec, self.config.tuning.compress_rows, wanted):
             self.engine.yield_to_engine()
             record = self._record(job, node, held, about) if to_disk or to_remote else None
             where = self.table.admit(node, job, held, ram_only=not to_disk, record=record)

@@ -94,11 +94,11 @@ class Remote:
 
     def __init__(self, url: str, namespace: Optional[str], counters: Counters, config: StoreConfig = StoreConfig()):
         self.tier = RemoteTier(url, namespace, float(config.remote_timeout),  # a malformed URL raises here
-                               read_bytes=config.remote_read_bytes, secret=secret_bytes(config.remote_secret))
+                               read_bytes=config.tuning.remote_read_bytes, secret=secret_bytes(config.remote_secret))
         self.counters = counters
         self.breaker = Breaker()
         self.config = config
-        self.queue_bytes = config.remote_queue_bytes
+        self.queue_bytes = config.tuning.remote_queue_bytes
         self._warned = False
         self._cond = threading.Condition()
         self._queue: "deque[Union[Entry, ModelInfo]]" = deque()
@@ -191,7 +191,7 @@ class Remote:
         return True
 
     def close(self) -> None:
-        if not self.flush(self.config.remote_close_wait):
+        if not self.flush(self.config.tuning.remote_close_wait):
             log.warning("kvstore: remote %s: %d MiB of copies not sent at close", self.url, self._queued >> 20)
         with self._cond:
             self._stop = True
@@ -202,7 +202,7 @@ class Remote:
         if dropped:
             self.counters.count("remote_skipped", len(dropped))
         if self._thread is not None:
-            self._thread.join(timeout=self.config.remote_close_wait)
+            self._thread.join(timeout=self.config.tuning.remote_close_wait)
         self.tier.close()
 
     def stats(self) -> dict:
@@ -225,8 +225,8 @@ class Remote:
                     return
                 batch, size = [], 0
                 cfg = self.config
-                while self._queue and len(batch) < cfg.remote_batch_blocks and (
-                        not batch or size < cfg.remote_batch_bytes):
+                while self._queue and len(batch) < cfg.tuning.remote_batch_blocks and (
+                        not batch or size < cfg.tuning.remote_batch_bytes):
                     item = self._queue.popleft()
                     batch.append(item)
                     if isinstance(item, Entry):
