@@ -73,7 +73,7 @@ def test_every_benchmark_file_and_anchor_the_docs_name_exists():
 # The core's layers, lowest first: a module imports only from its own layer or lower ones (the
 # package root ``kvstore`` excepted, for ``__version__``). Sub-packages are named by their job:
 LAYERS = [
-    {"errors"},  # the exceptions
+    {"errors", "background"},  # the exceptions; starting background threads (fork-safe)
     {"gpu"},  # the CUDA runtime and host buffers (the only place that knows CUDA)
     {"blocks"},  # what a block is: keys, layers, codec, header, bytes, records
     {"config", "counters"},  # the settings; what a store counts

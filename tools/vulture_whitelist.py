@@ -17,6 +17,7 @@ _.set_budget      # PrefixStore.set_budget: the RAM budget changed at run time (
 _.trim_device     # PrefixStore.trim_device: GPU memory handed back to an engine that needs it (README)
 _.serialize       # kvstore.blocks.wire.serialize: a block's bytes (tests, tools/bench, users checking the format)
 _.total_s         # adapters.generate's result: request time, reported by tools and users
+_.Tier            # kvstore.tiers.base.Tier: the protocol every tier keeps (tests/test_tiers.py checks each); a new tier implements it
 
 # --- hooks a framework or the interpreter calls
 _._close_all      # atexit: flushes the stores still open at interpreter exit

@@ -12,6 +12,7 @@ from collections import deque
 from concurrent.futures import Future
 from typing import Any, Callable, Iterator, Optional
 
+from ..background import running
 from ..errors import StorageError
 
 Item = Any  # (node, entry): what the writer hands the transaction
@@ -35,11 +36,8 @@ class Committer:
     def submit(self, fn: Callable, *args) -> Future:
         done: Future = Future()
         with self._lock:
-            if self._thread is None or not self._thread.is_alive():  # (not yet, idle, or a forked child)
-                jobs: "queue.Queue" = queue.Queue()  # of its own: see Writer.start
-                thread = threading.Thread(target=self._loop, args=(jobs,), name="kvstore-commit", daemon=True)
-                thread.start()  # (raises RuntimeError where no thread can start: nothing is queued then)
-                self._thread, self._jobs = thread, jobs
+            # (not yet, idle, or a forked child; RuntimeError where no thread can start: nothing is queued then)
+            self._thread, self._jobs = running(self._thread, self._jobs, self._loop, "kvstore-commit")
             self._jobs.put((done, fn, args))
         return done
 

@@ -12,15 +12,15 @@ leaves the index. Neither ever raises into the engine.
 from __future__ import annotations
 
 import logging
-import os
 import threading
 import time
-from concurrent.futures import Future, ThreadPoolExecutor, wait
+from concurrent.futures import Future, wait
 from dataclasses import dataclass
 from typing import Optional, Sequence
 
 import numpy as np
 
+from ..background import Pools
 from ..blocks.wire import Stored
 from ..counters import Counters
 from .disk import Disk
@@ -52,8 +52,7 @@ class Reader:
         self.writable = writable
         self._lock = threading.Lock()  # guards the promotions in flight (nothing of the table's)
         self._promoting: dict[bytes, Future] = {}
-        self._pool: Optional[ThreadPoolExecutor] = None
-        self._pid = os.getpid()
+        self._pool = Pools("kvstore-promote")
 
     def tokens_of(self, node: Node) -> Optional[np.ndarray]:
         """A block's stored tokens, from wherever it is."""
@@ -172,9 +171,7 @@ class Reader:
         if not nodes or self.disk is None:
             return
         with self._lock:
-            if self._pool is None or self._pid != os.getpid():  # (a forked child: the thread is not here)
-                self._pool, self._pid = ThreadPoolExecutor(1, thread_name_prefix="kvstore-promote"), os.getpid()
-            fut = self._pool.submit(self._promote, nodes)
+            fut = self._pool.get().submit(self._promote, nodes)
             for p in nodes:
                 self._promoting[p.key] = fut
 
@@ -216,10 +213,7 @@ class Reader:
                     self._promoting.pop(p.key, None)
 
     def close(self) -> None:
-        with self._lock:
-            pool, self._pool = self._pool, None
-        if pool is not None:
-            pool.shutdown(wait=True)
+        self._pool.shutdown(wait=True)
 
 
 def tokens_match(item: Stored, toks: np.ndarray, start: int, stop: int) -> bool:

@@ -35,6 +35,7 @@ from typing import TYPE_CHECKING, Callable, Iterator, Optional, Union
 import mlx.core as mx
 import numpy as np
 
+from ..background import running
 from ..gpu import buffers
 from ..blocks.codec import Codec
 from .commit import Committer, Feed, settle
@@ -192,12 +193,7 @@ class Writer:
         would hand the next item to that thread, which does not exist here.
         Raises ``RuntimeError`` where no thread can start."""
         with self.lock:
-            if self._thread is None or not self._thread.is_alive():
-                jobs: "queue.Queue[Union[Job, Callable[[], None], None]]" = \
-                    queue.Queue() if self._thread is not None else self._queue
-                thread = threading.Thread(target=self._loop, args=(jobs,), name="kvstore-writer", daemon=True)
-                thread.start()
-                self._thread, self._queue = thread, jobs
+            self._thread, self._queue = running(self._thread, self._queue, self._loop, "kvstore-writer")
 
     def _loop(self, jobs: "queue.Queue") -> None:
         # a stream of its own: the writer's kernels and copies never queue behind or in front of an engine's

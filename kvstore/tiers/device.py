@@ -18,15 +18,24 @@ one: the RAM tier is the device tier there and this one stays empty (budget
 from __future__ import annotations
 
 from collections import OrderedDict
-from typing import Callable, Iterable, Optional
+from typing import Callable, Iterable, Optional, Sequence
+
+import mlx.core as mx
+import numpy as np
 
 from ..blocks.ondevice import DeviceBlock
+from ..blocks.record import Entry
+from ..blocks.wire import Stored
 
 
 class DeviceTier:
     """Blocks in GPU memory under a budget of the memory they hold: the
     arrays (or buffer) a block lies in count whole while any of its blocks
-    is kept, since none of it is freed before the last one leaves."""
+    is kept, since none of it is freed before the last one leaves. A ``Tier``
+    (``tiers.base``) whose ``get`` hands out a ``DeviceBlock`` (``to_stored()``:
+    its bytes on the host)."""
+
+    name = "device"
 
     def __init__(self, budget_bytes: int):
         self.budget = int(budget_bytes)
@@ -36,6 +45,26 @@ class DeviceTier:
 
     def get(self, key: bytes) -> Optional[DeviceBlock]:
         return self._blocks.get(key)
+
+    def contains(self, key: bytes) -> bool:
+        return key in self._blocks
+
+    def put(self, entries: Sequence[Entry]) -> int:
+        """Each block's payload uploaded to GPU memory of its own (a hit's blocks come by ``add``, where they
+        already lie in the hit's memory)."""
+        kept = 0
+        for e in entries:
+            held = Stored.of(e.payload, e.key, e.record.start).held()
+            if held is not None:
+                data = mx.array(np.frombuffer(held.payload, np.uint8))
+                kept += self.add(DeviceBlock.kept(held, data=data), lambda key: False)
+        return kept
+
+    def remove(self, keys: Sequence[bytes]) -> list[bytes]:
+        out = [k for k in keys if k in self._blocks]
+        for k in out:
+            self.pop(k)
+        return out
 
     def __len__(self) -> int:
         return len(self._blocks)

@@ -13,9 +13,10 @@ keeps order and counts; which block may go is the ``BlockTable``'s decision
 from __future__ import annotations
 
 from collections import OrderedDict
-from typing import Iterable, Iterator, Optional
+from typing import Iterable, Iterator, Optional, Sequence
 
 from ..gpu import buffers
+from ..blocks.record import Entry
 from ..blocks.wire import Stored
 
 
@@ -23,6 +24,10 @@ PREFILL = 8 << 30  # page-locked bytes made at open at most (making them is slow
 
 
 class RamTier:
+    """A ``Tier`` (``tiers.base``): its blocks are host copies, checked."""
+
+    name = "ram"
+
     def __init__(self, budget_bytes: int):
         self.nbytes = 0
         self._blocks: "OrderedDict[bytes, Stored]" = OrderedDict()
@@ -41,6 +46,22 @@ class RamTier:
 
     def get(self, key: bytes) -> Optional[Stored]:
         return self._blocks.get(key)
+
+    def contains(self, key: bytes) -> bool:
+        return key in self._blocks
+
+    def put(self, entries: Sequence[Entry]) -> int:
+        """Copies of blocks that fit under the budget as it is (the table makes room, not the tier)."""
+        kept = 0
+        for e in entries:
+            held = Stored.of(e.payload, e.key, e.record.start).held()
+            if held is not None and self.over(held.nbytes) <= 0:
+                self.add(e.key, held)
+                kept += 1
+        return kept
+
+    def remove(self, keys: Sequence[bytes]) -> list[bytes]:
+        return [k for k in keys if self.pop(k) is not None]
 
     def add(self, key: bytes, held: Stored) -> None:
         self.pop(key)

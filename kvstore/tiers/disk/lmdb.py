@@ -55,7 +55,24 @@ class Written:
 
 class LmdbTier(LmdbEnv):
     """The blocks of one store and their records (``LmdbTier.open(path)``;
-    the environment itself is ``LmdbEnv``'s)."""
+    the environment itself is ``LmdbEnv``'s). A ``Tier`` (``tiers.base``):
+    ``get`` copies a block out of the map; the read path reads in place,
+    inside a transaction (``stored``)."""
+
+    name = "disk"
+
+    def get(self, key: bytes) -> Optional[Stored]:
+        with self.reader() as txn:
+            rec = self.record(txn, key)
+            got = None if rec is None else self.stored(txn, key, rec.start)
+            return None if got is None else got.held()
+
+    def put(self, entries: Sequence[Entry]) -> int:
+        return len(self.store(entries).records)
+
+    def contains(self, key: bytes) -> bool:
+        with self.reader() as txn:
+            return txn.get(key, db=self.dbs[b"nodes"]) is not None
 
     # ------------------------------------------------------------ blocks
 

@@ -28,6 +28,7 @@ from collections import deque
 from dataclasses import dataclass
 from typing import Callable, Optional, Sequence, TypeVar, Union
 
+from ...background import running
 from ...config import StoreConfig
 from ...counters import Counters
 from ...errors import RemoteConfigError
@@ -212,9 +213,8 @@ class Remote:
 
     def _ensure_thread(self) -> None:
         with self._cond:
-            if (self._thread is None or not self._thread.is_alive()) and not self._stop:
-                self._thread = threading.Thread(target=self._loop, name="kvstore-remote", daemon=True)
-                self._thread.start()
+            if not self._stop:
+                self._thread, _ = running(self._thread, None, lambda _: self._loop(), "kvstore-remote")
 
     def _loop(self) -> None:
         while True:

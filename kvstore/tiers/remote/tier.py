@@ -35,17 +35,17 @@ and a breaker, so nothing here has to be careful about a slow or absent server.
 
 from __future__ import annotations
 
-import os
 import threading
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 from typing import Iterator, Optional, Sequence
 
 import msgpack
 import numpy as np
 
+from ...background import Pools
 from ...errors import RemoteConfigError
-from ...blocks.record import BlockRecord
+from ...blocks.record import BlockRecord, Entry
+from ...blocks.wire import Stored
 from .auth import Signer
 from .resp import ahead, streamed
 from .url import PASSWORD_ENV, RemoteURL, namespace_tag
@@ -57,7 +57,7 @@ class RemoteTier:
     every other method assumes it did and lets the client's errors through.
     With ``secret``, blocks are written with their MAC and read back with it checked (``entries``)."""
 
-    name = "remote"
+    name = "remote"  # a ``Tier`` (``tiers.base``); the store reads it in pipelined batches (``entries``)
 
     def __init__(self, url: str, namespace: Optional[str] = None, timeout: float = 0.5,
                  write_timeout: float = 10.0, read_bytes: int = 16 << 20, secret: Optional[bytes] = None):
@@ -73,8 +73,7 @@ class RemoteTier:
         self.writes = None  # longer ones: large background batches
         self.cluster = False
         # threads of ``entries``: "read" reads ahead of the caller, "mac" checks MACs beside both
-        self._pools: dict[str, ThreadPoolExecutor] = {}
-        self._pool_pid = 0
+        self._pools = Pools("kvstore-remote-")
 
     # ---------------------------------------------------------- connection
 
@@ -144,9 +143,7 @@ class RemoteTier:
         return redis.Redis(host=u.host, port=u.port, db=u.db, **common)
 
     def close(self) -> None:
-        pools, self._pools = self._pools, {}
-        for pool in pools.values() if self._pool_pid == os.getpid() else ():
-            pool.shutdown(wait=True)
+        self._pools.shutdown(wait=True)
         for c in (self.reads, self.writes):
             if c is not None:
                 try:
@@ -173,6 +170,21 @@ class RemoteTier:
         if not keys:
             return []
         return [k for k, n in zip(keys, self._each(self.reads, "unlink", [self.key_name(k) for k in keys])) if n]
+
+    def get(self, key: bytes) -> Optional[Stored]:
+        for raw, payload, authentic in self.entries([key]):
+            rec = BlockRecord.unpack(key, raw) if isinstance(raw, bytes) else None
+            if rec is None or not isinstance(payload, (bytes, memoryview)) or authentic is False:
+                return None
+            return Stored.of(payload, key, rec.start).held()
+        return None
+
+    def put(self, entries: Sequence[Entry]) -> int:
+        self.put_many([(e.record, e.payload) for e in entries])
+        return len(entries)
+
+    def contains(self, key: bytes) -> bool:
+        return isinstance(self.records([key])[0], bytes)
 
     def records(self, keys: Sequence[bytes]) -> list:
         """Each block's packed record: bytes, ``None`` when absent, or the exception the server returned for that
@@ -211,12 +223,12 @@ class RemoteTier:
         third thread checks each block's MAC as it comes in (``authentic``; None without a secret), so the
         read, the MACs and the caller's work on the blocks overlap. A caller that stops early stops the read."""
         fields = (FIELD_RECORD, FIELD_PAYLOAD) + ((FIELD_TAG,) if self.signer else ())
-        replies = ahead(self._thread("read"), self._checking(keys, self._read_each("hmget", keys, sizes, *fields)))
+        replies = ahead(self._pools.get("read"), self._checking(keys, self._read_each("hmget", keys, sizes, *fields)))
         return ((record, payload, None if ok is None else ok.result()) for record, payload, ok in replies)
 
     def _checking(self, keys: Sequence[bytes], replies: Iterator) -> Iterator[tuple]:
         """``replies`` as ``(record, payload, the future of its MAC check or None)``."""
-        macs = None if self.signer is None else self._thread("mac")
+        macs = None if self.signer is None else self._pools.get("mac")
         try:
             for key, r in zip(keys, replies):
                 record, payload, *tag = r if isinstance(r, list) else (r, r, r)
@@ -239,14 +251,6 @@ class RemoteTier:
             return
         for r in streamed(self.reads.connection_pool, [[(command.upper(), n, *args) for n in c] for c in chunks]):
             yield _per_key([r])[0]
-
-    def _thread(self, name: str) -> ThreadPoolExecutor:
-        with self._connecting:
-            if self._pool_pid != os.getpid():  # (a forked child has none of its parent's threads)
-                self._pools, self._pool_pid = {}, os.getpid()
-            if name not in self._pools:
-                self._pools[name] = ThreadPoolExecutor(1, thread_name_prefix=f"kvstore-remote-{name}")
-            return self._pools[name]
 
     def payloads(self, keys: Sequence[bytes], sizes: Optional[Sequence[int]] = None) -> list:
         """Each block's bytes (as ``records``)."""
