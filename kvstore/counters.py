@@ -4,12 +4,9 @@ added to the store's lifetime totals on disk, and block uses not yet saved."""
 from __future__ import annotations
 
 import threading
-from typing import TYPE_CHECKING, Iterable
+from typing import Iterable
 
 from .blocks.record import Use
-
-if TYPE_CHECKING:
-    from .state.index import Node
 
 NAMES = ("hits", "misses", "tokens_requested", "tokens_ram", "tokens_ssd", "puts", "blocks_written",
          "bytes_written",  # payload bytes of the blocks written to the SSD tier (blocks_written)
@@ -47,12 +44,12 @@ class Counters:
             self.now[name] += k
             self._unsaved[name] += k
 
-    def used(self, nodes: Iterable[Node], when: float) -> None:
+    def used(self, keys: Iterable[bytes], when: float) -> None:
         """Blocks with a disk copy were served at ``when``."""
         with self._lock:
-            for p in nodes:
-                old = self._uses.get(p.key)
-                self._uses[p.key] = Use(when, 1 + (old.hits if old else 0))
+            for key in keys:
+                old = self._uses.get(key)
+                self._uses[key] = Use(when, 1 + (old.hits if old else 0))
 
     def snapshot(self) -> dict:
         with self._lock:

@@ -2,20 +2,24 @@
 
 The data flow, threads included::
 
-    put (engine thread)     tokens --hash--> BlockTable.index_put --> Job --> writer queue
+    put (engine thread)     tokens --hash--> BlockTable.plan_put (new blocks indexed) --> Job --> writer queue
     writer thread           Job --encode (codec)--> Stored bytes --> BlockTable.admit (RAM)
                                 --> Feed --> commit thread: Disk.write (LMDB) --> BlockTable.written
                                 --> remote write-behind queue --> remote thread: Redis / Valkey
-    fetch (engine thread)   tokens --hash--> BlockTable.walk (+ Disk.discover where it ends)
+    fetch (engine thread)   tokens --hash--> BlockTable.walk (+ Disk.discover where it ends: ``find``)
                                 --> Discovery.find (remote, what the local tiers lack: streamed, each
                                     block checked and placed in the hit's arrays as it comes)
+                                --> BlockTable.plan_fetch (the servable path, pinned; jobs to wait for)
                                 --> Planner.plan (what is worth loading) --> Reader.read:
                                 device copies / RAM / LMDB pages / remote bytes --check, gather--> layers
+                                --> BlockTable.release
     promote thread          blocks served from disk --copy--> BlockTable.promote (RAM)
 
 The ``BlockTable`` owns every block's state (index, RAM, disk LRU, pins) and
-its lock; ``Reader``, ``Writer``, ``Disk``, ``Discovery`` and ``Planner``
-ask it, never each other, and do their I/O outside its lock. This module is
+its lock, and hands out plans of immutable ``BlockRef``s (its ``Node``s never
+leave kvstore/state/); ``Reader``, ``Writer``, ``Disk``, ``Discovery`` and
+``Planner`` carry them out, ask it, never each other, do their I/O outside
+its lock, and hand what they did back to it by ref. This module is
 the facade: it checks input and sequences them. Every block served is
 checked against the prompt's own tokens, so a hash collision or a bad block
 shortens the hit; it never serves KV of another prompt and never raises a
@@ -53,7 +57,6 @@ from .flow.reader import Reader
 from .flow.writer import Writer
 from .gpu import buffers
 from .hit import Hit
-from .state.index import Node
 from .state.table import BlockTable
 from .tiers.disk.lmdb import LmdbTier
 from .tiers.remote.sync import Remote
@@ -158,7 +161,7 @@ class PrefixStore:
             _count(limit, "limit")
         n = len(toks) if limit is None else min(len(toks), int(limit))
         root = self._root(model_key, register=False)
-        chain = KeyChain(root.key, toks, self.block_size)
+        chain = KeyChain(root, toks, self.block_size)
         match = find(self._table, self._disk, self._reader.tokens_of, root, chain, n)
         found = Found()  # blocks just read from the remote, served as they are
         copies: list = []  # ... and their disk copies, queued once the hit is served
@@ -166,11 +169,9 @@ class PrefixStore:
             found = self._discovery.find(root, chain, n, match, copies, quantized)
             if found.blocks:
                 match = find(self._table, self._disk, self._reader.tokens_of, root, chain, n)
-        length = self._table.servable(match.path, match.matched)
-        pinned = [p for p in match.path if p.start < length]
-        self._table.pin(pinned)
+        blocks = self._table.plan_fetch(match.path, match.matched, skip=found.blocks.keys())
+        pinned, length, jobs = blocks.path, blocks.length, blocks.jobs
         try:
-            jobs = self._table.unwritten_jobs(pinned, skip=found.blocks.keys())
             if jobs and self._from_queued and quantized is None and not found.blocks:
                 with self._engine.engine():
                     queued = rows_of_queued(jobs, toks, length)
@@ -182,13 +183,13 @@ class PrefixStore:
                     job.done.wait()
                 self._counters.count("fetch_waited_us", int((time.perf_counter() - waited) * 1e6))
             with self._engine.engine():  # (not around the wait above: the writer would wait for it)
-                plan = self._planner.plan(root.key, len(toks), pinned, length, found.blocks)
+                plan = self._planner.plan(root, len(toks), pinned, length, found.blocks)
                 path = [p for p in pinned if p.start < plan.length]
                 t0 = time.perf_counter()
                 got = self._reader.read(path, toks, plan.length, quantized, plan.cold, found.blocks, found.fill)
                 t_load = time.perf_counter() - t0
         finally:
-            self._table.unpin(pinned)
+            self._table.release(blocks)
             for job in copies:
                 self._writer.submit(job)
         self._counters.count("tokens_requested", len(toks))
@@ -249,7 +250,7 @@ class PrefixStore:
         toks = as_tokens(tokens)
         root = self._root(model_key, register=False)
         match = find(self._table, self._disk, self._reader.tokens_of, root,
-                      KeyChain(root.key, toks, self.block_size), len(toks))
+                      KeyChain(root, toks, self.block_size), len(toks))
         return self._table.servable(match.path, match.matched)
 
     def register_model(self, model_key: Union[str, bytes], info: dict) -> None:
@@ -375,7 +376,8 @@ class PrefixStore:
 
     # --------------------------------------------------------------- lookup
 
-    def _root(self, model_key, register: bool = True, info: Optional[dict] = None) -> Node:
+    def _root(self, model_key, register: bool = True, info: Optional[dict] = None) -> bytes:
+        """The model's root key (its blocks' chains start there), the model registered on first use."""
         key = root_key(model_key, self.namespace)
         if register and not self.readonly and key not in self._registered \
                 and (self._disk is not None or self._remote is not None):
@@ -389,7 +391,7 @@ class PrefixStore:
                     self._disk.register_model(key, desc)
             if self._remote is not None:
                 self._remote.register_model(key, desc)
-        return self._table.root(key)
+        return key
 
     # ------------------------------------------------------------- helpers
 

@@ -172,3 +172,21 @@ def test_no_import_cycle_in_the_core():
 def test_no_core_module_over_the_line_limit():
     long = {m: n for m, p in _core_modules().items() if (n := len(p.read_text().splitlines())) > MAX_LINES}
     assert not long, f"over {MAX_LINES} lines (split by job): {long}"
+
+
+def test_node_never_leaves_the_state_package():
+    """Block state has one owner: ``Node`` is named only in kvstore/state/
+    (the index and the table over it); everything else gets ``BlockRef``s,
+    immutable, and hands them back to the table."""
+    named = []
+    for m, p in _core_modules().items():
+        if m.startswith("kvstore.state."):
+            continue
+        tree = ast.parse(p.read_text())
+        names = {n.id for n in ast.walk(tree) if isinstance(n, ast.Name)}
+        names |= {a.name for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) for a in n.names}
+        names |= {n.value for n in ast.walk(tree) if isinstance(n, ast.Constant) and isinstance(n.value, str)
+                  and n.value.isidentifier()}
+        if "Node" in names:
+            named.append(m)
+    assert not named, f"Node named outside kvstore/state/: {named}"

@@ -18,7 +18,7 @@ from ..blocks.layers import KVLayer, Layer, StateLayer, Tensor, take_rows
 from ..blocks.wire import Stored
 
 if TYPE_CHECKING:
-    from ..state.index import Node
+    from ..state.index import BlockRef
 
 
 @dataclass
@@ -31,8 +31,8 @@ class Rows:
     values: Tensor
 
 
-def encoded(job, codec: Codec, compress_rows: int, wanted: Callable[[Node], bool],
-            together: Optional[bool] = None) -> Iterator[tuple[Node, Stored, "About"]]:
+def encoded(job, codec: Codec, compress_rows: int, wanted: Callable[[BlockRef], bool],
+            together: Optional[bool] = None) -> Iterator[tuple[BlockRef, Stored, "About"]]:
     """The job's blocks that ``wanted`` still wants (asked once each, once the
     blocks before it that cannot share its run are handed over), in order,
     each as its bytes and what its record says of it. ``together`` (default:
@@ -41,7 +41,7 @@ def encoded(job, codec: Codec, compress_rows: int, wanted: Callable[[Node], bool
     every array copied once into the run's payloads, one download per block."""
     if together is None:
         together = cuda.runtime() is not None
-    run: list[Node] = []
+    run: list[BlockRef] = []
     for node in job.nodes:
         if run and not (together and _extends(job, run, node, compress_rows)):
             yield from _encoded_run(job, run, codec, compress_rows)
@@ -69,7 +69,7 @@ class About:
         return cls(*block.describe(), any(isinstance(l, StateLayer) for l in block.layers))
 
 
-def _extends(job, run: list[Node], node: Node, compress_rows: int) -> bool:
+def _extends(job, run: list[BlockRef], node: BlockRef, compress_rows: int) -> bool:
     """Whether ``node`` can join ``run``: next to it, as long, within
     ``compress_rows`` rows, and both laid out as every full block is."""
     return (node.start == run[-1].end and node.length == run[0].length
@@ -77,7 +77,7 @@ def _extends(job, run: list[Node], node: Node, compress_rows: int) -> bool:
             and (len(run) > 1 or _plain(job, run[0])) and _plain(job, node))  # (a longer run is plain)
 
 
-def _plain(job, node: Node) -> bool:
+def _plain(job, node: BlockRef) -> bool:
     """Every attention layer holds all of the block's rows, no state is kept
     with it, and its ids are int32: what every block but a prompt's last (or
     a sliding window's first) looks like."""
@@ -86,7 +86,7 @@ def _plain(job, node: Node) -> bool:
             and narrowest(job.tokens[node.start : node.end]).dtype == np.int32)
 
 
-def _encoded_run(job, run: list[Node], codec: Codec, compress_rows: int) -> Iterator[tuple[Node, Stored, About]]:
+def _encoded_run(job, run: list[BlockRef], codec: Codec, compress_rows: int) -> Iterator[tuple[BlockRef, Stored, About]]:
     if len(run) == 1:
         block = encode(job, run[0], codec, compress_rows)
         held, about = Stored.pack(block, run[0].key, run[0].start), About.of(block)
@@ -110,7 +110,7 @@ def _cut(whole: Block, a: int, b: int) -> Block:
                                                   l.window) for l in whole.layers])
 
 
-def encode(job, node: Node, codec: Codec, compress_rows: int) -> Block:
+def encode(job, node: BlockRef, codec: Codec, compress_rows: int) -> Block:
     """The block's rows of every layer, compressed. Uncompressed rows stay
     views of the engine's buffers (the job holds those, so mlx never writes
     them in place): ``Stored.pack`` copies them once, straight into the

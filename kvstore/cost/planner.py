@@ -18,7 +18,7 @@ from ..config import StoreConfig
 from .model import STATES, CostModel, Plan, machine_id
 from ..counters import Counters
 from ..flow.disk import Disk
-from ..state.index import Node
+from ..state.index import BlockRef
 from ..state.table import BlockTable
 
 
@@ -32,7 +32,7 @@ class Planner:
         self.cfg = cfg
         self.cached_share = cfg.tuning.cached_share  # a disk block with this share of its pages cached reads as cached
 
-    def plan(self, root: bytes, n_prompt: int, path: list[Node], servable: int, found: Mapping = {}) -> Plan:
+    def plan(self, root: bytes, n_prompt: int, path: list[BlockRef], servable: int, found: Mapping = {}) -> Plan:
         """How much of the servable prefix to load: per block its tier and, on
         disk, whether its pages are cached (``found``: blocks in hand, read
         from the remote, that load as RAM does)."""
@@ -56,7 +56,7 @@ class Planner:
         plan.unknown = frozenset(k for k in view.on_disk if resident.get(k) is None)  # planned as cold
         return plan
 
-    def observe(self, path: list[Node], sizes: list[int], from_ram: list[bool], length: int, plan: Plan,
+    def observe(self, path: list[BlockRef], sizes: list[int], from_ram: list[bool], length: int, plan: Plan,
                 seconds: float) -> dict[str, int]:
         """Rates of a served fetch, per source, each charged its share of the
         time by bytes (blocks are read and assembled in one pass). A fetch

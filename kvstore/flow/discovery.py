@@ -41,7 +41,7 @@ from ..counters import Counters
 from ..errors import BlockDecodeError
 from ..convert.gather import HostFill, start
 from ..blocks.hashing import KeyChain, chain_key
-from ..state.index import Node
+from ..state.index import BlockRef
 from ..state.lookup import Match, shared_prefix
 from ..blocks.record import BlockRecord, Entry
 from ..tiers.remote.sync import Remote
@@ -68,7 +68,7 @@ class Discovery:
         self.keep_on_disk = keep_on_disk
         self._warned = False
 
-    def find(self, root: Node, chain: KeyChain, n: int, match: Match, copies: list,
+    def find(self, root: bytes, chain: KeyChain, n: int, match: Match, copies: list,
              quantized: Optional[tuple[int, int]] = None) -> Found:
         """Index the blocks of ``chain.tokens[:n]`` the remote holds beyond
         ``match``; returns them by key, checked, for the read path to serve
@@ -86,7 +86,7 @@ class Discovery:
         if not self.remote.breaker.allow():
             self.counters.count("remote_bypassed")
             return Found()
-        got = self.remote.call(tier.probe, root.key, keys, near)
+        got = self.remote.call(tier.probe, root, keys, near)
         if got is None:
             return Found()
         self.counters.count("remote_lookups")
@@ -95,7 +95,7 @@ class Discovery:
         stop = first + len(run)  # the first block not found by key
         if stop < last:  # the prompt diverges inside block `stop`: its nearest stored sibling may share a prefix
             near = (chain.parent(stop), chain.tokens[stop * bs : min(n, (stop + 1) * bs)])
-            children = self.remote.call(tier.neighbours, root.key, *near)
+            children = self.remote.call(tier.neighbours, root, *near)
         if children:  # a child this process holds already is the local walk's business
             children = [c for c in children if c[0] not in self.table]
         part = self._best_child(children, near[1]) if near is not None and children else None
@@ -142,7 +142,7 @@ class Discovery:
             i += 1
         return None, fill
 
-    def _run(self, root: Node, chain: KeyChain, first: int, raw: list) -> list[BlockRecord]:
+    def _run(self, root: bytes, chain: KeyChain, first: int, raw: list) -> list[BlockRecord]:
         """The leading run of probed full blocks whose records fit the prompt."""
         bs = chain.block_size
         run = []
@@ -151,7 +151,7 @@ class Discovery:
                 break  # the chain stops here: no later block can be used
             key = chain.key(i)
             rec = BlockRecord.unpack(key, r) if isinstance(r, bytes) else None
-            why = _mismatch(rec, root.key, chain.parent(i), i * bs, bs, chain.tokens) if rec is not None \
+            why = _mismatch(rec, root, chain.parent(i), i * bs, bs, chain.tokens) if rec is not None \
                 else f"not a kvstore record ({r!r:.60})"
             if why:
                 self._refuse(key, why)
@@ -169,20 +169,20 @@ class Discovery:
                 best = (key, shared, member)
         return best
 
-    def _partial(self, root: Node, chain: KeyChain, i: int, n: int, parent: bytes, part: tuple,
+    def _partial(self, root: bytes, chain: KeyChain, i: int, n: int, parent: bytes, part: tuple,
                  entry: tuple) -> Optional[tuple[BlockRecord, Stored, bytes]]:
         """The best partial child read back and checked: its record must be
         the child of ``parent`` at block ``i`` and share tokens with the prompt."""
         key, _, member = part
         raw, buf, _ = entry
         if raw is None:
-            self.remote.call(self.remote.tier.forget_child, root.key, parent, member)  # evicted: a stale listing
+            self.remote.call(self.remote.tier.forget_child, root, parent, member)  # evicted: a stale listing
             return None
         if not self._authentic(key, entry):
             return None
         rec = BlockRecord.unpack(key, raw) if isinstance(raw, bytes) else None
         bs = chain.block_size
-        why = "unreadable index record" if rec is None else _mismatch(rec, root.key, parent, i * bs, None,
+        why = "unreadable index record" if rec is None else _mismatch(rec, root, parent, i * bs, None,
                                                                       chain.tokens)
         if why:
             self._refuse(key, why)
@@ -237,13 +237,13 @@ class Discovery:
                     self.remote.url)
         self.remote.call(self.remote.tier.remove, [key])
 
-    def _keep(self, parent: Node, got: list[tuple[BlockRecord, Stored, bytes]], chain: KeyChain,
+    def _keep(self, parent: BlockRef, got: list[tuple[BlockRecord, Stored, bytes]], chain: KeyChain,
               jobs: list) -> dict[bytes, Stored]:
         """Index ``got`` below ``parent``, into RAM as far as it fits; a job
         for the disk copy of the new blocks goes to ``jobs`` (never waited on)."""
         now = time.time()
 
-        def make_job(fresh: list[Node]) -> Job:
+        def make_job(fresh: list[BlockRef]) -> Job:
             new = {nd.key for nd in fresh}
             # the remote's bytes are LMDB's bytes: no second serialization
             entries = {r.key: Entry(replace(r, nbytes=len(buf), created=now, used=now, hits=0), memoryview(buf))

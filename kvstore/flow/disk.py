@@ -20,7 +20,7 @@ import numpy as np
 from ..config import DEFAULT_BLOCK, StoreConfig
 from ..counters import Counters
 from ..errors import StoreOpenError
-from ..state.index import Node
+from ..state.index import BlockRef
 from ..blocks.record import BlockRecord, Entry
 from ..state.table import BlockTable
 from ..tiers.disk.lmdb import LmdbTier
@@ -46,7 +46,7 @@ class Disk:
 
     # ------------------------------------------------------------- writes
 
-    def write(self, entries: Iterable[tuple[Node, Entry]], nbytes: Optional[int] = None) -> bool:
+    def write(self, entries: Iterable[tuple[BlockRef, Entry]], nbytes: Optional[int] = None) -> bool:
         """Write blocks and their records in one transaction; True when written.
         ``entries`` may be a stream (``nbytes``: about its total), copied as it
         comes; it is taken to its end whether written or not."""
@@ -54,13 +54,13 @@ class Disk:
         first = next(source, None)
         if first is None:
             return False
-        pairs: list[tuple[Node, Entry]] = []
+        pairs: list[tuple[BlockRef, Entry]] = []
         known: set[bytes] = set()  # blocks whose parent this process took for on disk (a clear may have removed it)
 
         def taken() -> Iterator[Entry]:
             for pair in itertools.chain((first,), source):
                 pairs.append(pair)
-                if pair[0].parent.on_disk:
+                if self.table.on_disk(pair[0], parent=True):
                     known.add(pair[0].key)
                 yield pair[1]
 
@@ -199,7 +199,7 @@ class Disk:
 
     # -------------------------------------------------------------- reads
 
-    def discover(self, node: Node) -> None:
+    def discover(self, node: BlockRef) -> None:
         """Index the blocks other processes wrote below ``node``."""
         found: list[BlockRecord] = []
         try:
@@ -214,7 +214,7 @@ class Disk:
         if found:
             self.table.adopt(node, found)
 
-    def on_disk(self, nodes: Sequence[Node]) -> dict[bytes, BlockRecord]:
+    def on_disk(self, nodes: Sequence[BlockRef]) -> dict[bytes, BlockRecord]:
         """The records on disk of ``nodes`` (written by another process meanwhile)."""
         try:
             with self.tier.reader() as txn:
@@ -223,11 +223,11 @@ class Disk:
             return {}
         return {k: r for k, r in recs.items() if r is not None}
 
-    def tokens(self, node: Node) -> Optional[np.ndarray]:
+    def tokens(self, key: bytes) -> Optional[np.ndarray]:
         """A block's stored tokens from its record (``None`` when unreadable)."""
         try:
             with self.tier.reader() as txn:
-                rec = self.tier.record(txn, node.key)
+                rec = self.tier.record(txn, key)
             return None if rec is None else rec.tokens
         except Exception:
             return None

@@ -10,13 +10,13 @@ import numpy as np
 
 from ..blocks.hashing import KeyChain
 from ..state import lookup
-from ..state.index import Node
+from ..state.index import BlockRef
 from ..state.table import BlockTable
 from .disk import Disk
 
 
-def find(table: BlockTable, disk: Optional[Disk], tokens_of: Callable[[Node], Optional[np.ndarray]], root: Node,
-         chain: KeyChain, n: int) -> lookup.Match:
+def find(table: BlockTable, disk: Optional[Disk], tokens_of: Callable[[BlockRef], Optional[np.ndarray]],
+         root: bytes, chain: KeyChain, n: int) -> lookup.Match:
     """The stored blocks along ``chain.tokens[:n]``, looking on disk (outside
     the table's lock) for blocks other processes wrote where the index
     ends, and for one block the prompt ends or diverges inside of."""

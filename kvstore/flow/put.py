@@ -13,12 +13,11 @@ from ..blocks.codec import layer_arrays
 from ..blocks.hashing import KeyChain, as_tokens, root_key
 from ..blocks.layers import WARM_LAYERS, KVLayer, Layer, StateLayer, captured_layers
 from ..counters import Counters
-from ..state.index import Node
 from ..state.table import BlockTable
 from .writer import Job
 
 
-def index_put(table: BlockTable, root_of: Callable[[], Node], tokens, layers: Sequence[Layer],
+def index_put(table: BlockTable, root_of: Callable[[], bytes], tokens, layers: Sequence[Layer],
                block_size: int) -> tuple[int, Optional[Job]]:
     """A put's work on the engine's thread but queueing its job: the input
     checked and captured, the blocks ``table`` lacks hashed and indexed, and
@@ -38,10 +37,10 @@ def index_put(table: BlockTable, root_of: Callable[[], Node], tokens, layers: Se
     mx.eval(arrays)
     has_state = any(isinstance(l, StateLayer) for l in layers)
     late = [l for l in layers if isinstance(l, KVLayer) and l.start > 0]  # layers lacking early rows
-    root = root_of()
-    chain = KeyChain(root.key, toks, block_size)
-    return n, table.index_put(root, chain, n, has_state, late,
-                              lambda new: Job(new, root.key, toks, layers, sum(l.nbytes for l in layers),
+    root = root_of()  # (the model's root key)
+    chain = KeyChain(root, toks, block_size)
+    return n, table.plan_put(root, chain, n, has_state, late,
+                              lambda new: Job(new, root, toks, layers, sum(l.nbytes for l in layers),
                                               held=sum(a.nbytes for a in arrays)))
 
 
@@ -52,5 +51,5 @@ def warm_put(block_size: int) -> None:
     table = BlockTable(0, Counters(), has_disk=False, writable=True)
     n = 2 * block_size + 1
     a = mx.zeros((1, 1, n + 1, 8), mx.float16)
-    index_put(table, lambda: table.root(root_key("warm")), np.arange(n, dtype=np.int32),
+    index_put(table, lambda: root_key("warm"), np.arange(n, dtype=np.int32),
                [KVLayer(a, a, rows=n)] * WARM_LAYERS, block_size)

@@ -26,7 +26,7 @@ from ..counters import Counters
 from .disk import Disk
 from ..errors import BlockDecodeError
 from ..convert.gather import HostFill, gather
-from ..state.index import Node
+from ..state.index import BlockRef
 from ..state.lookup import servable
 from ..state.table import BlockTable
 
@@ -54,19 +54,18 @@ class Reader:
         self._promoting: dict[bytes, Future] = {}
         self._pool = Pools("kvstore-promote")
 
-    def tokens_of(self, node: Node) -> Optional[np.ndarray]:
+    def tokens_of(self, ref: BlockRef) -> Optional[np.ndarray]:
         """A block's stored tokens, from wherever it is."""
-        block = self.table.held(node.key)
+        block, job, on_disk = self.table.sources(ref)
         if block is not None:
             return block.tokens
-        job = node.job
         if job is not None:
-            return job.tokens[node.start : node.end]
-        if node.on_disk and self.disk is not None:
-            return self.disk.tokens(node)
+            return job.tokens[ref.start : ref.end]
+        if on_disk and self.disk is not None:
+            return self.disk.tokens(ref.key)
         return None
 
-    def read(self, path: list[Node], toks: np.ndarray, length: int, quantized: Optional[tuple[int, int]] = None,
+    def read(self, path: list[BlockRef], toks: np.ndarray, length: int, quantized: Optional[tuple[int, int]] = None,
              cold: frozenset = frozenset(), found: Optional[dict[bytes, Stored]] = None,
              fill: Optional[HostFill] = None) -> Served:
         """The layers of ``path``'s blocks for ``[0, length)``. ``cold``: keys
@@ -79,8 +78,8 @@ class Reader:
         from_ram = [b is not None for b in items]
         if found:
             items = [it if it is not None else found.get(p.key) for p, it in zip(path, items)]
-        bad: list[tuple[Node, str]] = []  # dropped after the read transaction: no write inside one
-        gone: list[Node] = []
+        bad: list[tuple[BlockRef, str]] = []  # dropped after the read transaction: no write inside one
+        gone: list[BlockRef] = []
         if all(it is not None for it in items) or self.disk is None:
             served = self._serve(path, items, from_ram, toks, length, quantized, bad, fill)
         else:
@@ -150,11 +149,10 @@ class Reader:
         now = time.time()
         if got.on_device:
             self.table.to_device(got.on_device)
-        self.table.served(path_used, now)
-        self.counters.used([p for p in path_used if p.on_disk], now)
+        self.counters.used(self.table.served(path_used, now), now)
         return Served(got.layers, got.length, from_ram[:k], [it.nbytes for it in items[:k]])
 
-    def _drop_bad(self, node: Node, why: str) -> None:
+    def _drop_bad(self, node: BlockRef, why: str) -> None:
         self.counters.count("corrupt_blocks")
         log.warning("kvstore: block %s (tokens %d-%d) is bad: %s; serving a shorter prefix",
                     node.key.hex()[:16], node.start, node.end, why)
@@ -164,11 +162,13 @@ class Reader:
 
     # ----------------------------------------------------------- promotion
 
-    def _promote_later(self, nodes: list[Node]) -> None:
+    def _promote_later(self, nodes: list[BlockRef]) -> None:
         """Copy blocks just served from disk into RAM on a thread of its own:
         the hit that read them does not wait for the copies."""
-        nodes = [p for p in nodes if p.on_disk and p.nbytes <= self.table.ram_budget]
         if not nodes or self.disk is None:
+            return
+        nodes = self.table.promotable(nodes)
+        if not nodes:
             return
         with self._lock:
             fut = self._pool.get().submit(self._promote, nodes)
@@ -188,7 +188,7 @@ class Reader:
         for f in futs.values():
             f.result()
 
-    def _promote(self, nodes: list[Node]) -> None:
+    def _promote(self, nodes: list[BlockRef]) -> None:
         try:
             held: list[Stored] = []
             tier = self.disk.tier
@@ -203,8 +203,7 @@ class Reader:
                         break
                     held.append(got)
             for p, b in zip(nodes, held):
-                if not p.in_ram:
-                    self.table.promote(p, b)
+                self.table.promote(p, b)  # (unless in RAM meanwhile)
         except Exception as e:  # a cache: a failed promotion only means the next hit reads the disk again
             log.debug("kvstore: promotion failed: %s", e)
         finally:

@@ -43,7 +43,7 @@ from ..config import StoreConfig
 from ..counters import Counters
 from .disk import Disk
 from ..convert.encode import About, Rows, encoded
-from ..state.index import Node
+from ..state.index import BlockRef
 from ..blocks.layers import Layer
 from .priority import EngineFirst
 from ..blocks.record import BlockRecord, Entry
@@ -60,7 +60,7 @@ log = logging.getLogger("kvstore")
 class Job:
     """Blocks of one ``put`` (or one remote read) waiting for the writer."""
 
-    nodes: list[Node]
+    nodes: list[BlockRef]  # its blocks, as the table handed them out
     root: bytes
     tokens: np.ndarray
     layers: list[Layer]
@@ -156,13 +156,13 @@ class Writer:
         self._queue.put(item)
         return True
 
-    def admit(self, leaves: list[Node]) -> None:
+    def admit(self, leaves: list[BlockRef]) -> None:
         """Queue the admission to disk of the chains of ``leaves`` held in RAM
         only (``ssd_admit="reuse"``): claimed when the writer gets to it, after
         the puts queued before, so their blocks are in RAM by then."""
         def run() -> None:
             job = self.table.claim(leaves, lambda nodes, entries: Job(
-                nodes, nodes[0].record.root, np.zeros(0, np.int32), [],
+                nodes, entries[nodes[0].key].record.root, np.zeros(0, np.int32), [],
                 sum(len(e.payload) for e in entries.values()), found=entries, held=0))
             if job is not None:
                 self.run(job)
@@ -269,7 +269,7 @@ class Writer:
             job.done.set()
 
     def _entries(self, job: Job, elsewhere: set[bytes], to_disk: bool, to_remote: bool
-                 ) -> Iterator[tuple[Node, Entry]]:
+                 ) -> Iterator[tuple[BlockRef, Entry]]:
         """The job's blocks to write, in order: encoded and admitted to RAM
         first (blocks read from the remote come as they were read). Skips
         blocks on disk already and those no longer the job's (dropped
@@ -280,7 +280,7 @@ class Writer:
                             and n.key not in elsewhere and self.table.is_job(n, job))
             return
 
-        def wanted(n: Node) -> bool:
+        def wanted(n: BlockRef) -> bool:
             return n.key not in elsewhere and self.table.is_job(n, job)
 
         for node, held, about in encoded(job, self.codec, self.config.tuning.compress_rows, wanted):
@@ -309,9 +309,9 @@ class Writer:
             self.table.release_job(job, [n for n, _ in same])
         return {n.key for n, _ in same}
 
-    def _record(self, job: Job, node: Node, held: Stored, about: About) -> BlockRecord:
+    def _record(self, job: Job, node: BlockRef, held: Stored, about: About) -> BlockRecord:
         now = time.time()
-        return BlockRecord(key=node.key, parent=node.parent.key, root=job.root, start=node.start,
+        return BlockRecord(key=node.key, parent=node.parent, root=job.root, start=node.start,
                            length=node.length, tokens=held.tokens.copy(), nbytes=held.nbytes, first=node.first,
                            snap=None if node.snap is None else about.has_state, gap=node.gap,
                            rows_from=node.rows_from if node.gap else -1, created=now, used=now, kv=about.kv,
@@ -344,8 +344,8 @@ class Writer:
         batch = feed.taken
         if to_remote:
             self.remote.offer([e for _, e in batch])
-        for node, e in batch:
-            if not node.in_ram:  # written through: its bytes are for the next block (once the remote sent them)
+        for (_, e), in_ram in zip(batch, self.table.in_ram([n for n, _ in batch])):
+            if not in_ram:  # written through: its bytes are for the next block (once the remote sent them)
                 buffers.give_back(e.payload)
 
     def _write(self, feed: Feed, job: Job, nbytes: int) -> None:
@@ -353,6 +353,6 @@ class Writer:
         are skipped, unless re-encoded with a state snapshot); then blocks in
         neither tier leave the index (the write failed and RAM could not
         hold them)."""
-        self.disk.write(((n, e) for n, e in feed if n.key not in job.unadmitted and (not n.on_disk or e.record.snap)),
-                        nbytes)
+        self.disk.write(((n, e) for n, e in feed if n.key not in job.unadmitted
+                         and (e.record.snap or not self.table.on_disk(n))), nbytes)
         self.table.job_done(job, [n for n, _ in feed.taken])

@@ -12,12 +12,45 @@ block's payload and are compared on every hit, so a hash collision is a miss.
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass, field
-from typing import Iterator, Optional, Sequence
+from typing import Iterator, NamedTuple, Optional, Sequence
 
 # `gap` values: which layers a block lacks rows for.
 NO_GAP = 0  # every KV layer has its rows
 FULL_GAP = -1  # a full-attention layer lacks rows: no prefix through here is servable
+
+_IDENT = itertools.count(1)  # (next() is atomic under the GIL: nodes are made under the table's lock anyway)
+
+
+class BlockRef(NamedTuple):
+    """A block as the table hands it out (``Node`` never leaves ``state``):
+    where it sits in its prompt, what its rows are, and, as of when the table
+    made the ref, where it was. ``ident`` names the indexed block: one dropped
+    and stored again under the same key is another, and the table ignores a
+    ref to the old one. Immutable; hand it back to the table to act on the block."""
+
+    key: bytes
+    parent: Optional[bytes]  # its parent's key (the root key for a first block); None for a root
+    start: int
+    length: int
+    first: int
+    snap: Optional[bool]
+    gap: int
+    rows_from: int
+    ident: int
+    in_ram: bool = False
+    on_disk: bool = False
+    nbytes: int = 0  # payload bytes on disk
+    offset: int = -1  # where its bytes sit in the LMDB file (-1: unknown)
+
+    @property
+    def end(self) -> int:
+        return self.start + self.length
+
+    @property
+    def is_root(self) -> bool:
+        return self.parent is None
 
 
 class Node:
@@ -32,7 +65,7 @@ class Node:
     """
 
     __slots__ = ("key", "parent", "children", "start", "length", "first", "snap", "gap", "rows_from",
-                 "in_ram", "on_disk", "pins", "job", "nbytes", "used", "disk_kids", "offset", "reused", "record")
+                 "in_ram", "on_disk", "pins", "job", "nbytes", "used", "disk_kids", "offset", "reused", "record", "ident")
 
     def __init__(self, key: bytes, parent: Optional["Node"], start: int, length: int,
                  first: int = -1, snap: Optional[bool] = None, gap: int = NO_GAP,
@@ -56,14 +89,16 @@ class Node:
         self.offset = -1  # where its bytes sit in the LMDB file (-1: unknown), for residency checks
         self.reused = False  # asked for again (``ssd_admit="reuse"``: it may go to disk)
         self.record = None  # its BlockRecord while it waits in RAM for admission to disk (``table_admit``)
+        self.ident = next(_IDENT)
 
-    @property
-    def end(self) -> int:
-        return self.start + self.length
+    def ref(self) -> BlockRef:
+        """This block as handed out of the table."""
+        return BlockRef(self.key, None if self.parent is None else self.parent.key, self.start, self.length,
+                        self.first, self.snap, self.gap, self.rows_from, self.ident, self.in_ram, self.on_disk,
+                        self.nbytes, self.offset)
 
-    @property
-    def is_root(self) -> bool:
-        return self.parent is None
+    end = BlockRef.end  # (the same properties: a ref and its node answer alike)
+    is_root = BlockRef.is_root
 
     def path(self) -> list["Node"]:
         """Blocks from the first to this one (the root sentinel excluded)."""

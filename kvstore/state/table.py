@@ -1,8 +1,11 @@
 """BlockTable: which blocks the store knows, where each one lives, and the
 one lock over all of it.
 
-A block is a ``Node`` of the radix index. The table alone changes nodes and
-the places that hold them: the RAM tier's bytes and LRU order, the disk
+A block is a ``Node`` of the radix index, and nodes never leave the table:
+it hands out ``BlockRef``s (immutable: which block, where it sits, where it
+was when handed out) and takes them back to act on the blocks, ignoring a ref
+to a block dropped meanwhile. The table alone changes nodes and the places
+that hold them: the RAM tier's bytes and LRU order, the disk
 tier's LRU of leaves, pins of readers in flight, and the job that has not yet
 made a block durable. Every method takes the table's lock itself and does no
 I/O, so the read, write, discovery and costing paths are siblings that ask
@@ -25,7 +28,6 @@ Eviction takes leaves first, without a scan, in both tiers:
 from __future__ import annotations
 
 import threading
-from dataclasses import dataclass
 from typing import Callable, Iterable, Mapping, Optional, Sequence
 
 from . import lookup
@@ -35,21 +37,12 @@ from .disk_order import DiskOrder
 from .table_admit import AdmitSide
 from .table_disk import DiskSide
 from ..blocks.hashing import KeyChain
-from .index import Walk, Node, RadixIndex
+from .index import BlockRef, Walk, Node, RadixIndex
+from .plans import FetchPlan, PlanView
 from ..blocks.layers import KVLayer
 from ..blocks.record import BlockRecord
 from ..tiers.device import DeviceTier
 from ..tiers.ram import RamTier
-
-
-@dataclass
-class PlanView:
-    """What the cost plan needs of a path, read under the lock at once."""
-
-    sizes: list[int]
-    in_ram: list[bool]
-    constrained: bool  # a snapshot or a window limits which lengths are servable
-    on_disk: dict[bytes, tuple[int, int]]  # key -> (offset, bytes) of blocks to read from disk
 
 
 class BlockTable(DiskSide, AdmitSide):
@@ -78,25 +71,55 @@ class BlockTable(DiskSide, AdmitSide):
     def leaves(self) -> int:
         return self._index.leaves
 
-    def root(self, key: bytes) -> Node:
+    def walk(self, root: bytes, chain: KeyChain, n: int) -> Walk:
+        """The longest run of the prompt's whole blocks indexed below the root key ``root`` (as refs)."""
         with self._lock:
-            return self._index.root(key)
+            w = lookup.walk(self._index, self._index.root(root), chain, n)
+            return Walk(w.root.ref(), [p.ref() for p in w.nodes])
 
-    def walk(self, root: Node, chain: KeyChain, n: int) -> Walk:
+    def candidates(self, stop: BlockRef, chain: KeyChain, pos: int, n: int) -> list[BlockRef]:
         with self._lock:
-            return lookup.walk(self._index, root, chain, n)
+            node = self._node(stop)
+            return [] if node is None else [c.ref() for c in lookup.partial_candidates(node, chain, pos, n)]
 
-    def candidates(self, stop: Node, chain: KeyChain, pos: int, n: int) -> list[Node]:
+    @staticmethod
+    def servable(path: Sequence[BlockRef], matched: int) -> int:
+        return lookup.servable(path, matched)
+
+    def _node(self, ref: BlockRef) -> Optional[Node]:
+        """The indexed block ``ref`` names, ``None`` once it was dropped (call under the lock)."""
+        if ref.parent is None:
+            return self._index.root(ref.key)
+        node = self._index.get(ref.key)
+        return node if node is not None and node.ident == ref.ident else None
+
+    def _nodes(self, refs: Iterable[BlockRef]) -> list[Node]:
+        return [n for r in refs if (n := self._node(r)) is not None]
+
+    def sources(self, ref: BlockRef) -> tuple[Optional[Stored], object, bool]:
+        """Where a block's tokens can be read: its bytes in RAM, the job still
+        storing it (its put's tokens), and whether it has a disk copy."""
         with self._lock:
-            return lookup.partial_candidates(stop, chain, pos, n)
+            node = self._node(ref)
+            return self._ram.get(ref.key), None if node is None else node.job, node is not None and node.on_disk
 
-    def servable(self, path: Sequence[Node], matched: int) -> int:
+    def in_ram(self, refs: Sequence[BlockRef]) -> list[bool]:
         with self._lock:
-            return lookup.servable(path, matched)
+            return [n is not None and n.in_ram for n in map(self._node, refs)]
 
-    def current(self, node: Node) -> bool:
-        """Whether ``node`` is still the indexed block of its key."""
-        return node.is_root or self._index.get(node.key) is node
+    def on_disk(self, ref: BlockRef, parent: bool = False) -> bool:
+        """Whether the block (or, ``parent``, its parent) has a disk copy now."""
+        with self._lock:
+            node = self._node(ref)
+            if node is not None and parent:
+                node = node.parent
+            return node is not None and node.on_disk
+
+    def promotable(self, refs: Sequence[BlockRef]) -> list[BlockRef]:
+        """Of blocks just served from disk, those to copy into RAM: still on disk, and not over the RAM budget."""
+        with self._lock:
+            return [r for r in refs if (n := self._node(r)) is not None and n.on_disk
+                    and n.nbytes <= self._ram.budget]
 
     def held(self, key: bytes) -> Optional[Stored]:
         """A block's bytes in RAM (a dict read: no lock needed)."""
@@ -128,8 +151,9 @@ class BlockTable(DiskSide, AdmitSide):
         with self._lock:
             self._dev.shrink(keep_bytes)
 
-    def plan_view(self, path: Sequence[Node], found: Mapping[bytes, Stored]) -> PlanView:
+    def plan_view(self, path: Sequence[BlockRef], found: Mapping[bytes, Stored]) -> PlanView:
         with self._lock:
+            path = [self._node(p) or p for p in path]  # (a block dropped meanwhile: as it was)
             blocks = [self._dev.get(p.key) or (self._ram.get(p.key) if p.in_ram else found.get(p.key)) for p in path]
             return PlanView(sizes=[b.nbytes if b is not None else p.nbytes for p, b in zip(path, blocks)],
                             in_ram=[b is not None for b in blocks],
@@ -152,22 +176,23 @@ class BlockTable(DiskSide, AdmitSide):
 
     # ------------------------------------------------------------------ put
 
-    def index_put(self, root: Node, chain: KeyChain, n: int, has_state: bool, late: Sequence[KVLayer],
-                  make_job: Callable[[list[Node]], object]):
+    def plan_put(self, root_key: bytes, chain: KeyChain, n: int, has_state: bool, late: Sequence[KVLayer],
+                  make_job: Callable[[list[BlockRef]], object]):
         """Index the blocks of a put the store lacks and give them their job
-        (``make_job(nodes)``); ``None`` when nothing is new."""
+        (``make_job(blocks)``); ``None`` when nothing is new."""
         with self._lock:
+            root = self._index.root(root_key)
             new = lookup.new_blocks(self._index, root, chain, n, has_state, late)
             if self._admit_on_reuse:
                 self._shared(new, lambda: lookup.walk(self._index, root, chain, n).last, chain.block_size)
             if not new:
                 return None
-            job = make_job(new)
+            job = make_job([p.ref() for p in new])
             for node in new:
                 node.job = job
             return job
 
-    def admit(self, node: Node, job, block: Stored, ram_only: bool, record: Optional[BlockRecord] = None
+    def admit(self, ref: BlockRef, job, block: Stored, ram_only: bool, record: Optional[BlockRecord] = None
               ) -> Optional[bool]:
         """A freshly encoded block of ``job``: kept in RAM when it fits (room
         made first, never from its own prefix). For a RAM-only store that is
@@ -176,7 +201,8 @@ class BlockTable(DiskSide, AdmitSide):
         asked for again (``ssd_admit="reuse"``); False when the block is no
         longer this job's to store."""
         with self._lock:
-            if not self._is_job(node, job):
+            node = self._node(ref)
+            if node is None or node.job is not job:
                 return False
             kept = self._admit(node, block)
             wait = not ram_only and not self.admit_to_disk(node, job)
@@ -190,20 +216,19 @@ class BlockTable(DiskSide, AdmitSide):
                     return None
             return True
 
-    def is_job(self, node: Node, job) -> bool:
-        """Whether ``node`` is still indexed and ``job``'s to store (not
+    def is_job(self, ref: BlockRef, job) -> bool:
+        """Whether the block is still indexed and ``job``'s to store (not
         dropped meanwhile, nor re-encoded by a later put)."""
         with self._lock:
-            return self._is_job(node, job)
+            node = self._node(ref)
+            return node is not None and node.job is job
 
-    def job_done(self, job, nodes: Iterable[Node], dropped: bool = False) -> None:
+    def job_done(self, job, refs: Iterable[BlockRef], dropped: bool = False) -> None:
         """``job`` is finished with ``nodes`` (its write done, or, ``dropped``,
         failed): a block in no tier leaves the index (a later put stores it
         again)."""
         with self._lock:
-            for node in nodes:
-                if self._index.get(node.key) is not node:
-                    continue
+            for node in self._nodes(refs):
                 if dropped and node.job is not job:
                     continue
                 if node.job is job:
@@ -211,53 +236,59 @@ class BlockTable(DiskSide, AdmitSide):
                 if not node.in_ram and not node.on_disk:
                     self._forget(node)
 
-    def release_job(self, job, nodes: Iterable[Node]) -> None:
+    def release_job(self, job, refs: Iterable[BlockRef]) -> None:
         with self._lock:
-            for node in nodes:
+            for node in self._nodes(refs):
                 if node.job is job:
                     node.job = None
 
-    def _is_job(self, node: Node, job) -> bool:
-        return self._index.get(node.key) is node and node.job is job
-
     # ----------------------------------------------------------------- reads
 
-    def pin(self, nodes: Sequence[Node]) -> None:
+    def plan_fetch(self, path: Sequence[BlockRef], matched: int, skip: Iterable[bytes] = ()) -> FetchPlan:
+        """The blocks of ``path`` that serve a prefix (of at most ``matched``
+        tokens), pinned, with the jobs a fetch of them waits for, leaving out
+        the blocks in ``skip`` (in hand already). Hand it back to ``release``."""
+        length = lookup.servable(path, matched)
+        refs = [p for p in path if p.start < length]
         with self._lock:
+            nodes = self._nodes(refs)
             RadixIndex.pin(nodes)
+            jobs = list({id(p.job): p.job for p in nodes
+                         if p.job is not None and not p.in_ram and p.key not in skip}.values())
+        return FetchPlan(refs, length, jobs)
 
-    def unpin(self, nodes: Sequence[Node]) -> None:
-        """Unpin; blocks promoted while pinned may have left RAM over budget."""
+    def release(self, plan: FetchPlan) -> None:
+        """Unpin a fetch's blocks; blocks promoted while pinned may have left RAM over budget."""
         with self._lock:
-            RadixIndex.unpin(nodes)
+            RadixIndex.unpin(self._nodes(plan.path))
             self._make_room(0)
 
-    def unwritten_jobs(self, nodes: Sequence[Node], skip: set[bytes]) -> list:
-        """Jobs still encoding blocks of ``nodes`` that are not in RAM (a
-        fetch waits for them), leaving out the blocks in ``skip``."""
-        with self._lock:
-            return list({id(p.job): p.job for p in nodes
-                         if p.job is not None and not p.in_ram and p.key not in skip}.values())
-
-    def served(self, path: Sequence[Node], when: float) -> None:
+    def served(self, path: Sequence[BlockRef], when: float) -> list[bytes]:
         """``path``'s blocks were served: ancestors end up more recent than
-        descendants, so eviction takes leaves first."""
+        descendants, so eviction takes leaves first. Returns the keys of
+        those with a disk copy (whose use is saved there)."""
         with self._lock:
-            for p in path:
-                if p.on_disk and self._has_disk:
-                    p.used = when
-                    self._lru.push(p)
+            on_disk = []
+            for p in self._nodes(path):
+                if p.on_disk:
+                    on_disk.append(p.key)
+                    if self._has_disk:
+                        p.used = when
+                        self._lru.push(p)
             self._ram.touch([p.key for p in reversed(path)])
             self._dev.touch([p.key for p in path])
+            return on_disk
 
-    def promote(self, node: Node, block: Stored) -> None:
-        """Keep a block read from disk or the remote in RAM, if it fits
-        beside pinned ones."""
+    def promote(self, ref: BlockRef, block: Stored) -> None:
+        """Keep a block read from disk or the remote in RAM, if it is not there
+        yet and fits beside pinned ones."""
         with self._lock:
-            self._promote(node, block)
+            node = self._node(ref)
+            if node is not None and not node.in_ram:
+                self._promote(node, block)
 
-    def keep_found(self, parent: Node, found: Sequence[tuple[BlockRecord, Stored]], now: float,
-                   make_job: Optional[Callable[[list[Node]], object]]) -> list[Node]:
+    def keep_found(self, parent: BlockRef, found: Sequence[tuple[BlockRecord, Stored]], now: float,
+                   make_job: Optional[Callable[[list[BlockRef]], object]]) -> list[BlockRef]:
         """Index blocks read from the remote as a chain below ``parent``, into
         RAM as far as they fit; returns the nodes that were new. They wait for
         ``make_job(new)`` (their disk copy); without one, those held nowhere
@@ -265,7 +296,8 @@ class BlockTable(DiskSide, AdmitSide):
         fresh: list[Node] = []
         pinned: list[Node] = []
         with self._lock:
-            if not self.current(parent):
+            parent = self._node(parent)
+            if parent is None:
                 return []  # dropped while we read
             for rec, block in found:
                 node = self._index.get(rec.key)
@@ -285,14 +317,14 @@ class BlockTable(DiskSide, AdmitSide):
                     self._promote(node, block)
                 parent = node
             RadixIndex.unpin(pinned)
-            job = make_job(fresh) if fresh and make_job is not None else None
+            job = make_job([p.ref() for p in fresh]) if fresh and make_job is not None else None
             for node in fresh:
                 if job is not None:
                     node.job = job  # evicted from RAM before its disk write, it stays indexed
                 elif not node.in_ram and self._index.get(node.key) is node:
                     self._forget(node)
                     break
-        return fresh
+        return [p.ref() for p in fresh]
 
     # ----------------------------------------------------------------- RAM
 
@@ -313,11 +345,12 @@ class BlockTable(DiskSide, AdmitSide):
             if keep_bytes < self._ram.nbytes:
                 self._make_room(self._ram.budget - keep_bytes)
 
-    def forget(self, node: Node) -> list[bytes]:
-        """Drop ``node`` and its subtree if still indexed; returns the keys of
+    def forget(self, ref: BlockRef) -> list[bytes]:
+        """Drop the block and its subtree if still indexed; returns the keys of
         those with a disk copy (for the caller to delete, unlocked)."""
         with self._lock:
-            return self._forget(node) if self._index.get(node.key) is node else []
+            node = self._node(ref)
+            return self._forget(node) if node is not None else []
 
     def clear(self) -> None:
         with self._lock:

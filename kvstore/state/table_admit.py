@@ -12,16 +12,18 @@ from __future__ import annotations
 
 from typing import Callable, Optional
 
-from .index import Node
+from .index import BlockRef, Node
 from ..blocks.record import Entry
 
 
 class AdmitSide:
-    def reused(self, node: Node) -> None:
-        """``node`` (and so its prefix) was asked for again; its chain's blocks
+    def reused(self, ref: BlockRef) -> None:
+        """The block (and so its prefix) was asked for again; its chain's blocks
         without a disk copy are queued for admission (``take_admissions``)."""
         with self._lock:
-            self._reused(node)
+            node = self._node(ref)
+            if node is not None:
+                self._reused(node)
 
     def _reused(self, node: Node) -> None:
         if not self._admit_on_reuse or node.is_root:
@@ -42,11 +44,11 @@ class AdmitSide:
         if any(c.length == block_size and (not new or c is not new[0]) for c in (top.children or {}).values()):
             self._reused(top)
 
-    def take_admissions(self) -> list[Node]:
+    def take_admissions(self) -> list[BlockRef]:
         """Chains to admit, queued by ``reused`` since the last call."""
         with self._lock:
             out, self._admissions = self._admissions, []
-            return out
+            return [n.ref() for n in out]
 
     def admit_to_disk(self, node: Node, job) -> bool:
         """Under the lock, while ``job`` admits ``node`` to RAM: whether it goes
@@ -57,17 +59,15 @@ class AdmitSide:
         parent = node.parent
         return node.reused and (parent.is_root or parent.on_disk or parent.job is job)
 
-    def claim(self, leaves: list[Node], make_job: Callable[[list[Node], dict[bytes, Entry]], object]
+    def claim(self, leaves: list[BlockRef], make_job: Callable[[list[BlockRef], dict[bytes, Entry]], object]
               ) -> Optional[object]:
         """The writer's job of the chains of ``leaves``' blocks held in RAM only,
-        parents first (``make_job(nodes, entries)``); ``None`` when none is left.
+        parents first (``make_job(blocks, entries)``); ``None`` when none is left.
         A chain stops at a block another job still holds: its children wait."""
         with self._lock:
             nodes: list[Node] = []
             entries: dict[bytes, Entry] = {}
-            for leaf in leaves:
-                if not self.current(leaf):
-                    continue
+            for leaf in self._nodes(leaves):
                 for p in leaf.path():
                     if p.on_disk or p.key in entries:
                         continue
@@ -78,7 +78,7 @@ class AdmitSide:
                     entries[p.key] = Entry(p.record, block.buf)
             if not nodes:
                 return None
-            job = make_job(nodes, entries)
+            job = make_job([p.ref() for p in nodes], entries)
             for p in nodes:
                 p.job = job
             return job

@@ -8,15 +8,18 @@ from __future__ import annotations
 
 from typing import Iterable, Optional, Sequence
 
-from .index import Node
+from .index import BlockRef, Node
 from ..blocks.record import BlockRecord
 
 
 class DiskSide:
-    def written(self, pairs: Iterable[tuple[Node, BlockRecord]]) -> None:
+    def written(self, pairs: Iterable[tuple[BlockRef, BlockRecord]]) -> None:
         """These blocks' records and bytes are on disk now."""
         with self._lock:
-            for node, rec in pairs:
+            for ref, rec in pairs:
+                node = self._node(ref)
+                if node is None:
+                    continue  # dropped meanwhile
                 node.nbytes, node.used, node.offset = rec.nbytes, rec.used, rec.offset
                 node.record = None  # (held for admission on reuse until now)
                 self._mark(node, True)
@@ -26,18 +29,16 @@ class DiskSide:
         """Indexed blocks with a disk copy."""
         return self._lru.blocks
 
-    def disk_victims(self, nbytes: int) -> list[Node]:
+    def disk_victims(self, nbytes: int) -> list[BlockRef]:
         """Least recently used disk leaves, unpinned, about ``nbytes`` of them."""
         with self._lock:
-            return self._lru.victims(nbytes)
+            return [v.ref() for v in self._lru.victims(nbytes)]
 
-    def left_disk(self, victims: Sequence[Node], deleted: set[bytes]) -> None:
+    def left_disk(self, victims: Sequence[BlockRef], deleted: set[bytes]) -> None:
         """``deleted`` of ``victims`` left the disk; a block then in no tier
         leaves the index."""
         with self._lock:
-            for v in victims:
-                if self._index.get(v.key) is not v:
-                    continue
+            for v in self._nodes(victims):
                 if v.key not in deleted and v.on_disk:
                     self._lru.push(v)  # another process removed it first, or it survived: keep it known
                     continue
@@ -45,13 +46,14 @@ class DiskSide:
                 if not v.in_ram and v.job is None:
                     self._forget(v)
 
-    def adopt(self, parent: Node, records: Iterable[BlockRecord]) -> list[Node]:
+    def adopt(self, parent: BlockRef, records: Iterable[BlockRecord]) -> int:
         """Index blocks found on disk below ``parent`` (by this or another
-        process); returns those indexed."""
+        process); returns how many were indexed."""
         with self._lock:
-            if not self.current(parent):
-                return []
-            return [n for n in (self._adopt(parent, r) for r in records) if n is not None]
+            node = self._node(parent)
+            if node is None:
+                return 0
+            return sum(self._adopt(node, r) is not None for r in records)
 
     def adopt_all(self, by_parent: dict[bytes, list[BlockRecord]], roots: Iterable[bytes]) -> None:
         """Rebuild from disk: every block whose parent chain is whole (what is
@@ -96,17 +98,20 @@ class DiskSide:
                     n += len(self._forget(node))
             return n
 
-    def disk_gone(self, node: Node) -> None:
+    def disk_gone(self, ref: BlockRef) -> None:
         """A block the index has on disk is no longer there (another process
         removed it): it leaves the index with the blocks under it."""
         with self._lock:
-            if self._index.get(node.key) is node and not node.in_ram and node.job is None:
+            node = self._node(ref)
+            if node is not None and not node.in_ram and node.job is None:
                 self._forget(node)
 
-    def learn_offset(self, node: Node, offset: int) -> None:
+    def learn_offset(self, ref: BlockRef, offset: int) -> None:
         """Where a block written before offsets were recorded sits (for residency checks)."""
         with self._lock:
-            node.offset = offset
+            node = self._node(ref)
+            if node is not None:
+                node.offset = offset
 
     def _mark(self, node: Node, on_disk: bool) -> None:
         """Set ``node.on_disk``, keeping leaf counts and the LRU heap."""
