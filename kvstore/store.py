@@ -57,6 +57,7 @@ from .flow.reader import Reader
 from .flow.writer import Writer
 from .gpu import buffers
 from .hit import Hit
+from .state.plans import Reused
 from .state.table import BlockTable
 from .tiers.disk.lmdb import LmdbTier
 from .tiers.remote.sync import Remote
@@ -200,7 +201,7 @@ class PrefixStore:
             return Hit(skipped_tokens=plan.skipped, skip_reason=plan.reason)
         served = [(p, r) for p, r in zip(path, from_ram) if p.start < length]
         if self.config.ssd_admit == "reuse" and not self.readonly:  # asked for again: its chain may go to disk
-            self._table.reused(served[-1][0])
+            self._table.apply(Reused(served[-1][0]))
             self._admit_reused()
         remote_tokens = sum(min(p.end, length) - p.start for p, _ in served if p.key in found.blocks)
         ram_tokens = sum(min(p.end, length) - p.start for p, r in served if r and p.key not in found.blocks)

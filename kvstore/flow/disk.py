@@ -21,6 +21,7 @@ from ..config import DEFAULT_BLOCK, StoreConfig
 from ..counters import Counters
 from ..errors import StoreOpenError
 from ..state.index import BlockRef
+from ..state.plans import Adopted, LeftDisk, Written
 from ..blocks.record import BlockRecord, Entry
 from ..state.table import BlockTable
 from ..tiers.disk.lmdb import LmdbTier
@@ -80,7 +81,7 @@ class Disk:
             return False
         self._full_at = None
         recs = {r.key: r for r in written.records}
-        self.table.written((n, recs[n.key]) for n, _ in pairs if n.key in recs)
+        self.table.apply(Written([(n, recs[n.key]) for n, _ in pairs if n.key in recs]))
         self.counters.count("blocks_written", len(recs))
         self.counters.count("bytes_written", sum(len(e.payload) for n, e in pairs if n.key in recs))
         if written.parentless or written.cleared != self.cleared:
@@ -104,7 +105,7 @@ class Disk:
             if not victims:
                 break
             deleted = set(self.tier.remove([v.key for v in victims]))
-            self.table.left_disk(victims, deleted)
+            self.table.apply(LeftDisk(victims, deleted))
             gone += len(deleted)
         if gone:
             self.counters.count("evictions_ssd", gone)
@@ -212,7 +213,7 @@ class Disk:
         except Exception as e:  # a fault on disk is a miss
             self.warn("discover", f"kvstore: reading {self.tier.path} failed: {e}")
         if found:
-            self.table.adopt(node, found)
+            self.table.apply(Adopted(node, found))
 
     def on_disk(self, nodes: Sequence[BlockRef]) -> dict[bytes, BlockRecord]:
         """The records on disk of ``nodes`` (written by another process meanwhile)."""

@@ -27,6 +27,7 @@ from .disk import Disk
 from ..errors import BlockDecodeError
 from ..convert.gather import HostFill, gather
 from ..state.index import BlockRef
+from ..state.plans import Bad, GoneFromDisk, OffsetFound, OnDevice, Promoted, Used
 from ..state.lookup import servable
 from ..state.table import BlockTable
 
@@ -100,7 +101,7 @@ class Reader:
                                 gone.append(p)
                                 break
                             if p.offset < 0:
-                                self.table.learn_offset(p, tier.offset_of(got.buf))
+                                self.table.apply(OffsetFound(p, tier.offset_of(got.buf)))
                             items[i] = got
                     served = self._serve(path, items, from_ram, toks, length, quantized, bad, fill)
             except Exception as e:
@@ -113,7 +114,7 @@ class Reader:
             self._drop_bad(p, why)
         for p in gone:
             self.counters.count("blocks_gone")
-            self.table.disk_gone(p)
+            self.table.apply(GoneFromDisk(p))
         self._promote_later([p for p, r in zip(path, served.from_ram) if not r])
         return served
 
@@ -148,15 +149,15 @@ class Reader:
             good = got.bad
         now = time.time()
         if got.on_device:
-            self.table.to_device(got.on_device)
-        self.counters.used(self.table.served(path_used, now), now)
+            self.table.apply(OnDevice(got.on_device))
+        self.counters.used(self.table.apply(Used(path_used, now)), now)
         return Served(got.layers, got.length, from_ram[:k], [it.nbytes for it in items[:k]])
 
     def _drop_bad(self, node: BlockRef, why: str) -> None:
         self.counters.count("corrupt_blocks")
         log.warning("kvstore: block %s (tokens %d-%d) is bad: %s; serving a shorter prefix",
                     node.key.hex()[:16], node.start, node.end, why)
-        keys = self.table.forget(node)
+        keys = self.table.apply(Bad(node))
         if self.writable and self.disk is not None:
             self.disk.delete(keys)
 
@@ -203,7 +204,7 @@ class Reader:
                         break
                     held.append(got)
             for p, b in zip(nodes, held):
-                self.table.promote(p, b)  # (unless in RAM meanwhile)
+                self.table.apply(Promoted(p, b))  # (unless in RAM meanwhile)
         except Exception as e:  # a cache: a failed promotion only means the next hit reads the disk again
             log.debug("kvstore: promotion failed: %s", e)
         finally:

@@ -44,6 +44,7 @@ from ..counters import Counters
 from .disk import Disk
 from ..convert.encode import About, Rows, encoded
 from ..state.index import BlockRef
+from ..state.plans import Encoded, JobDone, JobReleased, Written
 from ..blocks.layers import Layer
 from .priority import EngineFirst
 from ..blocks.record import BlockRecord, Entry
@@ -127,8 +128,8 @@ class Writer:
 
     def _drop(self, job: Job) -> None:
         """A job not stored: its blocks leave the index (a later put stores them)."""
-        self.table.job_done(job, job.nodes, dropped=True)
-        self.table.release_job(job, job.nodes)
+        self.table.apply(JobDone(job, job.nodes, dropped=True))
+        self.table.apply(JobReleased(job, job.nodes))
         self._let_go(job)
         job.done.set()
 
@@ -260,12 +261,12 @@ class Writer:
             wait(writing)  # their outcome is settled before blocks are dropped
             if isinstance(e, Exception):
                 log.exception("kvstore: storing %d blocks failed; they are dropped", len(job.nodes))
-            self.table.job_done(job, job.nodes, dropped=True)  # (in no tier, a later put would take them as stored)
+            self.table.apply(JobDone(job, job.nodes, dropped=True))  # (in no tier, a later put would take them as stored)
             if not isinstance(e, Exception):
                 raise
         finally:
             self._let_go(job)
-            self.table.release_job(job, job.nodes)
+            self.table.apply(JobReleased(job, job.nodes))
             job.done.set()
 
     def _entries(self, job: Job, elsewhere: set[bytes], to_disk: bool, to_remote: bool
@@ -286,7 +287,7 @@ class Writer:
         for node, held, about in encoded(job, self.codec, self.config.tuning.compress_rows, wanted):
             self.engine.yield_to_engine()
             record = self._record(job, node, held, about) if to_disk or to_remote else None
-            where = self.table.admit(node, job, held, ram_only=not to_disk, record=record)
+            where = self.table.apply(Encoded(node, job, held, ram_only=not to_disk, record=record))
             if where is False:  # kept nowhere: its buffer is for the next block (page-locked memory is slow to make)
                 buffers.give_back(held.buf)
                 continue
@@ -305,8 +306,8 @@ class Writer:
         same = [(n, r) for n in job.nodes if (r := recs.get(n.key)) is not None
                 and r.snap == n.snap and r.gap == n.gap and (not r.gap or r.first_row == n.rows_from)]
         if same:
-            self.table.written(same)
-            self.table.release_job(job, [n for n, _ in same])
+            self.table.apply(Written(same))
+            self.table.apply(JobReleased(job, [n for n, _ in same]))
         return {n.key for n, _ in same}
 
     def _record(self, job: Job, node: BlockRef, held: Stored, about: About) -> BlockRecord:
@@ -355,4 +356,4 @@ class Writer:
         hold them)."""
         self.disk.write(((n, e) for n, e in feed if n.key not in job.unadmitted
                          and (e.record.snap or not self.table.on_disk(n))), nbytes)
-        self.table.job_done(job, [n for n, _ in feed.taken])
+        self.table.apply(JobDone(job, [n for n, _ in feed.taken]))

@@ -38,7 +38,7 @@ from .table_admit import AdmitSide
 from .table_disk import DiskSide
 from ..blocks.hashing import KeyChain
 from .index import BlockRef, Walk, Node, RadixIndex
-from .plans import FetchPlan, PlanView
+from .plans import Bad, Encoded, FetchPlan, JobDone, JobReleased, OnDevice, PlanView, Promoted, Used
 from ..blocks.layers import KVLayer
 from ..blocks.record import BlockRecord
 from ..tiers.device import DeviceTier
@@ -134,7 +134,7 @@ class BlockTable(DiskSide, AdmitSide):
     def device_budget(self) -> int:
         return self._dev.budget
 
-    def to_device(self, blocks: Sequence) -> None:
+    def _on_device(self, r: OnDevice) -> None:
         """Keep device copies a hit made (``DeviceBlock``s) of blocks still
         indexed, the least recently used making room; pinned blocks stay."""
         def pinned(key: bytes) -> bool:
@@ -142,7 +142,7 @@ class BlockTable(DiskSide, AdmitSide):
             return node is not None and node.pins > 0
 
         with self._lock:
-            for b in blocks:
+            for b in r.blocks:
                 if b is not None and self._index.get(b.key) is not None:
                     self._dev.add(b, pinned)
 
@@ -192,19 +192,19 @@ class BlockTable(DiskSide, AdmitSide):
                 node.job = job
             return job
 
-    def admit(self, ref: BlockRef, job, block: Stored, ram_only: bool, record: Optional[BlockRecord] = None
-              ) -> Optional[bool]:
+    def _on_encoded(self, r: Encoded) -> Optional[bool]:
         """A freshly encoded block of ``job``: kept in RAM when it fits (room
         made first, never from its own prefix). For a RAM-only store that is
         where it is durable; one that fits nowhere leaves the index. True: to
         write to disk; ``None``: kept in RAM only, with ``record``, until it is
         asked for again (``ssd_admit="reuse"``); False when the block is no
         longer this job's to store."""
+        job, ram_only = r.job, r.ram_only
         with self._lock:
-            node = self._node(ref)
+            node = self._node(r.ref)
             if node is None or node.job is not job:
                 return False
-            kept = self._admit(node, block)
+            kept = self._admit(node, r.block)
             wait = not ram_only and not self.admit_to_disk(node, job)
             if ram_only or wait:
                 if not kept:
@@ -212,7 +212,7 @@ class BlockTable(DiskSide, AdmitSide):
                     return False
                 node.job = None
                 if wait:
-                    node.record = record
+                    node.record = r.record
                     return None
             return True
 
@@ -223,26 +223,32 @@ class BlockTable(DiskSide, AdmitSide):
             node = self._node(ref)
             return node is not None and node.job is job
 
-    def job_done(self, job, refs: Iterable[BlockRef], dropped: bool = False) -> None:
+    def _on_job_done(self, r: JobDone) -> None:
         """``job`` is finished with ``nodes`` (its write done, or, ``dropped``,
         failed): a block in no tier leaves the index (a later put stores it
         again)."""
+        job = r.job
         with self._lock:
-            for node in self._nodes(refs):
-                if dropped and node.job is not job:
+            for node in self._nodes(r.refs):
+                if r.dropped and node.job is not job:
                     continue
                 if node.job is job:
                     node.job = None
                 if not node.in_ram and not node.on_disk:
                     self._forget(node)
 
-    def release_job(self, job, refs: Iterable[BlockRef]) -> None:
+    def _on_job_released(self, r: JobReleased) -> None:
         with self._lock:
-            for node in self._nodes(refs):
-                if node.job is job:
+            for node in self._nodes(r.refs):
+                if node.job is r.job:
                     node.job = None
 
     # ----------------------------------------------------------------- reads
+
+    def apply(self, result):
+        """Take back what a path did with a plan's blocks (``plans``: ``Encoded``, ``Written``, ``Used``, ...);
+        returns what that result's handler says (see each result)."""
+        return _HANDLERS[type(result)](self, result)
 
     def plan_fetch(self, path: Sequence[BlockRef], matched: int, skip: Iterable[bytes] = ()) -> FetchPlan:
         """The blocks of ``path`` that serve a prefix (of at most ``matched``
@@ -263,29 +269,30 @@ class BlockTable(DiskSide, AdmitSide):
             RadixIndex.unpin(self._nodes(plan.path))
             self._make_room(0)
 
-    def served(self, path: Sequence[BlockRef], when: float) -> list[bytes]:
+    def _on_served(self, r: Used) -> list[bytes]:
         """``path``'s blocks were served: ancestors end up more recent than
         descendants, so eviction takes leaves first. Returns the keys of
         those with a disk copy (whose use is saved there)."""
+        path = r.path
         with self._lock:
             on_disk = []
             for p in self._nodes(path):
                 if p.on_disk:
                     on_disk.append(p.key)
                     if self._has_disk:
-                        p.used = when
+                        p.used = r.when
                         self._lru.push(p)
             self._ram.touch([p.key for p in reversed(path)])
             self._dev.touch([p.key for p in path])
             return on_disk
 
-    def promote(self, ref: BlockRef, block: Stored) -> None:
+    def _on_promoted(self, r: Promoted) -> None:
         """Keep a block read from disk or the remote in RAM, if it is not there
         yet and fits beside pinned ones."""
         with self._lock:
-            node = self._node(ref)
+            node = self._node(r.ref)
             if node is not None and not node.in_ram:
-                self._promote(node, block)
+                self._promote(node, r.block)
 
     def keep_found(self, parent: BlockRef, found: Sequence[tuple[BlockRecord, Stored]], now: float,
                    make_job: Optional[Callable[[list[BlockRef]], object]]) -> list[BlockRef]:
@@ -345,11 +352,11 @@ class BlockTable(DiskSide, AdmitSide):
             if keep_bytes < self._ram.nbytes:
                 self._make_room(self._ram.budget - keep_bytes)
 
-    def forget(self, ref: BlockRef) -> list[bytes]:
+    def _on_bad(self, r: Bad) -> list[bytes]:
         """Drop the block and its subtree if still indexed; returns the keys of
         those with a disk copy (for the caller to delete, unlocked)."""
         with self._lock:
-            node = self._node(ref)
+            node = self._node(r.ref)
             return self._forget(node) if node is not None else []
 
     def clear(self) -> None:
@@ -433,3 +440,9 @@ class BlockTable(DiskSide, AdmitSide):
             top.parent.disk_kids -= 1
             self._lru.push(top.parent)
         return [d.key for d in dropped if d.on_disk]
+
+
+_HANDLERS = {Encoded: BlockTable._on_encoded, JobDone: BlockTable._on_job_done,
+             JobReleased: BlockTable._on_job_released, Used: BlockTable._on_served,
+             OnDevice: BlockTable._on_device, Promoted: BlockTable._on_promoted, Bad: BlockTable._on_bad,
+             **DiskSide.HANDLERS, **AdmitSide.HANDLERS}

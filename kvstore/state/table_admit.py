@@ -13,15 +13,16 @@ from __future__ import annotations
 from typing import Callable, Optional
 
 from .index import BlockRef, Node
+from .plans import Reused
 from ..blocks.record import Entry
 
 
 class AdmitSide:
-    def reused(self, ref: BlockRef) -> None:
+    def _on_reused(self, r: Reused) -> None:
         """The block (and so its prefix) was asked for again; its chain's blocks
         without a disk copy are queued for admission (``take_admissions``)."""
         with self._lock:
-            node = self._node(ref)
+            node = self._node(r.ref)
             if node is not None:
                 self._reused(node)
 
@@ -82,3 +83,6 @@ class AdmitSide:
             for p in nodes:
                 p.job = job
             return job
+
+
+AdmitSide.HANDLERS = {Reused: AdmitSide._on_reused}

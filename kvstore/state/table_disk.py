@@ -6,17 +6,18 @@ of their own.
 
 from __future__ import annotations
 
-from typing import Iterable, Optional, Sequence
+from typing import Iterable, Optional
 
 from .index import BlockRef, Node
+from .plans import Adopted, GoneFromDisk, LeftDisk, OffsetFound, Written
 from ..blocks.record import BlockRecord
 
 
 class DiskSide:
-    def written(self, pairs: Iterable[tuple[BlockRef, BlockRecord]]) -> None:
+    def _on_written(self, r: Written) -> None:
         """These blocks' records and bytes are on disk now."""
         with self._lock:
-            for ref, rec in pairs:
+            for ref, rec in r.pairs:
                 node = self._node(ref)
                 if node is None:
                     continue  # dropped meanwhile
@@ -34,11 +35,12 @@ class DiskSide:
         with self._lock:
             return [v.ref() for v in self._lru.victims(nbytes)]
 
-    def left_disk(self, victims: Sequence[BlockRef], deleted: set[bytes]) -> None:
+    def _on_left_disk(self, r: LeftDisk) -> None:
         """``deleted`` of ``victims`` left the disk; a block then in no tier
         leaves the index."""
+        deleted = r.deleted
         with self._lock:
-            for v in self._nodes(victims):
+            for v in self._nodes(r.victims):
                 if v.key not in deleted and v.on_disk:
                     self._lru.push(v)  # another process removed it first, or it survived: keep it known
                     continue
@@ -46,14 +48,14 @@ class DiskSide:
                 if not v.in_ram and v.job is None:
                     self._forget(v)
 
-    def adopt(self, parent: BlockRef, records: Iterable[BlockRecord]) -> int:
+    def _on_adopted(self, r: Adopted) -> int:
         """Index blocks found on disk below ``parent`` (by this or another
         process); returns how many were indexed."""
         with self._lock:
-            node = self._node(parent)
+            node = self._node(r.parent)
             if node is None:
                 return 0
-            return sum(self._adopt(node, r) is not None for r in records)
+            return sum(self._adopt(node, rec) is not None for rec in r.records)
 
     def adopt_all(self, by_parent: dict[bytes, list[BlockRecord]], roots: Iterable[bytes]) -> None:
         """Rebuild from disk: every block whose parent chain is whole (what is
@@ -98,20 +100,20 @@ class DiskSide:
                     n += len(self._forget(node))
             return n
 
-    def disk_gone(self, ref: BlockRef) -> None:
+    def _on_gone(self, r: GoneFromDisk) -> None:
         """A block the index has on disk is no longer there (another process
         removed it): it leaves the index with the blocks under it."""
         with self._lock:
-            node = self._node(ref)
+            node = self._node(r.ref)
             if node is not None and not node.in_ram and node.job is None:
                 self._forget(node)
 
-    def learn_offset(self, ref: BlockRef, offset: int) -> None:
+    def _on_offset(self, r: OffsetFound) -> None:
         """Where a block written before offsets were recorded sits (for residency checks)."""
         with self._lock:
-            node = self._node(ref)
+            node = self._node(r.ref)
             if node is not None:
-                node.offset = offset
+                node.offset = r.offset
 
     def _mark(self, node: Node, on_disk: bool) -> None:
         """Set ``node.on_disk``, keeping leaf counts and the LRU heap."""
@@ -129,3 +131,7 @@ class DiskSide:
             if parent is not None and not parent.is_root:
                 parent.disk_kids -= 1
                 self._lru.push(parent)
+
+
+DiskSide.HANDLERS = {Written: DiskSide._on_written, LeftDisk: DiskSide._on_left_disk, Adopted: DiskSide._on_adopted,
+                     GoneFromDisk: DiskSide._on_gone, OffsetFound: DiskSide._on_offset}
