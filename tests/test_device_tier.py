@@ -176,15 +176,18 @@ def test_a_hit_served_without_the_device_tier_owns_its_arrays(on_gpu, monkeypatc
 @pytest.mark.parametrize("layout", ["kinds", "layers"])
 @pytest.mark.parametrize("bits", [8, 4])
 def test_quantized_blocks_on_the_gpu_path_give_what_the_host_path_gives(on_gpu, tmp_path, monkeypatch, bits, layout):
-    """Quantized blocks land on the GPU, kind by kind at their rows of every
-    layer as blocks are written now (one strided copy per kind, dequantized
-    in one kernel), or block by block, cut there, as older blocks lie (each
-    layer's arrays side by side): from RAM, from the device tier, from disk
-    and handed over quantized, the same arrays as the host path's, bit for bit."""
+    """Quantized blocks land on the GPU at their rows of every layer, each
+    kind of array (data, scales, biases) by strided copies, and are
+    dequantized there in one kernel: blocks laid out kind by kind (one copy
+    per kind, as blocks are written now), laid out layer by layer (as older
+    blocks are: a copy per array) and a short last block (its arrays padded
+    apart); 4-bit keys are rotated, and those hits are cut block by block.
+    From RAM, from the device tier, from disk and handed over quantized: the
+    same arrays as the host path's, bit for bit."""
     monkeypatch.setattr(cuda, "LANDING", 2 * (1 << 20) // 1024)  # a few blocks at a time
     if layout == "layers":
         monkeypatch.setattr(wire._Layout, "layers", lambda self, ls, n: tuple(self.layer(l, n) for l in ls))
-    p = toks(4 * BS)
+    p = toks(3 * BS + 5)
     rt = cuda.runtime()
 
     def on_host(fetch):
@@ -205,9 +208,8 @@ def test_quantized_blocks_on_the_gpu_path_give_what_the_host_path_gives(on_gpu, 
         ref, qref = on_host(lambda: s.fetch(M, p)), on_host(lambda: s.fetch(M, p, quantized=(bits, 32)))
         assert same_hit(s.fetch(M, p), ref)  # from RAM
         assert s.stats()["device_blocks"] == 4
-        kept = list(s._table._dev._blocks.values())  # (4-bit keys are rotated: those go block by block)
-        assert all((d.arrays is not None and len(d.arrays.kinds) == 3) == (layout == "kinds" and bits == 8)
-                   for d in kept)
+        kept = list(s._table._dev._blocks.values())
+        assert all((d.arrays is not None and len(d.arrays.kinds) == 3) == (bits == 8) for d in kept)
         assert same_hit(s.fetch(M, p), ref)  # from the device tier
         assert same_hit(s.fetch(M, p, quantized=(bits, 32)), qref)
     with _store(**kw) as s:

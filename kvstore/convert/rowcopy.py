@@ -7,7 +7,9 @@ arrays the engine gets, ``[1, heads, length, dim]`` per layer and tensor, are
 the same lines at a longer pitch. A quantized block is three such runs, one
 per kind of array (data, scales, biases: ``wire`` lays its arrays out kind by
 kind). So each block goes to where its rows belong with one strided copy
-(``cudaMemcpy2DAsync``) per kind on the copy engine, and each kind is one
+(``cudaMemcpy2DAsync``) per kind on the copy engine (one per array where its
+arrays are not evenly spaced: a short last block, whose arrays are padded
+apart, or an older block laid out layer by layer), and each kind is one
 plain copy on the GPU from there, of which each layer's arrays are views (a
 quantized hit is dequantized there in one kernel when the engine asks for
 plain arrays).
@@ -62,27 +64,36 @@ class Lines:
 
 def lines(items: Sequence, spec: tuple) -> Optional[Lines]:
     """The ``Lines`` of blocks whose layers all hold their keys and values
-    alike (plain, or quantized under one setting without rotation) with each
-    kind's lines evenly spaced in every block; else ``None``."""
+    alike (plain, or quantized under one setting without rotation); else
+    ``None``."""
     layouts = {entry for layer in spec for entry in layer}
     if len(layouts) != 1:
         return None
     ((q, r, kinds),) = layouts
     if r is not None or len({h for _, h, _ in kinds}) != 1:
         return None
-    n = len(kinds)
+    lay = Lines(q, kinds)
     for it in items:
         if isinstance(it, DeviceBlock):
             if it.arrays is None:  # (kept by the block-buffer path)
                 return None
-            continue
-        kv = it.header.kv_arrays()
-        for c in range(n):
-            offsets, size = [a.offset for a in kv[c::n]], kv[c].nbytes
-            if size // kinds[c][1] > cuda.STAGE or offsets != list(range(offsets[0], offsets[0] + len(offsets) * size,
-                                                                            size)):
-                return None
-    return Lines(q, kinds)
+        elif any(it.header.ntokens * lay.line(c) > cuda.STAGE for c in range(len(kinds))):
+            return None
+    return lay
+
+
+def _runs(item, c: int, n: int, width: int) -> list[tuple[int, int, int]]:
+    """Where block ``item``'s lines of kind ``c`` (of ``n``) lie, ``width``
+    bytes each: ``(payload offset, first line, lines)`` per evenly spaced
+    run. One run where the kind's arrays lie one after the other (blocks
+    written kind by kind, of rows that fill their alignment); else one per
+    array (a short last block, or an older block laid out layer by layer)."""
+    arrays = item.header.kv_arrays()[c::n]
+    h = arrays[0].nbytes // width
+    at = [a.offset for a in arrays]
+    if at == list(range(at[0], at[0] + len(at) * h * width, h * width)):
+        return [(at[0], 0, len(at) * h)]
+    return [(o, t * h, h) for t, o in enumerate(at)]
 
 
 def gather(items: Sequence, spans: Sequence[tuple[int, int]], lay: Lines, length: int,
@@ -159,18 +170,19 @@ def _land(items: Sequence, starts: Sequence[int], rows: int, nlines: int, lay: L
 
         def queue(k: int, stream) -> None:
             it = items[k]
-            kv, at = it.header.kv_arrays(), np.frombuffer(it.payload, np.uint8).ctypes.data
+            at, width = np.frombuffer(it.payload, np.uint8).ctypes.data, [it.header.ntokens * b for b in line]
             for c in range(n):
-                send(c, at + kv[c].offset, it.header.ntokens * line[c], 0, nlines, starts[k], stream)
+                for off, first, count in _runs(it, c, n, width[c]):
+                    send(c, at + off, width[c], first, count, starts[k], stream)
 
         def stage(k: int) -> None:
             it = items[k]
-            kv = it.header.kv_arrays()
             for c in range(n):
-                width, off = it.header.ntokens * line[c], kv[c].offset
-                cuda.upload_lines(rt, it.payload[off : off + nlines * width], width,
-                                  lambda at, first, m, stream, c=c, w=width: send(c, at, w, first, m, starts[k],
-                                                                                  stream))
+                w = it.header.ntokens * line[c]
+                for off, first, count in _runs(it, c, n, w):
+                    cuda.upload_lines(rt, it.payload[off : off + count * w], w,
+                                      lambda at, f, m, stream, c=c, w=w, first=first: send(c, at, w, first + f, m,
+                                                                                            starts[k], stream))
 
         bad = move_blocks(items, queue, stage)
         if bad is not None:
