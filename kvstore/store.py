@@ -3,8 +3,8 @@
 The data flow, threads included::
 
     put (engine thread)     tokens --hash--> BlockTable.plan_put (new blocks indexed) --> Job --> writer queue
-    writer thread           Job --encode (codec)--> Stored bytes --> BlockTable.admit (RAM)
-                                --> Feed --> commit thread: Disk.write (LMDB) --> BlockTable.written
+    writer thread           Job --encode (codec)--> Stored bytes --> apply(Encoded): RAM
+                                --> Feed --> commit thread: Disk.write (LMDB) --> apply(Written)
                                 --> remote write-behind queue --> remote thread: Redis / Valkey
     fetch (engine thread)   tokens --hash--> BlockTable.walk (+ Disk.discover where it ends: ``find``)
                                 --> Discovery.find (remote, what the local tiers lack: streamed, each
@@ -12,8 +12,8 @@ The data flow, threads included::
                                 --> BlockTable.plan_fetch (the servable path, pinned; jobs to wait for)
                                 --> Planner.plan (what is worth loading) --> Reader.read:
                                 device copies / RAM / LMDB pages / remote bytes --check, gather--> layers
-                                --> BlockTable.release
-    promote thread          blocks served from disk --copy--> BlockTable.promote (RAM)
+                                --> apply(Used), BlockTable.release
+    promote thread          blocks served from disk --copy--> apply(Promoted): RAM
 
 The ``BlockTable`` owns every block's state (index, RAM, disk LRU, pins) and
 its lock, and hands out plans of immutable ``BlockRef``s (its ``Node``s never
