@@ -30,7 +30,7 @@ import threading
 import time
 from concurrent.futures import Future, wait
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Callable, Iterator, Optional, Union
+from typing import TYPE_CHECKING, Callable, Iterator, Optional, Sequence, Union
 
 import mlx.core as mx
 import numpy as np
@@ -61,7 +61,7 @@ log = logging.getLogger("kvstore")
 class Job:
     """Blocks of one ``put`` (or one remote read) waiting for the writer."""
 
-    nodes: list[BlockRef]  # its blocks, as the table handed them out
+    nodes: Sequence[BlockRef]  # its blocks, as the table handed them out
     root: bytes
     tokens: np.ndarray
     layers: list[Layer]

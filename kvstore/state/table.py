@@ -37,7 +37,7 @@ from .disk_order import DiskOrder
 from .table_admit import AdmitSide
 from .table_disk import DiskSide
 from ..blocks.hashing import KeyChain
-from .index import BlockRef, Walk, Node, RadixIndex
+from .index import BlockRef, Node, RadixIndex, Refs, Walk
 from .plans import Bad, Encoded, FetchPlan, JobDone, JobReleased, OnDevice, PlanView, Promoted, Used
 from ..blocks.layers import KVLayer
 from ..blocks.record import BlockRecord
@@ -177,9 +177,9 @@ class BlockTable(DiskSide, AdmitSide):
     # ------------------------------------------------------------------ put
 
     def plan_put(self, root_key: bytes, chain: KeyChain, n: int, has_state: bool, late: Sequence[KVLayer],
-                  make_job: Callable[[list[BlockRef]], object]):
+                  make_job: Callable[[Sequence[BlockRef]], object]):
         """Index the blocks of a put the store lacks and give them their job
-        (``make_job(blocks)``); ``None`` when nothing is new."""
+        (``make_job(blocks)``: ``Refs``, made on first use); ``None`` when nothing is new."""
         with self._lock:
             root = self._index.root(root_key)
             new = lookup.new_blocks(self._index, root, chain, n, has_state, late)
@@ -187,7 +187,7 @@ class BlockTable(DiskSide, AdmitSide):
                 self._shared(new, lambda: lookup.walk(self._index, root, chain, n).last, chain.block_size)
             if not new:
                 return None
-            job = make_job([p.ref() for p in new])
+            job = make_job(Refs(new, self._lock))
             for node in new:
                 node.job = job
             return job
