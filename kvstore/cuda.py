@@ -279,6 +279,17 @@ def upload_pinned(rt: Runtime, moves: list[tuple[int, memoryview]]) -> None:
 
 
 @contextmanager
+def staged(rt: Runtime, src: memoryview) -> Iterator[tuple[int, object]]:
+    """Pageable host bytes (at most ``STAGE``) copied into a pinned staging
+    buffer: its address and a stream for the copies out of it, all done when
+    the block ends."""
+    with _staging(rt) as (stream, bufs):
+        a = np.frombuffer(src, np.uint8)
+        np.copyto(bufs[0][: len(a)], a)
+        yield bufs[0].ctypes.data, stream
+
+
+@contextmanager
 def one_stream(rt: Runtime) -> Iterator[object]:
     """A stream from the pool; everything queued on it is done when the block ends."""
     with _staging(rt) as (stream, _):
