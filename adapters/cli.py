@@ -131,6 +131,9 @@ def generate(
 def bench(ctx: typer.Context):
     """Benchmarks (same options as [bold]python -m kvstore.tools.bench[/bold]: --quick, --only PART, --out DIR).
 
+    [bold]kvstore bench NAME [options][/bold] runs one of the other benchmarks (ssd, cost, remote, ...: listed
+    below); [bold]kvstore bench NAME --help[/bold] gives its options.
+
     Example: [bold]kvstore bench --quick --only lookup[/bold]
     """
     from kvstore.tools.bench import main as bench_main

@@ -35,6 +35,14 @@ def write_json(path: Optional[Path], obj) -> None:
         path.write_text(json.dumps(obj, indent=1))
 
 
+def record(path: Path, key: str, obj) -> None:
+    """``obj`` under ``key`` in the JSON object at ``path``, its other keys kept
+    (a file of docs/bench holds a benchmark's runs side by side)."""
+    doc = json.loads(path.read_text()) if path.exists() else {}
+    doc[key] = obj
+    write_json(path, doc)
+
+
 def med(ts) -> float:
     return float(np.median(ts)) if len(ts) else float("nan")
 

@@ -1,10 +1,8 @@
-#!/usr/bin/env python
 """The shared remote tier (Redis / Valkey) over loopback: what a hit from it
 costs next to a local SSD hit and a cold prefill, and what two engine
 processes save by sharing one server.
 
-    python tools/remote_bench.py [--quick] [--only PART ...] [--out DIR]
-                                 [--url redis://...] [--write-docs]
+    kvstore bench remote [--quick] [--only PART ...] [--out DIR] [--url redis://...] [--write-docs]
 
 Without ``--url`` it starts its own ``redis-server`` (Debian's package) on a
 free loopback port with the settings the README recommends (``maxmemory``,
@@ -46,16 +44,14 @@ import time
 from pathlib import Path
 from typing import Any, Optional
 
-ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
+import numpy as np
 
-import numpy as np  # noqa: E402
+from .common import (MiB, cold_ttft, fp16_nbytes, kv_layers, load_tiny, log, machine, med, rand_tokens, run_tokens,
+                     stat, timed)
+from .replay import make_trace
+from .settings import SIZES
 
-from kvstore.tools.bench.common import (MiB, cold_ttft, fp16_nbytes, kv_layers, load_tiny, log, machine,  # noqa: E402
-                                        med, rand_tokens, run_tokens, stat, timed)
-from kvstore.tools.bench.replay import make_trace  # noqa: E402
-from kvstore.tools.bench.settings import SIZES  # noqa: E402
+ROOT = Path(__file__).resolve().parents[2]  # the repository, in an editable install
 
 PARTS = ("restore", "ttft", "replay")
 CONFIG = {
@@ -331,7 +327,7 @@ class _Worker:
     """One engine process (``--worker``): requests in, counts out, over pipes."""
 
     def __init__(self, ssd: Path, url: Optional[str], trace: str):
-        cmd = [sys.executable, str(Path(__file__).resolve()), "--worker", "--ssd", str(ssd), "--trace", trace]
+        cmd = [sys.executable, "-m", "kvstore.tools.bench.remote", "--worker", "--ssd", str(ssd), "--trace", trace]
         if url:
             cmd += ["--url", url]
         self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
@@ -474,7 +470,7 @@ def write_docs(results: dict, meta: dict, docs: Path) -> Path:
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    ap = argparse.ArgumentParser(prog="remote_bench", description="kvstore's remote tier (see the docstring).")
+    ap = argparse.ArgumentParser(prog="kvstore bench remote", description="kvstore's remote tier (see the docstring).")
     ap.add_argument("--quick", action="store_true", help="smaller sizes (a few minutes on 2 cores)")
     ap.add_argument("--only", nargs="+", choices=PARTS, metavar="PART", help=f"parts: {', '.join(PARTS)}")
     ap.add_argument("--out", default="bench-out", help="output folder (default: bench-out)")
