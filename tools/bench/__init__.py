@@ -45,7 +45,7 @@ JSON). ``main(argv=None)`` returns 0 (the
 ``kvstore bench`` command calls it).
 """
 
-from .run import main, parse_args
+from .run import BENCHES, main, parse_args
 from .settings import PARTS
 
-__all__ = ["main", "parse_args", "PARTS"]
+__all__ = ["BENCHES", "main", "parse_args", "PARTS"]
