@@ -372,7 +372,7 @@ def summary(res: dict) -> list[str]:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="fidelity", description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(prog="kvstore bench fidelity-text", description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", help="output folder (fidelity.json); required unless --save-texts")
     ap.add_argument("--model", default="smollm2", help="'smollm2', a GGUF file or an mlx-lm model folder")
     ap.add_argument("--prefix", type=int, default=1536, help="stored prefix tokens per text")
