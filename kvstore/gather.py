@@ -12,14 +12,15 @@ checksum verified by the thread that moves it:
   the mapped pages straight into the final per-layer arrays;
 - **CUDA** (mlx has no host->device copy): blocks land on the copy engine in
   a reused buffer (``cuda.landing``) and the arrays handed over are copied
-  out of it on the GPU. Dense layers land at their rows of every tensor by
-  strided copies (``kvstore.rowcopy``); other layouts (quantized) land block
-  by block and are cut there: blocks of one layout are a ``[blocks, bytes]``
+  out of it on the GPU. Blocks laid out kind by kind (plain or quantized
+  under one setting: what ``wire`` writes) land at their rows of every
+  tensor by strided copies (``kvstore.rowcopy``); older layouts land block by
+  block and are cut there: blocks of one layout are a ``[blocks, bytes]``
   matrix whose column ranges are one layer's arrays, so one strided view per
   layer and part replaces a concatenation of per-block pieces. Pageable bytes
   (LMDB's pages) go through pinned staging buffers (``kvstore.cuda``).
 
-Quantized parts are assembled per layer before anything is dequantized.
+Quantized parts are assembled before anything is dequantized.
 Anything else (state snapshots, sliding windows, mixed settings, an engine
 asking for other quantization) is decoded block by block for ``assemble``.
 """
@@ -121,10 +122,13 @@ def gather(items: Sequence, length: int, quantized: Optional[tuple[int, int]] = 
     if spec is None:
         return _slow(items, length, quantized)
     kept: list = []
-    kind = rowcopy.dense(items, spec) if cuda.runtime() is not None else None
-    if kind is not None:
-        parts, bad, kept = rowcopy.gather(items, spans, kind, _DTYPE[kind[0]], length, keep_on_device)
-    elif any(isinstance(it, DeviceBlock) and it.arrays is not None for it in items):
+    lay = rowcopy.lines(items, spec) if cuda.runtime() is not None else None
+    if lay is not None:
+        hit, bad, kept = rowcopy.gather(items, spans, lay, length, keep_on_device)
+        if bad is not None:
+            return Gathered([], 0, bad)
+        return Gathered(rowcopy.layers(hit, lay, length, quantized is not None), length, on_device=kept)
+    if any(isinstance(it, DeviceBlock) and it.arrays is not None for it in items):
         return _slow(items, length, quantized)  # (a host block laid out otherwise beside them)
     elif cuda.runtime() is not None:
         parts, bad, kept = _fill_device(items, spans, spec, length, keep_on_device)
@@ -214,14 +218,11 @@ class HostFill:
 
     def move(self, item: Stored, s: int, n: int) -> bool:
         payload = item.payload
-        placed = [(dst, a) for lv, la in zip(self.views, _stored_arrays(item)) for tv, ta in zip(lv, la)
-                  for dst, a in zip(tv, ta)]
-        # the checksum is taken array by array as each is copied, while its bytes are in the cache
-        # (one read of the mapped pages instead of two), where the arrays lie in the payload's order
-        offsets = [a.offset for _, a in placed]
-        h = xxhash.xxh3_64() if not item.checked and offsets == sorted(offsets) else None
-        if h is None and not item.intact():
-            return False
+        placed = sorted(((dst, a) for lv, la in zip(self.views, _stored_arrays(item)) for tv, ta in zip(lv, la)
+                         for dst, a in zip(tv, ta)), key=lambda p: p[1].offset)
+        # the checksum is taken array by array as each is copied, in the payload's order, while its bytes
+        # are in the cache (one read of the mapped pages instead of two)
+        h = None if item.checked else xxhash.xxh3_64()
         pos = 0
         for dst, a in placed:
             end = a.offset + a.nbytes

@@ -11,7 +11,10 @@ Wire format of a block (little-endian)::
            xxh3_64, array table
     ..     zero padding to a multiple of 64
     P      payload: token ids (int32, or int64 when an id needs it) then every
-           array, each 64-byte aligned
+           array, each 64-byte aligned, where its table entry says (writers
+           put them kind by kind where all layers are alike: every layer's
+           first array, keys then values, then every second one; readers
+           go by the offsets, so either order reads)
 
 The msgpack header is a map: ``key`` (bytes), ``n`` (tokens), ``size`` and
 ``sum`` (payload bytes and xxh3_64), ``tok`` (the token array) and ``L``, one
@@ -78,6 +81,7 @@ _DTYPES: dict[str, tuple[mx.Dtype, np.dtype]] = {
     "int8": (mx.int8, np.dtype("i1")),
 }
 NAME_OF = {mx_t: name for name, (mx_t, _) in _DTYPES.items()}
+MX_OF = {name: mx_t for name, (mx_t, _) in _DTYPES.items()}
 
 
 def aligned(n: int) -> int:
@@ -194,7 +198,7 @@ class Header:
     layers: tuple[LayerSpec, ...]
 
     def kv_arrays(self) -> list[ArraySpec]:
-        """Every array of its attention layers, layer by layer, keys then values."""
+        """Every array of its attention layers, layer by layer, keys then values (table order, not payload order)."""
         return [a for e in self.layers for t in (e.keys, e.values) for a in t.arrays]
 
 

@@ -5,11 +5,10 @@ A conversation's next request usually shares the prompt and answer just put:
 on a GPU under a live replay, fetches waited a third to a half of their time
 for the writer to encode such blocks (docs/benchmarks.md, live replay). The
 put's job still holds the engine's arrays (the writer lets go of them once
-encoded), so the rows the fetch needs are there, exact, with nothing to
-decode: they are copied out on the device instead of waited for. Only for a
-store that keeps rows as given (no quantization), where those rows are
-exactly what the fetch would read back once stored: a quantized store's
-hits must not depend on how far its writer has got.
+encoded), so the rows the fetch needs are there: they are put through the
+store's codec on the engine's side (quantized and back, row by row as the
+writer does it, so the same bits a read of the stored blocks gives) instead
+of waited for. A store's hits never depend on how far its writer has got.
 """
 
 from __future__ import annotations
@@ -19,14 +18,16 @@ from typing import Optional, Sequence
 import mlx.core as mx
 import numpy as np
 
-from .layers import KVLayer, Layer, Quantized, own, take_rows
+from .codec import Codec
+from .layers import KVLayer, Layer, Quantized, Tensor, own, take_rows
 
 
-def rows_of_queued(jobs: Sequence, tokens: np.ndarray, length: int) -> Optional[list[Layer]]:
-    """Rows ``[0, length)`` of every layer, copied from a queued put whose
-    prompt starts with ``tokens[:length]`` and whose layers are plain
-    attention held from row 0 (dense, not sliding windows, no state); None
-    when no such put is still holding its arrays."""
+def rows_of_queued(jobs: Sequence, tokens: np.ndarray, length: int, codec: Codec) -> Optional[list[Layer]]:
+    """Rows ``[0, length)`` of every layer, as a read of them once stored
+    under ``codec`` gives them, made from a queued put whose prompt starts
+    with ``tokens[:length]`` and whose layers are plain attention held from
+    row 0 (dense, not sliding windows, no state); None when no such put is
+    still holding its arrays."""
     for job in jobs:
         layers = job.layers  # (read once: the writer empties it once the job is encoded)
         if not layers or job.found is not None or len(job.tokens) < length \
@@ -34,8 +35,15 @@ def rows_of_queued(jobs: Sequence, tokens: np.ndarray, length: int) -> Optional[
             continue
         if all(isinstance(l, KVLayer) and l.start == 0 and l.window is None and l.stop >= length
                and not isinstance(l.keys, Quantized) and not isinstance(l.values, Quantized) for l in layers):
-            out: list[Layer] = [KVLayer(own(take_rows(l.keys, 0, length)), own(take_rows(l.values, 0, length)))
+            out: list[Layer] = [KVLayer(_served(codec.compress_keys(take_rows(l.keys, 0, length))),
+                                        _served(codec.compress_values(take_rows(l.values, 0, length))))
                                 for l in layers]
             mx.eval([a for l in out for a in (l.keys, l.values)])
             return out
     return None
+
+
+def _served(t: Tensor):
+    """What a read hands a dense engine: quantized rows dequantized, plain rows copied (a view would keep the
+    engine's whole buffer alive and see its in-place writes)."""
+    return t.dequantize() if isinstance(t, Quantized) else own(t)

@@ -1,12 +1,18 @@
-"""A dense hit moved into its per-layer GPU arrays (CUDA).
+"""A hit moved into its per-layer GPU arrays (CUDA).
 
 A block of plain attention layers holds, after its tokens, each layer's keys
 then values as ``[1, heads, rows, dim]`` arrays one after the other: a run of
 (layer, tensor, head) *lines* of ``rows * dim`` elements, evenly spaced. The
 arrays the engine gets, ``[1, heads, length, dim]`` per layer and tensor, are
-the same lines at a longer pitch. So each block goes to where its rows belong
-in every tensor with one strided copy (``cudaMemcpy2DAsync``) on the copy
-engine, and each tensor is one plain copy on the GPU from there.
+the same lines at a longer pitch. A quantized block is three such runs, one
+per kind of array (data, scales, biases: ``wire`` lays its arrays out kind by
+kind). So each block goes to where its rows belong with one strided copy
+(``cudaMemcpy2DAsync``) per kind on the copy engine (one per array where its
+arrays are not evenly spaced: a short last block, whose arrays are padded
+apart, or an older block laid out layer by layer), and each kind is one
+plain copy on the GPU from there, of which each layer's arrays are views (a
+quantized hit is dequantized there in one kernel when the engine asks for
+plain arrays).
 
 That copy is there because of where the copy engine can write. mlx keeps
 what its kernels make in device memory, and the first time an array's
@@ -23,51 +29,84 @@ other hits are sliced from theirs on the GPU.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Callable, Optional, Sequence
 
 import mlx.core as mx
 import numpy as np
 
 from . import cuda
-from .layers import take_rows
+from .header import MX_OF
+from .layers import KVLayer, Quantized, dequantize
 from .spread import each
 from .tiers.device import DeviceBlock, HitArrays
 
+_ALIGN = 256  # where each kind's lines start in the landing buffer
 
-def dense(items: Sequence, spec: tuple) -> Optional[tuple[str, int, int]]:
-    """``(dtype, heads, dim)`` where every layer holds its keys and values as
-    one plain array each, all alike, and each block's arrays lie one after
-    the other (its lines evenly spaced); else ``None``."""
-    kinds = {arrays for layer in spec for _, _, arrays in layer}
-    if len(kinds) != 1 or any(q is not None or r is not None for layer in spec for q, r, _ in layer):
+
+@dataclass(frozen=True)
+class Lines:
+    """How a hit's blocks lie: the quantization (``(bits, group size)``, or
+    ``None``) and per kind of array its ``(dtype, heads, width)``."""
+
+    q: Optional[tuple[int, int]]
+    kinds: tuple[tuple[str, int, int], ...]
+
+    @property
+    def heads(self) -> int:
+        return self.kinds[0][1]
+
+    def line(self, c: int) -> int:
+        """Bytes of one row of one head of kind ``c``."""
+        name, _, width = self.kinds[c]
+        return width * MX_OF[name].size
+
+
+def lines(items: Sequence, spec: tuple) -> Optional[Lines]:
+    """The ``Lines`` of blocks whose layers all hold their keys and values
+    alike (plain, or quantized under one setting without rotation); else
+    ``None``."""
+    layouts = {entry for layer in spec for entry in layer}
+    if len(layouts) != 1:
         return None
-    (kind,) = kinds
-    if len(kind) != 1:
+    ((q, r, kinds),) = layouts
+    if r is not None or len({h for _, h, _ in kinds}) != 1:
         return None
+    lay = Lines(q, kinds)
     for it in items:
         if isinstance(it, DeviceBlock):
             if it.arrays is None:  # (kept by the block-buffer path)
                 return None
-            continue
-        offsets = [a.offset for a in it.header.kv_arrays()]
-        size = it.header.layers[0].keys.arrays[0].nbytes
-        if size // kind[0][1] > cuda.STAGE or offsets != list(range(offsets[0], offsets[0] + len(offsets) * size, size)):
+        elif any(it.header.ntokens * lay.line(c) > cuda.STAGE for c in range(len(kinds))):
             return None
-    return kind[0]
+    return lay
 
 
-def gather(items: Sequence, spans: Sequence[tuple[int, int]], kind: tuple[str, int, int], dtype: mx.Dtype,
-           length: int, keep: bool) -> tuple[list, Optional[int], list]:
-    """Per layer, per tensor, ``[array]`` of rows ``[0, length)``; the index of
-    the first block whose checksum failed (``None``: all good); and with
-    ``keep``, per block a ``DeviceBlock`` of its rows in those arrays."""
-    _, heads, dim = kind
-    tensors = 2 * len(items[0].header.layers)
+def _runs(item, c: int, n: int, width: int) -> list[tuple[int, int, int]]:
+    """Where block ``item``'s lines of kind ``c`` (of ``n``) lie, ``width``
+    bytes each: ``(payload offset, first line, lines)`` per evenly spaced
+    run. One run where the kind's arrays lie one after the other (blocks
+    written kind by kind, of rows that fill their alignment); else one per
+    array (a short last block, or an older block laid out layer by layer)."""
+    arrays = item.header.kv_arrays()[c::n]
+    h = arrays[0].nbytes // width
+    at = [a.offset for a in arrays]
+    if at == list(range(at[0], at[0] + len(at) * h * width, h * width)):
+        return [(at[0], 0, len(at) * h)]
+    return [(o, t * h, h) for t, o in enumerate(at)]
+
+
+def gather(items: Sequence, spans: Sequence[tuple[int, int]], lay: Lines, length: int,
+           keep: bool) -> tuple[Optional[HitArrays], Optional[int], list]:
+    """The hit's ``HitArrays``; the index of the first block whose checksum
+    failed (``None``: all good); and with ``keep``, per block a
+    ``DeviceBlock`` of its rows in those arrays."""
+    nlines = 2 * len(items[0].header.layers) * lay.heads
     on = items[0].arrays if isinstance(items[0], DeviceBlock) else None
     if on is not None and all(isinstance(it, DeviceBlock) and it.arrays is on for it in items):
-        return _layers(on.tensors, length), None, [None] * len(items)  # kept as they are: no copy
-    line = dim * dtype.size  # bytes of one row of one head
-    pieces: list[list[mx.array]] = [[] for _ in range(tensors)]
+        return on, None, [None] * len(items)  # kept as they are: no copy
+    row_bytes = nlines * sum(lay.line(c) for c in range(len(lay.kinds)))
+    pieces: list[list[mx.array]] = [[] for _ in lay.kinds]
     i = 0
     while i < len(items):
         j = i + 1
@@ -75,56 +114,81 @@ def gather(items: Sequence, spans: Sequence[tuple[int, int]], kind: tuple[str, i
             while j < len(items) and isinstance(items[j], DeviceBlock) and items[j].arrays is items[i].arrays:
                 j += 1  # (a block's row there is its place in the prompt: consecutive blocks, consecutive rows)
             a, b = items[i].row, items[j - 1].row + items[j - 1].header.ntokens
-            for p, x in zip(pieces, items[i].arrays.tensors):
-                p.append(take_rows(x, a, b))
+            for p, x in zip(pieces, items[i].arrays.kinds):
+                p.append(x[:, a:b])
         else:  # host blocks, as many as the landing buffer holds
             rows = items[i].header.ntokens
             while (j < len(items) and not isinstance(items[j], DeviceBlock)
-                   and (rows + items[j].header.ntokens) * tensors * heads * line <= cuda.LANDING):
+                   and (rows + items[j].header.ntokens) * row_bytes + _ALIGN * len(lay.kinds) <= cuda.LANDING):
                 rows += items[j].header.ntokens
                 j += 1
-            bad = _land(items[i:j], [s - spans[i][0] for s, _ in spans[i:j]], rows, tensors * heads, line, dtype,
-                        pieces)
+            bad = _land(items[i:j], [s - spans[i][0] for s, _ in spans[i:j]], rows, nlines, lay, pieces)
             if bad is not None:
-                return [], i + bad, []
+                return None, i + bad, []
         i = j
-    out = HitArrays([p[0] if len(p) == 1 else mx.concatenate(p, axis=2) for p in pieces])
-    mx.eval(out.tensors)
+    out = HitArrays([p[0] if len(p) == 1 else mx.concatenate(p, axis=1) for p in pieces], lay.heads)
+    mx.eval(out.kinds)
     kept: list = [None] * len(items)
     if keep:  # the next hit of these blocks gets views of these arrays
         kept = [DeviceBlock.kept(it, arrays=out, row=s) for it, (s, _) in zip(items, spans)]
-    return _layers(out.tensors, length), None, kept
+    return out, None, kept
 
 
-def _land(items: Sequence, starts: Sequence[int], rows: int, nlines: int, line: int, dtype: mx.Dtype,
+def layers(hit: HitArrays, lay: Lines, length: int, quantized: bool) -> list[KVLayer]:
+    """Rows ``[0, length)`` of every layer, as views of ``hit``; a quantized
+    hit as ``Quantized`` where the engine asked for that (``quantized``),
+    else dequantized at once, every layer in one kernel."""
+    kinds = [x if x.shape[1] == length else x[:, :length] for x in hit.kinds]
+    q = lay.q
+    if q is not None and not quantized:
+        kinds, q = [dequantize(*kinds, q[1], q[0])], None
+    mx.eval(kinds)
+    h = hit.heads
+    tensors = [[x[t * h : (t + 1) * h][None] for x in kinds] for t in range(kinds[0].shape[0] // h)]
+    tensors = [t[0] if q is None else Quantized(*t, q[0], q[1]) for t in tensors]
+    return [KVLayer(tensors[i], tensors[i + 1], 0, None) for i in range(0, len(tensors), 2)]
+
+
+def _land(items: Sequence, starts: Sequence[int], rows: int, nlines: int, lay: Lines,
           pieces: list) -> Optional[int]:
-    """Host blocks to a landing buffer by strided copies, then copied out on
-    the GPU, one new array per tensor appended to ``pieces``; the index of a
-    block whose checksum failed, if any (nothing appended then)."""
+    """Host blocks to a landing buffer by strided copies (one per kind of
+    array), then copied out on the GPU, one new ``[lines, rows, width]``
+    array per kind appended to ``pieces``; the index of a block whose
+    checksum failed, if any (nothing appended then)."""
     rt = cuda.runtime()
-    pitch = rows * line
-    with cuda.landing(nlines * pitch) as (buf, base):
+    n = len(lay.kinds)
+    line = [lay.line(c) for c in range(n)]
+    pitch = [rows * b for b in line]
+    region = [0]
+    for c in range(n - 1):
+        region.append(-(-(region[-1] + nlines * pitch[c]) // _ALIGN) * _ALIGN)
+    with cuda.landing(region[-1] + nlines * pitch[-1]) as (buf, base):
 
-        def send(src: int, spitch: int, first: int, count: int, row: int, stream) -> None:
-            rt.copy2d(base + first * pitch + row * line, pitch, src, spitch, spitch, count, stream)
+        def send(c: int, src: int, spitch: int, first: int, count: int, row: int, stream) -> None:
+            rt.copy2d(base + region[c] + first * pitch[c] + row * line[c], pitch[c], src, spitch, spitch, count,
+                      stream)
 
         def queue(k: int, stream) -> None:
             it = items[k]
-            src = np.frombuffer(it.payload, np.uint8).ctypes.data + it.header.kv_arrays()[0].offset
-            send(src, it.header.ntokens * line, 0, nlines, starts[k], stream)
+            at, width = np.frombuffer(it.payload, np.uint8).ctypes.data, [it.header.ntokens * b for b in line]
+            for c in range(n):
+                for off, first, count in _runs(it, c, n, width[c]):
+                    send(c, at + off, width[c], first, count, starts[k], stream)
 
         def stage(k: int) -> None:
             it = items[k]
-            width, off = it.header.ntokens * line, it.header.kv_arrays()[0].offset
-            cuda.upload_lines(rt, it.payload[off : off + nlines * width], width,
-                              lambda at, first, n, stream: send(at, width, first, n, starts[k], stream))
+            for c in range(n):
+                w = it.header.ntokens * line[c]
+                for off, first, count in _runs(it, c, n, w):
+                    cuda.upload_lines(rt, it.payload[off : off + count * w], w,
+                                      lambda at, f, m, stream, c=c, w=w, first=first: send(c, at, w, first + f, m,
+                                                                                            starts[k], stream))
 
         bad = move_blocks(items, queue, stage)
         if bad is not None:
             return bad
-        heads = nlines // len(pieces)
-        landed = buf[: nlines * pitch].view(dtype).reshape(nlines, rows, line // dtype.size)
-        new = [mx.array(landed[t * heads : (t + 1) * heads])[None] for t in range(len(pieces))]
+        new = [mx.array(buf[region[c] : region[c] + nlines * pitch[c]].view(MX_OF[name])
+                        .reshape(nlines, rows, width)) for c, (name, _, width) in enumerate(lay.kinds)]
         mx.eval(new)  # copied out before the buffer is used again
     for p, x in zip(pieces, new):
         p.append(x)
@@ -154,10 +218,3 @@ def move_blocks(items: Sequence, queue: Callable[[int, object], None], stage: Ca
 
     ok = each(move, len(staged) + 1)[1:]
     return next((k for k, good in zip(staged, ok) if not good), None)
-
-
-def _layers(tensors: list[mx.array], length: int) -> list:
-    """Per layer, ``[[keys], [values]]``: rows ``[0, length)`` of ``tensors`` (views)."""
-    cut = [x if x.shape[2] == length else take_rows(x, 0, length) for x in tensors]
-    mx.eval(cut)
-    return [[[cut[2 * li]], [cut[2 * li + 1]]] for li in range(len(cut) // 2)]

@@ -134,9 +134,9 @@ class PrefixStore:
         self.config = cfg = store_config(config, **settings)
         self.block_size = cfg.block_size or DEFAULT_BLOCK  # an LMDB store's own, once it is open (below)
         self.codec = Codec.of(cfg)
-        # a fetch of blocks still queued may take the put's own rows (``queued``): blocks keep rows as given, so
-        # those are what it would read back, and no reuse has to be seen stored (ssd_admit="reuse")
-        self._from_queued = self.codec.key_bits is None and self.codec.value_bits is None and cfg.ssd_admit == "always"
+        # a fetch of blocks still queued may take the put's own rows through the codec (``queued``), unless a
+        # reuse has to be seen stored (ssd_admit="reuse")
+        self._from_queued = cfg.ssd_admit == "always"
         self.namespace = cfg.namespace
         self.readonly = cfg.readonly
         self._counters = Counters()
@@ -228,7 +228,7 @@ class PrefixStore:
             jobs = self._table.unwritten_jobs(pinned, skip=found.blocks.keys())
             if jobs and self._from_queued and quantized is None and not found.blocks:
                 with self._engine.engine():
-                    queued = rows_of_queued(jobs, toks, length)
+                    queued = rows_of_queued(jobs, toks, length, self.codec)
                 if queued is not None:  # the put still holds the rows: no wait for the writer
                     return self._queued_hit(len(toks), length, queued)
             if jobs:

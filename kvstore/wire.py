@@ -47,12 +47,31 @@ class _Layout:
         return ArraySpec(NAME_OF[a.dtype], tuple(a.shape), off, a.nbytes)
 
     def tensor(self, t: Tensor) -> TensorSpec:
-        if isinstance(t, Quantized):
-            self.rotated = self.rotated or t.rotation is not None
-            # (int(): a caller's settings may be numpy ints, which msgpack refuses and equal tables would share)
-            return TensorSpec(tuple(self.add(x) for x in t.arrays()), int(t.bits), int(t.group_size),
-                              None if t.rotation is None else int(t.rotation))
-        return TensorSpec((self.add(t),))
+        return self._spec(t, tuple(self.add(x) for x in (t.arrays() if isinstance(t, Quantized) else (t,))))
+
+    def layers(self, layers: list[Optional[Layer]], ntokens: int) -> tuple[LayerSpec, ...]:
+        """Every layer's arrays placed. Where every layer is an attention layer
+        whose tensors have as many arrays each (plain, or quantized alike) they
+        go kind by kind: every layer's first array (keys, then values), then
+        every second one... So each kind's (layer, tensor, head) lines are
+        evenly spaced, and a hit lands each kind on the GPU with one strided
+        copy per block (``kvstore.rowcopy``). For dense layers this is the
+        layer-by-layer order."""
+        tensors = [t for l in layers if isinstance(l, KVLayer) for t in (l.keys, l.values)]
+        arity = {len(t.arrays()) if isinstance(t, Quantized) else 1 for t in tensors}
+        if len(tensors) != 2 * len(layers) or len(arity) != 1:
+            return tuple(self.layer(l, ntokens) for l in layers)
+        parts = [t.arrays() if isinstance(t, Quantized) else (t,) for t in tensors]
+        placed = list(zip(*[[self.add(a) for a in kind] for kind in zip(*parts)]))
+        return tuple(KVSpec(self._spec(l.keys, placed[2 * i]), self._spec(l.values, placed[2 * i + 1]), l.window,
+                            ntokens - tensor_rows(l.keys)) for i, l in enumerate(layers))
+
+    def _spec(self, t: Tensor, arrays: tuple[ArraySpec, ...]) -> TensorSpec:
+        if not isinstance(t, Quantized):
+            return TensorSpec(arrays)
+        # (int(): a caller's settings may be numpy ints, which msgpack refuses and equal tables would share)
+        self.rotated = self.rotated or t.rotation is not None
+        return TensorSpec(arrays, int(t.bits), int(t.group_size), None if t.rotation is None else int(t.rotation))
 
     def layer(self, layer: Optional[Layer], ntokens: int) -> LayerSpec:
         if layer is None:
@@ -131,7 +150,7 @@ class _Plan:
         self.layout = w = _Layout()
         self.key, self.n = bytes(key), int(len(block.tokens))
         self.tok = w.add(mx.array(block.tokens))
-        self.layers = interned(tuple(w.layer(l, self.n) for l in block.layers))
+        self.layers = interned(w.layers(block.layers, self.n))
         self.fields = {"key": self.key, "n": self.n, "size": w.size, "sum": _SUM_PLACEHOLDER, "tok": self.tok.wire(),
                        "L": [None if l is None else l.wire() for l in self.layers]}
         self.start = self._payload_start()
@@ -185,8 +204,7 @@ def serialize_run(whole: Block, first: Block, keys: list[bytes]) -> Iterator[tup
     plan = _Plan(first, keys[0])
     big = _Layout()
     big.add(mx.array(whole.tokens))
-    for l in whole.layers:
-        big.layer(l, len(whole.tokens))
+    big.layers(whole.layers, len(whole.tokens))
     layout = plan.layout
     packed = layout.packed([_rows_of_blocks(full, n) if a.nbytes else None
                             for (_, a), (_, full) in zip(layout.parts, big.parts, strict=True)])

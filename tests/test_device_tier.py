@@ -15,7 +15,7 @@ import lmdb
 import numpy as np
 import pytest
 
-from kvstore import PrefixStore, cuda
+from kvstore import PrefixStore, cuda, wire
 
 from kvstore.hashing import KeyChain, as_tokens, root_key
 from kvstore.layers import Quantized
@@ -91,7 +91,7 @@ def test_conversations_sharing_a_prefix_are_counted_for_the_memory_they_hold(on_
         s.flush()
         for p in prompts:
             assert_hit_is(s.fetch(M, p), p, 4 * BS, heads=2, dim=64)
-            held = {id(d.arrays): sum(t.nbytes for t in d.arrays.tensors) for d in s._table._dev._blocks.values()}
+            held = {id(d.arrays): d.arrays.nbytes for d in s._table._dev._blocks.values()}
             st = s.stats()
             assert st["device_bytes"] == sum(held.values()) <= st["device_budget"]
         assert len(held) > 1  # the first conversations' own blocks still hold their arrays
@@ -171,13 +171,21 @@ def test_a_hit_served_without_the_device_tier_owns_its_arrays(on_gpu, monkeypatc
         assert s.stats()["device_blocks"] == 0
 
 
+@pytest.mark.parametrize("layout", ["kinds", "layers"])
 @pytest.mark.parametrize("bits", [8, 4])
-def test_quantized_blocks_on_the_gpu_path_give_what_the_host_path_gives(on_gpu, tmp_path, monkeypatch, bits):
-    """Quantized blocks land block by block and their layers are cut on the
-    GPU: from RAM, from the device tier, from disk and handed over quantized,
-    the same arrays as the host path's, bit for bit."""
+def test_quantized_blocks_on_the_gpu_path_give_what_the_host_path_gives(on_gpu, tmp_path, monkeypatch, bits, layout):
+    """Quantized blocks land on the GPU at their rows of every layer, each
+    kind of array (data, scales, biases) by strided copies, and are
+    dequantized there in one kernel: blocks laid out kind by kind (one copy
+    per kind, as blocks are written now), laid out layer by layer (as older
+    blocks are: a copy per array) and a short last block (its arrays padded
+    apart); 4-bit keys are rotated, and those hits are cut block by block.
+    From RAM, from the device tier, from disk and handed over quantized: the
+    same arrays as the host path's, bit for bit."""
     monkeypatch.setattr(cuda, "LANDING", 2 * (1 << 20) // 1024)  # a few blocks at a time
-    p = toks(4 * BS)
+    if layout == "layers":
+        monkeypatch.setattr(wire._Layout, "layers", lambda self, ls, n: tuple(self.layer(l, n) for l in ls))
+    p = toks(3 * BS + 5)
     rt = cuda.runtime()
 
     def on_host(fetch):
@@ -198,6 +206,8 @@ def test_quantized_blocks_on_the_gpu_path_give_what_the_host_path_gives(on_gpu, 
         ref, qref = on_host(lambda: s.fetch(M, p)), on_host(lambda: s.fetch(M, p, quantized=(bits, 32)))
         assert same_hit(s.fetch(M, p), ref)  # from RAM
         assert s.stats()["device_blocks"] == 4
+        kept = list(s._table._dev._blocks.values())
+        assert all((d.arrays is not None and len(d.arrays.kinds) == 3) == (bits == 8) for d in kept)
         assert same_hit(s.fetch(M, p), ref)  # from the device tier
         assert same_hit(s.fetch(M, p, quantized=(bits, 32)), qref)
     with _store(**kw) as s:

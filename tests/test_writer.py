@@ -21,13 +21,14 @@ from __future__ import annotations
 import threading
 
 import mlx.core as mx
+import numpy as np
 import pytest
 
 from kvstore.hashing import root_key
 from kvstore.layers import KVLayer
 from kvstore.store import PrefixStore
 
-from ._helpers import BS, M, assert_hit_is, block_by_block, kv_layers, put, toks
+from ._helpers import BS, M, assert_hit_is, bits_of, block_by_block, kv_layers, put, toks
 
 # ------------------------------------------------------------ the queue bound
 
@@ -42,14 +43,14 @@ def _writer_held(monkeypatch) -> threading.Event:
     monkeypatch.setattr(kvstore.store, "warm_device", lambda config: 0.0)
 
     gate = threading.Event()
-    real = encoding.encode
+    real = encoding._encoded_run  # (every block, one at a time or in runs as on CUDA, is encoded there)
 
-    def encode(*a):
+    def encoded_run(*a):
         if threading.current_thread().name == "kvstore-writer":
             gate.wait(30)
-        return real(*a)
+        yield from real(*a)
 
-    monkeypatch.setattr(encoding, "encode", encode)
+    monkeypatch.setattr(encoding, "_encoded_run", encoded_run)
     return gate
 
 
@@ -95,6 +96,27 @@ def test_a_fetch_of_a_put_not_yet_stored_is_served_from_the_puts_own_arrays(ssd,
     s.flush()
     assert_hit_is(s.fetch(M, longer), a, 20)
     assert s.stats()["tokens_queued"] == 20
+
+
+@pytest.mark.parametrize("bits", [8, 4])
+def test_a_quantized_stores_fetch_of_a_queued_put_gives_what_its_stored_blocks_give(ssd, monkeypatch, bits):
+    """A quantizing store serves a queued put's rows through its codec (4-bit
+    keys rotated too): the same bits as a read of the blocks once stored, so
+    no hit depends on how far the writer has got."""
+    gate = _writer_held(monkeypatch)
+    s = ssd(kv_bits=bits, kv_group_size=32)
+    a = toks(3 * BS + 5)
+    put(s, a, heads=2, dim=64)
+    longer = list(a) + list(toks(6, start=900))
+    early = s.fetch(M, longer)
+    st = s.stats()
+    assert (early.length, st["tokens_queued"], st["fetch_waited_us"], st["blocks_stored"]) == (len(a), len(a), 0, 0)
+    gate.set()
+    s.flush()
+    stored = s.fetch(M, longer)
+    assert stored.length == len(a) and s.stats()["tokens_queued"] == len(a)
+    assert all(np.array_equal(bits_of(x), bits_of(y)) for e, t in zip(early.layers, stored.layers)
+               for x, y in ((e.keys, t.keys), (e.values, t.values)))
 
 
 def test_a_fetch_that_cannot_use_a_queued_put_waits_for_it_and_counts_the_wait(ssd, monkeypatch):

@@ -9,7 +9,7 @@
 #   bash tools/gpu_bench.sh tests OUT      # the store's tests that need no Redis or hypothesis, on CUDA
 #   TOKENS="2048 8192 32768" bash tools/gpu_bench.sh ssd OUT   # tools/ssd_bench.py, Llama-3-8B KV shape
 #                                                               (PARTS=writes; PARTS=hot: RAM and device hits only)
-#   bash tools/gpu_bench.sh model OUT      # the 8B-shaped random llama the next two use (/tmp/llama-8b, ~4 min)
+#   bash tools/gpu_bench.sh model OUT      # the 8B-shaped random llama the next two use (/tmp/llama-8b)
 #   LENGTHS="2048 8192" bash tools/gpu_bench.sh cost OUT   # cost_bench TTFT table on it (--fresh: FRESH=1;
 #                                                          some rows only: SOURCES="device ram")
 #   bash tools/gpu_bench.sh ramhit OUT     # where a RAM hit's time goes, after a hit / a cold prefill
@@ -41,9 +41,7 @@ case $1 in
          python3 -m kvstore.tools.ssd_bench --tokens "$n" --kv ${KVS:-fp16 q8 q4} --repeats 3 --dir /tmp \
            --parts ${PARTS:-reads writes} --out "$2/ssd-$n"
        done ;;
-  model) python3 -c "from kvstore.adapters.tiny_models import make_tiny_model as m; m('llama', '$M', hidden_size=4096,
-num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8, intermediate_size=14336, head_dim=128,
-max_position_embeddings=65536)" ;;
+  model) python3 -m kvstore.tools.replay_gpu --make-model --model "$M" ;;
   ramhit) [[ -f $M/config.json ]] || bash "$0" model "$2"
           python3 -m kvstore.tools.ram_hit_profile --model "$M" --tokens "${TOKENS:-32768}" --out "$2/ram_hit.json" ;;
   coldab) for kv in ${KVS:-q4}; do

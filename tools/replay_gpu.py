@@ -50,6 +50,44 @@ def _load(model: str):
     return m, model
 
 
+SHAPE_8B = dict(hidden_size=4096, num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8,
+                intermediate_size=14336, head_dim=128, max_position_embeddings=65536)
+
+
+def make_model(path: Path) -> Path:
+    """The 8B-shaped llama of the GPU figures at ``path``: the tiny llama's
+    tokenizer, mlx-lm's own random initialization, bf16 (a minute on a GPU,
+    where drawing the tiny models' fixed-seed weights on the host takes
+    several: the replay times prefills and caches, not what the model says)."""
+    import shutil
+    import tempfile
+
+    import mlx.core as mx
+    from mlx.utils import tree_flatten
+    from mlx_lm.utils import _get_classes
+
+    from kvstore.adapters.tiny_models import make_tiny_model, model_config
+
+    if (path / "model.safetensors").exists() and json.loads((path / "config.json").read_text()).get("shape") == "8B":
+        return path
+    config = dict(model_config("llama", **SHAPE_8B), dtype="bfloat16", torch_dtype="bfloat16", shape="8B")
+    tmp = Path(tempfile.mkdtemp(prefix=".8b-", dir=path.parent))
+    small = make_tiny_model("llama", tmp / "small", max_position_embeddings=SHAPE_8B["max_position_embeddings"])
+    for f in small.iterdir():
+        if f.name.startswith(("tokenizer", "special_tokens", "generation_config")):
+            shutil.copy(f, tmp / f.name)
+    shutil.rmtree(small)
+    model_class, args_class = _get_classes(config)
+    mx.random.seed(0)
+    model = model_class(args_class.from_dict(config))
+    model.set_dtype(mx.bfloat16)
+    mx.save_safetensors(str(tmp / "model.safetensors"), dict(tree_flatten(model.parameters())), {"format": "mlx"})
+    (tmp / "config.json").write_text(json.dumps(config, indent=1))
+    shutil.rmtree(path, ignore_errors=True)
+    tmp.rename(path)
+    return path
+
+
 def _bus_gbps() -> float:
     """Host -> device bytes per second: pinned memory on the copy engine on CUDA, a memcpy elsewhere."""
     from kvstore import cuda
@@ -222,8 +260,14 @@ def main(argv=None) -> int:
                     help="flush after each put, untimed: each request runs with the store's writer idle (a diagnosis)")
     ap.add_argument("--one", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--budget", type=float, default=0.25, help=argparse.SUPPRESS)
-    ap.add_argument("--out", type=Path, required=True)
+    ap.add_argument("--make-model", action="store_true", help="write the 8B-shaped llama at --model and stop")
+    ap.add_argument("--out", type=Path)
     a = ap.parse_args(argv)
+    if a.make_model:
+        make_model(Path(a.model))
+        return 0
+    if a.out is None:
+        ap.error("--out is required")
     if a.one is not None:
         if a.switch_interval is not None:
             sys.setswitchinterval(a.switch_interval)

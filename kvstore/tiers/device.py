@@ -2,8 +2,8 @@
 byte budget.
 
 A hit that just moved blocks to the GPU leaves them here as they are, with
-no copy: a dense hit's per-layer arrays (``HitArrays``, built by
-``kvstore.rowcopy``), each block the rows it holds there; any other layout's
+no copy: a hit's arrays (``HitArrays``, built by ``kvstore.rowcopy``), each
+block the rows it holds there; any other layout's
 upload buffer, each block its payload bytes laid out as on disk, from which
 the next hit cuts its layers on the GPU (``gather``). A later hit of the same
 blocks at the same rows gets views of the arrays, so the engine's own
@@ -30,10 +30,22 @@ from ..wire import Stored
 
 @dataclass(eq=False)
 class HitArrays:
-    """The arrays a dense hit built in GPU memory: per layer, keys then
-    values, each ``[1, heads, rows, dim]``, rows of several blocks."""
+    """The arrays a hit built in GPU memory (``kvstore.rowcopy``), rows of
+    several blocks: per kind of array (one for plain KV; data, scales and
+    biases for quantized KV) a ``[lines, rows, width]`` array whose lines are
+    every layer's keys then values, head by head."""
 
-    tensors: list[mx.array]
+    kinds: list[mx.array]
+    heads: int
+
+    def tensor(self, i: int) -> mx.array:
+        """Array ``i`` of a block's ``header.kv_arrays()``, ``[1, heads, rows, width]`` (a view)."""
+        t, c = divmod(i, len(self.kinds))
+        return self.kinds[c][t * self.heads : (t + 1) * self.heads][None]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(x.nbytes for x in self.kinds)
 
 
 @dataclass
@@ -76,7 +88,7 @@ class DeviceBlock:
             payload[tok.offset : tok.offset + tok.nbytes] = self.tokens.astype(tok.np_dtype).view(np.uint8)
             n = self.header.ntokens
             for i, a in enumerate(self.header.kv_arrays()):
-                x = self.arrays.tensors[i][..., self.row : self.row + n, :]
+                x = self.arrays.tensor(i)[..., self.row : self.row + n, :]
                 x = np.array(x.view(mx.uint16) if x.dtype == mx.bfloat16 else x)
                 payload[a.offset : a.offset + a.nbytes] = x.reshape(-1).view(np.uint8)
         buf = np.concatenate([np.frombuffer(self.head, np.uint8), payload])
@@ -103,7 +115,7 @@ class DeviceTier:
     @staticmethod
     def _memory(block: DeviceBlock) -> tuple[int, int]:
         if block.arrays is not None:
-            return id(block.arrays), sum(t.nbytes for t in block.arrays.tensors)
+            return id(block.arrays), block.arrays.nbytes
         return id(block.data), block.data.nbytes
 
     def add(self, block: DeviceBlock, pinned: Callable[[bytes], bool]) -> bool:
