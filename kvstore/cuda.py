@@ -357,11 +357,6 @@ def to_device(arrays: list[mx.array]) -> None:
     _prefetch(arrays, True)
 
 
-def to_host(arrays: list[mx.array]) -> None:
-    """Move device-resident arrays to host memory in bulk before the CPU reads them."""
-    _prefetch(arrays, False)
-
-
 def _prefetch(arrays: list[mx.array], to_device: bool) -> None:
     rt = runtime()
     if rt is None or not arrays:
