@@ -131,11 +131,15 @@ def generate(
 def bench(ctx: typer.Context):
     """Benchmarks (same options as [bold]python -m kvstore.tools.bench[/bold]: --quick, --only PART, --out DIR).
 
+    [bold]kvstore bench NAME ...[/bold] runs one of the other benchmarks (ssd, cost, remote, ...: listed
+    below); [bold]kvstore bench NAME --help[/bold] gives its options.
+
     Example: [bold]kvstore bench --quick --only lookup[/bold]
     """
-    from kvstore.tools.bench import main as bench_main
+    from kvstore.tools.bench import BENCHES, main as bench_main
 
-    if "--help" in ctx.args or "-h" in ctx.args:  # the benchmark's own options, listed by its parser
+    named = bool(ctx.args) and ctx.args[0] in BENCHES  # kvstore bench NAME ...: that benchmark's own options
+    if ("--help" in ctx.args or "-h" in ctx.args) and not named:  # the suite's options, listed by its parser
         out.print(bench.__doc__)
 
     raise typer.Exit(bench_main(ctx.args) or 0)

@@ -3,7 +3,7 @@
 A collector reads ``PrefixStore.stats()`` at scrape time, so serving a
 request costs nothing more; each server has a registry of its own (not
 prometheus-client's global one), so several stores in one process do not mix.
-The names are listed in the README ("Metrics").
+The names are listed in docs/engines.md ("Metrics").
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """Real Redis servers for the remote-tier tests: each on a free loopback port,
 in its own temporary directory, with a password, no persistence, and the
-eviction settings the README recommends; with ``tls=True``, TLS only, under a
+eviction settings docs/remote.md recommends; with ``tls=True``, TLS only, under a
 self-signed certificate for 127.0.0.1 made by ``openssl``. Tests skip only when
 ``redis-server`` is not installed (``.ci/run`` installs it)."""
 

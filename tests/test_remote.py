@@ -196,7 +196,7 @@ def test_namespaces_hold_across_hosts(server, host):
 
 
 def test_redis_acls_fence_tenants_with_the_rule_the_readme_gives(server, host):
-    for user in ("alice", "bob"):  # README: ACL SETUSER tenant on >PASSWORD ~kvstore:v1:tenant:* ...
+    for user in ("alice", "bob"):  # docs/remote.md: ACL SETUSER tenant on >PASSWORD ~kvstore:v1:tenant:* ...
         server.cli("ACL", "SETUSER", user, "on", f">{user}-pw", f"~kvstore:v1:{user}:*", "+@read", "+@write",
                    "+@keyspace", "-@dangerous", "+info")
     as_user = lambda user: f"redis://{user}:{user}-pw@127.0.0.1:{server.port}/0"  # noqa: E731

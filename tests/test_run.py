@@ -1,5 +1,5 @@
 """`kvstore run -- ENGINE`: an engine built on mlx-lm, unchanged, on the store. The engine is a real process
-(tests/_run_engine.py: mlx_lm.load + stream_generate, a fresh prompt cache per request or one kept and
+(tools/bench/run_engine.py: mlx_lm.load + stream_generate, a fresh prompt cache per request or one kept and
 trimmed across requests); what each request got from the store comes from $KVSTORE_RUN_REPORT."""
 
 import json
@@ -12,8 +12,8 @@ import pytest
 
 from kvstore.adapters.tiny_models import make_tiny_model
 
-ENGINE = str(Path(__file__).parents[1] / "tools" / "run_engine.py")
-BATCH_ENGINE = str(Path(__file__).parents[1] / "tools" / "run_batch_engine.py")  # mlx-lm's BatchGenerator
+ENGINE = str(Path(__file__).parents[1] / "tools" / "bench" / "run_engine.py")
+BATCH_ENGINE = str(Path(__file__).parents[1] / "tools" / "bench" / "run_batch_engine.py")  # mlx-lm's BatchGenerator
 SYSTEM = "You are a helpful assistant who answers briefly. " * 30  # ~720 tokens: 11 blocks of 64
 LONG = SYSTEM + "tell me about the weather in many words " * 12  # ~900 tokens
 
@@ -180,7 +180,7 @@ SHORT = "what is two plus two"
 @pytest.mark.parametrize("mode", ["fresh", "keep"])
 def test_batch_generator_answers_equal_the_engine_alone_and_later_requests_come_from_the_store(model, tmp_path,
                                                                                                mode):
-    """mlx-lm's BatchGenerator, several prompts inserted at once (tools/run_batch_engine.py): `fresh` inserts
+    """mlx-lm's BatchGenerator, several prompts inserted at once (tools/bench/run_batch_engine.py): `fresh` inserts
     them with no caches; `keep` hands each its nearest cache from mlx-lm's LRUPromptCache (one entry) with
     the tokens it holds, as mlx-lm's server does. The store fills each cache past what it holds, and a
     finished sequence's cache is stored: a later round and a new process are served from it."""

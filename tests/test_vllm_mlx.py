@@ -31,7 +31,7 @@ from kvstore import PrefixStore  # noqa: E402
 from kvstore.adapters import vllm_mlx as V  # noqa: E402
 from kvstore.adapters.tiny_models import make_tiny_model  # noqa: E402
 from kvstore.errors import ConfigError  # noqa: E402
-from kvstore.tools.vllm_mlx_ttft import Server  # noqa: E402
+from kvstore.tools.bench.vllm_mlx_ttft import Server  # noqa: E402
 
 BLOCK = 64
 SYSTEM = "You are a helpful assistant who answers briefly and exactly. " * 12

@@ -5,9 +5,9 @@ every ``#anchor`` a markdown link points at, exists.
 
 Paths are looked for in README.md, docs/*.md and tools/ (``*.py``, ``*.sh``). A
 ``docs/bench/...`` or ``tools/bench/...`` path is taken from the repository root;
-a bare ``bench/...`` from the file's own folder (docs/ links), tools/ (README's
-layout names ``bench/`` under ``tools/``) or docs/ (the page tools/bench writes). Shell braces
-(``ssd-gpu-8b-{8k,32k}.json``) are expanded. Anchors are checked against
+a bare ``bench/...`` from the file's own folder (docs/ links), tools/ (the layout
+in docs/architecture.md names ``bench/`` under ``tools/``) or docs/ (the page tools/bench
+writes). Shell braces (``live-replay-{cpu,h200}.json``) are expanded. Anchors are checked against
 GitHub's slugs of the target page's headings.
 """
 

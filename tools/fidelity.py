@@ -1,10 +1,10 @@
 #!/usr/bin/env python
 """Fidelity of stored KV on a trained model and real text.
 
-    python tools/fidelity.py --out DIR [--model smollm2|PATH] [--prefix N] [--cont N]
-                             [--text FILE ... | --texts-json FILE] [--settings NAME ...] [--greedy N]
-                             [--write-docs]
-    python tools/fidelity.py --save-texts FILE   # the default texts as JSON, for another machine
+    kvstore bench fidelity-text --out DIR [--model smollm2|PATH] [--prefix N] [--cont N]
+                                [--text FILE ... | --texts-json FILE] [--settings NAME ...] [--greedy N]
+                                [--write-docs]
+    kvstore bench fidelity-text --save-texts FILE   # the default texts as JSON, for another machine
 
 For each text (by default: license and documentation files shipped with
 installed packages, named in the output), the first ``--prefix`` tokens are
@@ -26,7 +26,7 @@ which checks the harness. The model runs in ``load_gguf``'s default dtype:
 fp16 on a GPU, fp32 on a CPU (mlx's half-precision CPU kernels are very slow),
 and its KV cache with it. Writes ``DIR/fidelity.json`` and ``DIR/fidelity.md``;
 ``--write-docs`` replaces the fidelity section of ``docs/benchmarks.md`` (which
-``tools/bench.py`` keeps when it rewrites the page).
+``kvstore bench`` keeps when it rewrites its own section).
 
 Importable: ``run(...)`` returns the result dict (the test suite runs a short case).
 """
@@ -91,7 +91,7 @@ DEFAULT_TEXTS = [
     ("xxhash", "METADATA"),
 ]
 
-_MARK_BEGIN = "<!-- begin fidelity-trained -->"  # a section the bench report keeps when it rewrites the page
+_MARK_BEGIN = "<!-- begin fidelity-trained -->"  # the section of docs/benchmarks.md --write-docs rewrites
 _MARK_END = "<!-- end fidelity-trained -->"
 
 
@@ -316,7 +316,7 @@ def table(res: dict) -> str:
     chosen = list(res["rows"])
     settings = "" if chosen == list(SETTINGS) else " --settings " + " ".join(f"'{c}'" if " " in c else c
                                                                             for c in chosen)
-    L.append(f"Command: `python tools/fidelity.py --out DIR --prefix {res['prefix']} --cont {res['cont']} "
+    L.append(f"Command: `kvstore bench fidelity-text --out DIR --prefix {res['prefix']} --cont {res['cont']} "
              f"--greedy {res['greedy_tokens']}{settings}` ({res['seconds'] / 60:.0f} min).\n")
     L.append(_MARK_END)
     return "\n".join(L)
@@ -371,19 +371,8 @@ def summary(res: dict) -> list[str]:
     return out
 
 
-def splice_docs(section: str, doc: Path) -> None:
-    """Replace the marked section of ``doc`` (or append it)."""
-    text = doc.read_text(encoding="utf-8") if doc.exists() else "# Benchmarks\n"
-    if _MARK_BEGIN in text and _MARK_END in text:
-        a, rest = text.split(_MARK_BEGIN, 1)
-        text = a + section + rest.split(_MARK_END, 1)[1]
-    else:
-        text = text.rstrip("\n") + "\n\n" + section + "\n"
-    doc.write_text(text, encoding="utf-8")
-
-
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="fidelity", description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(prog="kvstore bench fidelity-text", description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", help="output folder (fidelity.json); required unless --save-texts")
     ap.add_argument("--model", default="smollm2", help="'smollm2', a GGUF file or an mlx-lm model folder")
     ap.add_argument("--prefix", type=int, default=1536, help="stored prefix tokens per text")
@@ -420,7 +409,9 @@ def main(argv=None) -> int:
     (out / "fidelity.md").write_text(section + "\n")
     print(section)
     if a.write_docs:
-        splice_docs(section, ROOT / "docs" / "benchmarks.md")
+        from kvstore.tools.bench.common import splice
+
+        splice(ROOT / "docs" / "benchmarks.md", (_MARK_BEGIN, _MARK_END), section)
     return 0
 
 

@@ -2,27 +2,20 @@
 # The GPU figures of docs/benchmarks.md, on the device machine, after staging mlx there
 # (../shared/gpu/README.md: unpack.sh 1, then unpack.sh 2). Nothing is pip-installed there, so the
 # repository runs from its root with kvstore/adapters and kvstore/tools linked in.
-#   bash tools/gpu_bench.sh routes OUT     # mlx's host<->device routes vs the copy engine (1 GiB)
-#   bash tools/gpu_bench.sh pinned OUT     # page-locked memory: alloc / free per GiB, a free beside GPU work
-#   bash tools/gpu_bench.sh address OUT    # what taking a fresh mlx array's address costs (the move to managed memory)
-#   bash tools/gpu_bench.sh write OUT      # where the writer's time goes (tools/write_profile.py)
 #   bash tools/gpu_bench.sh tests OUT      # the store's tests that need no Redis or hypothesis, on CUDA
-#   TOKENS="2048 8192 32768" bash tools/gpu_bench.sh ssd OUT   # tools/ssd_bench.py, Llama-3-8B KV shape
+#   TOKENS="2048 8192 32768" bash tools/gpu_bench.sh ssd OUT   # kvstore bench ssd, Llama-3-8B KV shape
 #                                                               (PARTS=writes; PARTS=hot: RAM and device hits only)
 #   bash tools/gpu_bench.sh model OUT      # the 8B-shaped random llama the next two use (/tmp/llama-8b)
-#   LENGTHS="2048 8192" bash tools/gpu_bench.sh cost OUT   # cost_bench TTFT table on it (--fresh: FRESH=1;
+#   LENGTHS="2048 8192" bash tools/gpu_bench.sh cost OUT   # kvstore bench cost: TTFT table on it (--fresh: FRESH=1;
 #                                                          some rows only: SOURCES="device ram")
-#   bash tools/gpu_bench.sh ramhit OUT     # where a RAM hit's time goes, after a hit / a cold prefill
-#   KVS="q4 fp16" bash tools/gpu_bench.sh coldab OUT   # cold fetches by policy, in turn (tools/cold_policy_ab.py)
 #   bash tools/gpu_bench.sh put OUT        # what storing a cache blocks the caller, through the adapters
-#   bash tools/gpu_bench.sh gc OUT         # the garbage collector's pauses during puts (tools/gc_pauses.py)
-#   bash tools/gpu_bench.sh table OUT      # issue 28's table (tools/hot_path_table.py; PARTS="ram device": some only)
+#   bash tools/gpu_bench.sh gc OUT         # the garbage collector's pauses during puts (kvstore bench gc-pauses)
 #   BUDGETS="0.25 0.1" bash tools/gpu_bench.sh replay OUT   # issue 42's live replay on it (tools/replay_gpu.py;
 #                                                           SYSTEMS="lru kvstore_fp16": some only; --warm rounds)
 #   bash tools/gpu_bench.sh serve OUT      # its second half only: 8 clients, mlx_lm.server against kvstore serve
 #   bash tools/gpu_bench.sh live OUT       # issue 42's replay (tools/live_replay.py): each cache in a fresh process,
-#                                          # then 8 clients against mlx_lm.server and kvstore serve (~6 min; build the
-#                                          # model first: `model` takes ~4 min); SYSTEMS="none lru" BUDGETS="0.25" WARM=0
+#                                          # then 8 clients against mlx_lm.server and kvstore serve (~6 min; `model` first,
+#                                          # under a minute); SYSTEMS="none lru" BUDGETS="0.25" WARM=0
 set -euo pipefail
 source /tmp/site/env.sh
 ln -sfn ../adapters kvstore/adapters
@@ -33,28 +26,16 @@ case $1 in
   tests) python3 -m pytest -q -p no:cacheprovider tests/test_gather.py tests/test_store.py tests/test_adapter_store.py \
            tests/test_restart.py tests/test_device_tier.py tests/test_cuda_staging.py tests/test_encode_runs.py \
            tests/test_warmup.py tests/test_writer.py tests/test_buffers.py tests/test_engine_handoff.py 2>&1 | tail -15 ;;
-  write) python3 -m kvstore.tools.write_profile --tokens "${TOKENS:-8192}" --kv ${KVS:-fp16 q8 q4} --out "$2" ;;
-  pinned) python3 -m kvstore.tools.pinned_costs --gib 1 4 --out "$2/pinned.json" ;;
-  address) python3 -m kvstore.tools.address_cost --gib 4 --out "$2/address.json" ;;
-  routes) python3 -m kvstore.tools.gpu_routes --mib 1024 --repeats 3 --out "$2/routes.json" ;;
   ssd) for n in ${TOKENS:-8192 32768}; do
-         python3 -m kvstore.tools.ssd_bench --tokens "$n" --kv ${KVS:-fp16 q8 q4} --repeats 3 --dir /tmp \
+         python3 -m kvstore.tools.bench ssd --tokens "$n" --kv ${KVS:-fp16 q8 q4} --repeats 3 --dir /tmp \
            --parts ${PARTS:-reads writes} --out "$2/ssd-$n"
        done ;;
   model) python3 -m kvstore.tools.replay_gpu --make-model --model "$M" ;;
-  ramhit) [[ -f $M/config.json ]] || bash "$0" model "$2"
-          python3 -m kvstore.tools.ram_hit_profile --model "$M" --tokens "${TOKENS:-32768}" --out "$2/ram_hit.json" ;;
-  coldab) for kv in ${KVS:-q4}; do
-            python3 -m kvstore.tools.cold_policy_ab --tokens "${TOKENS:-8192}" --kv "$kv" --rounds "${ROUNDS:-8}" \
-              --dir /tmp --out "$2/cold-$kv.json"
-          done ;;
   cost) [[ -f $M/config.json ]] || bash "$0" model "$2"
-        python3 -m kvstore.tools.cost_bench --model "$M" --lengths ${LENGTHS:-2048 8192 32768} --kv ${KVS:-fp16 q8 q4} \
+        python3 -m kvstore.tools.bench cost --model "$M" --lengths ${LENGTHS:-2048 8192 32768} --kv ${KVS:-fp16 q8 q4} \
           --repeats "${REPEATS:-3}" ${FRESH:+--fresh} ${SOURCES:+--sources $SOURCES} --out "$2" ;;
   put) python3 -m kvstore.tools.put_cost --repeats "${REPEATS:-7}" --first-puts "${FIRST_PUTS:-5}" --out "$2" ;;
-  gc) python3 -m kvstore.tools.gc_pauses --puts "${PUTS:-10}" --out "$2/gc.json" ;;
-  table) [[ -f $M/config.json ]] || bash "$0" model "$2"
-         python3 -m kvstore.tools.hot_path_table --model "$M" --dir /tmp ${PARTS:+--parts $PARTS} --out "$2/table.json" ;;
+  gc) python3 -m kvstore.tools.bench gc-pauses --puts "${PUTS:-10}" --out "$2/gc.json" ;;
   replay) [[ -f $M/config.json ]] || bash "$0" model "$2"
           python3 -m kvstore.tools.replay_gpu --model "$M" --budgets ${BUDGETS:-0.25 0.1} \
             --systems ${SYSTEMS:-none lru kvstore_fp16 kvstore_q8} --warm ${PROFILE:+--profile} ${SWITCH:+--switch-interval $SWITCH} ${IDLE:+--idle-writer} --out "$2" ;;

@@ -2,7 +2,7 @@
 adapters (issue 28: put under 1 ms at 32K, the first put of a process
 included):
 
-    python -m kvstore.tools.put_cost --tokens 32768 8192 --out OUT/put.json
+    kvstore bench put-cost --tokens 32768 8192 --out OUT      # or python -m kvstore.tools.put_cost; writes OUT/put.json
 
 An mlx-lm ``KVCache`` per layer (Llama-3-8B KV shape by default: 32 layers,
 8 KV heads, dim 128, fp16) holding a prompt and one generated token, as a
@@ -124,7 +124,7 @@ def first_puts(k: int, tokens: int, layers: int, heads: int, dim: int) -> list[f
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(prog="kvstore bench put-cost", description=__doc__.split("\n\n")[0])
     ap.add_argument("--tokens", type=int, nargs="+", default=[32768, 8192])
     ap.add_argument("--repeats", type=int, default=7)
     ap.add_argument("--layers", type=int, default=32)

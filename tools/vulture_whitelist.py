@@ -13,11 +13,13 @@ _ = object  # (a stand-in: every line below only names an attribute)
 _.skipped_tokens  # Hit: stored tokens not served (recompute predicted faster); read by users and tools
 _.skip_reason     # Hit: why they were not served
 _.predicted_s     # Hit: the cost model's load estimate
-_.set_budget      # PrefixStore.set_budget: the RAM budget changed at run time (documented in README)
-_.trim_device     # PrefixStore.trim_device: GPU memory handed back to an engine that needs it (README)
+_.set_budget      # PrefixStore.set_budget: the RAM budget changed at run time (public API; docs/errors.md)
+_.trim_device     # PrefixStore.trim_device: GPU memory handed back to an engine that needs it (docs/architecture.md)
 _.serialize       # kvstore.blocks.wire.serialize: a block's bytes (tests, tools/bench, users checking the format)
 _.total_s         # adapters.generate's result: request time, reported by tools and users
 _.Tier            # kvstore.tiers.base.Tier: the protocol every tier keeps (tests/test_tiers.py checks each); a new tier implements it
+_.serve_in_thread  # adapters.server.Server: the server on a thread of an embedding process (tests/test_server_requests.py)
+_.set_max_workers  # kvstore.convert.spread: fetch on fewer threads, for A/B runs (tests/test_spread.py)
 
 # --- hooks a framework or the interpreter calls
 _._close_all      # atexit: flushes the stores still open at interpreter exit

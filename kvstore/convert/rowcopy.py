@@ -177,12 +177,18 @@ def _land(items: Sequence, starts: Sequence[int], rows: int, nlines: int, lay: L
 
         def stage(k: int) -> None:
             it = items[k]
-            for c in range(n):
-                w = it.header.ntokens * line[c]
-                for off, first, count in _runs(it, c, n, w):
-                    cuda.upload_lines(rt, it.payload[off : off + count * w], w,
-                                      lambda at, f, m, stream, c=c, w=w, first=first: send(c, at, w, first + f, m,
-                                                                                            starts[k], stream))
+            width = [it.header.ntokens * b for b in line]
+            runs = [(c, r) for c in range(n) for r in _runs(it, c, n, width[c])]
+            if len(runs) > n and len(it.payload) <= cuda.STAGE:  # many small runs: the block staged once
+                with cuda.staged(rt, it.payload) as (at, stream):
+                    for c, (off, first, count) in runs:
+                        send(c, at + off, width[c], first, count, starts[k], stream)
+                return
+            for c, (off, first, count) in runs:
+                w = width[c]
+                cuda.upload_lines(rt, it.payload[off : off + count * w], w,
+                                  lambda at, f, m, stream, c=c, w=w, first=first: send(c, at, w, first + f, m,
+                                                                                        starts[k], stream))
 
         bad = move_blocks(items, queue, stage)
         if bad is not None:

@@ -150,7 +150,7 @@ def reserve(owner: object, nbytes: int) -> None:
     """Keep up to ``nbytes`` of handed-back buffers for ``owner`` (0: none
     more). On CUDA the buffers are page-locked: making one takes about 0.4 s
     per GiB, and freeing one holds up the whole GPU, the engine's kernels
-    included, for about 0.1 s per GiB (H200, ``tools/pinned_costs.py``). So a
+    included, for about 0.1 s per GiB (H200; docs/design-notes.md). So a
     store keeps what its RAM tier lets go of, up to its budget, for its next
     blocks, and frees it when it closes, not while the engine waits."""
     with _lock:

@@ -279,6 +279,17 @@ def upload_pinned(rt: Runtime, moves: list[tuple[int, memoryview]]) -> None:
 
 
 @contextmanager
+def staged(rt: Runtime, src: memoryview) -> Iterator[tuple[int, object]]:
+    """Pageable host bytes (at most ``STAGE``) copied into a pinned staging
+    buffer: its address and a stream for the copies out of it, all done when
+    the block ends."""
+    with _staging(rt) as (stream, bufs):
+        a = np.frombuffer(src, np.uint8)
+        np.copyto(bufs[0][: len(a)], a)
+        yield bufs[0].ctypes.data, stream
+
+
+@contextmanager
 def one_stream(rt: Runtime) -> Iterator[object]:
     """A stream from the pool; everything queued on it is done when the block ends."""
     with _staging(rt) as (stream, _):
@@ -344,11 +355,6 @@ def address(a: mx.array) -> int:
 def to_device(arrays: list[mx.array]) -> None:
     """Move host-filled arrays to the GPU in bulk before a kernel faults them in."""
     _prefetch(arrays, True)
-
-
-def to_host(arrays: list[mx.array]) -> None:
-    """Move device-resident arrays to host memory in bulk before the CPU reads them."""
-    _prefetch(arrays, False)
 
 
 def _prefetch(arrays: list[mx.array], to_device: bool) -> None:

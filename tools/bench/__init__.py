@@ -1,8 +1,10 @@
-"""kvstore benchmarks: restore, lookup, put, ttft, replay, fidelity.
+"""kvstore benchmarks: the CPU suite (restore, lookup, put, ttft, replay,
+fidelity) and the benchmarks with options of their own.
 
     python -m kvstore.tools.bench [--quick | --smoke] [--only PART ...] [--out DIR]
                                   [--repeats N] [--tmp DIR] [--write-docs] [--merge RESULTS_JSON]
     kvstore bench ...                     (the same options)
+    kvstore bench NAME [options]          (one of ``run.BENCHES``: ssd, cost, remote, ...; NAME --help)
 
 Every figure is a median over repeats, and every figure that has a baseline
 (memcpy, a plain file read, a cold prefill, mlx-lm's ``LRUPromptCache``) has it
@@ -29,6 +31,12 @@ replay    a seeded multi-user chat / agent trace under one RAM byte budget:
 fidelity  logit error, KL and top-1 / greedy agreement of quantized entries on
           the tiny llama, gemma3_text and qwen3_next models.
 
+The named benchmarks are modules here too (``ssd``, ``cost``, ``calibration``,
+``fingerprint``, ``evict``, ``remote``, ``gc_pauses``, ``run_ttft`` with the
+engines it times, ``vllm_mlx_replay``, ``vllm_mlx_ttft``) or beside this
+package (``kvstore.tools.put_cost``, ``kvstore.tools.fidelity``), each with a
+``main(argv)``; docs/benchmarks.md gives each one's command, machine and table.
+
 Around them: ``settings`` (sizes per mode, targets), ``common`` (timing,
 baselines, tokens and KV, tiny models, the machine), ``plots``, ``report``
 (summary table and the docs page) with ``notes`` (the reading notes; every
@@ -37,7 +45,7 @@ JSON). ``main(argv=None)`` returns 0 (the
 ``kvstore bench`` command calls it).
 """
 
-from .run import main, parse_args
+from .run import BENCHES, main, parse_args
 from .settings import PARTS
 
-__all__ = ["main", "parse_args", "PARTS"]
+__all__ = ["BENCHES", "main", "parse_args", "PARTS"]

@@ -35,6 +35,25 @@ def write_json(path: Optional[Path], obj) -> None:
         path.write_text(json.dumps(obj, indent=1))
 
 
+def splice(path: Path, markers: tuple[str, str], block: str) -> None:
+    """``block`` (which starts and ends with ``markers``) in place of the marked section of the page at
+    ``path``, the rest of the page kept; appended where the page has no such section (or no page)."""
+    text = path.read_text(encoding="utf-8") if path.exists() else "# Benchmarks\n"
+    if markers[0] in text and markers[1] in text:
+        text = text[: text.index(markers[0])] + block + text[text.index(markers[1]) + len(markers[1]):]
+    else:
+        text = text.rstrip("\n") + "\n\n" + block + "\n"
+    path.write_text(text, encoding="utf-8")
+
+
+def record(path: Path, key: str, obj) -> None:
+    """``obj`` under ``key`` in the JSON object at ``path``, its other keys kept
+    (a file of docs/bench holds a benchmark's runs side by side)."""
+    doc = json.loads(path.read_text()) if path.exists() else {}
+    doc[key] = obj
+    write_json(path, doc)
+
+
 def med(ts) -> float:
     return float(np.median(ts)) if len(ts) else float("nan")
 

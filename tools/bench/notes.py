@@ -61,7 +61,7 @@ def _note_ram(p: dict) -> Optional[str]:
             f"`mx.array` copy takes {fp['stored_bytes'] // page:,} minor faults and runs at "
             f"{b['mx_array_copy']['gbps']:.2f} GB/s, numpy's copy (which madvises huge pages) at "
             f"{b['numpy_copy']['gbps']:.2f} GB/s. `fetch` makes the arrays and copies the blocks into them on every "
-            "core (`kvstore/spread.py`; `tools/fetch_spread_ab.py` compares it with one thread), which puts fp16 "
+            "core (`kvstore/spread.py`), which puts fp16 "
             f"fetch at {fp['ratio']['ram_vs_mx_array_copy']:.2f}x one `mx.array` copy of the same bytes.")
 
 

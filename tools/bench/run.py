@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import gc
+import importlib
 import json
 import platform
 import shutil
@@ -23,11 +24,31 @@ from .settings import PARTS, SIZES
 RUNS = {"restore": restore.run, "lookup": lookup.run, "put": put.run, "ttft": ttft.run, "replay": replay.run,
         "fidelity": fidelity.run}
 ROOT = Path(__file__).resolve().parents[2]  # the repository, in an editable install
+# The benchmarks with options of their own: ``kvstore bench NAME [options]`` runs the module's ``main``
+# (``kvstore bench NAME --help`` lists its options); docs/benchmarks.md has each one's command and tables.
+BENCHES = {
+    "ssd": ("kvstore.tools.bench.ssd", "the SSD tier at disk speed: fetch and put against plain reads and writes"),
+    "cost": ("kvstore.tools.bench.cost", "TTFT of cold prefill, a forced hit and fetch_policy='auto', per source"),
+    "calibration": ("kvstore.tools.bench.calibration", "what auto's calibration costs a model's first request"),
+    "fingerprint": ("kvstore.tools.bench.fingerprint", "what keying a model by every byte of its files costs"),
+    "evict": ("kvstore.tools.bench.evict", "the cost of one eviction against the number of blocks held"),
+    "remote": ("kvstore.tools.bench.remote", "the remote tier (Redis / Valkey) over loopback"),
+    "put-cost": ("kvstore.tools.put_cost", "what storing a cache blocks the engine's thread, through the adapters"),
+    "gc-pauses": ("kvstore.tools.bench.gc_pauses", "the garbage collector's pauses during puts"),
+    "fidelity-text": ("kvstore.tools.fidelity", "fidelity of stored KV on a trained model and real text"),
+    "run-ttft": ("kvstore.tools.bench.run_ttft", "an unchanged mlx-lm engine's first token under kvstore run"),
+    "vllm-mlx-replay": ("kvstore.tools.bench.vllm_mlx_replay", "the multi-user replay through vllm-mlx's engine"),
+    "vllm-mlx-ttft": ("kvstore.tools.bench.vllm_mlx_ttft", "TTFT through vllm-mlx's OpenAI server, its cache vs the store"),
+}
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    ap = argparse.ArgumentParser(prog="bench", description="kvstore benchmarks (python -m kvstore.tools.bench, "
-                                 "or kvstore bench; parts are described in kvstore.tools.bench's docstring).")
+    ap = argparse.ArgumentParser(
+        prog="kvstore bench", formatter_class=argparse.RawDescriptionHelpFormatter,
+        description="kvstore's CPU suite (python -m kvstore.tools.bench, or kvstore bench; parts are described in "
+                    "kvstore.tools.bench's docstring).",
+        epilog="other benchmarks, each with options of its own (kvstore bench NAME --help):\n"
+               + "\n".join(f"  {name:<16} {what}" for name, (_, what) in BENCHES.items()))
     mode = ap.add_mutually_exclusive_group()
     mode.add_argument("--quick", action="store_true", help="small sizes (< 5 min on 2 cores)")
     mode.add_argument("--smoke", action="store_true", help="tiny sizes, for tests (seconds)")
@@ -61,6 +82,10 @@ def _merge(results: dict, meta: dict, plots_: list, merge: str, mode: str, out: 
 
 
 def main(argv=None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv and argv[0] in BENCHES:
+        rc = importlib.import_module(BENCHES[argv[0]][0]).main(argv[1:])
+        return rc if isinstance(rc, int) else 0  # some return their results
     args = parse_args(argv)
     mode = "smoke" if args.smoke else "quick" if args.quick else "full"
     cfg = SIZES[mode]
@@ -73,7 +98,7 @@ def main(argv=None) -> int:
 
     meta = {"mode": mode, "parts": parts, "repeats": R, "date": time.strftime("%Y-%m-%d %H:%M"),
             "machine": machine(), "mlx": mx.__version__, "mlx_lm": mlx_lm.__version__,
-            "python": platform.python_version(), "argv": list(argv) if argv is not None else sys.argv[1:],
+            "python": platform.python_version(), "argv": argv,
             "mlx_speed": mlx_speed(cfg["machine"], R)}
     results: dict[str, Any] = {}
     pngs: list[str] = []

@@ -1,15 +1,15 @@
 """First-token time of an unchanged mlx-lm engine under ``kvstore run``: cold, a second conversation
 sharing the system prompt, and a new engine process repeating the prompt.
 
-    python -m kvstore.tools.run_ttft [--prefix 1536] [--layers 8] [--hidden 1024] [--batch] [--out FILE]
+    kvstore bench run-ttft [--prefix 1536] [--layers 8] [--hidden 1024] [--batch] [--out FILE]
 
-The engine is ``kvstore.tools.run_engine`` (``mlx_lm.load`` + ``stream_generate``, a fresh prompt cache
+The engine is ``kvstore.tools.bench.run_engine`` (``mlx_lm.load`` + ``stream_generate``, a fresh prompt cache
 per request) on a random-weight llama built by ``adapters/tiny_models.py``, large enough that prefill
 dominates (float32: mlx's float16 matmuls are slow on CPU). Each process answers an unrelated warm-up prompt first (mlx's first-call costs), so ``cold`` is a
 warm engine computing the whole prompt. The store has kvstore run's defaults (``fetch_policy="auto"``)
 on a new directory. Answers are checked equal to the engine run alone.
 
-``--batch``: the engine is ``kvstore.tools.run_batch_engine`` (mlx-lm's ``BatchGenerator``, fresh caches,
+``--batch``: the engine is ``kvstore.tools.bench.run_batch_engine`` (mlx-lm's ``BatchGenerator``, fresh caches,
 its own warm-up round): each request goes in with a short unrelated prompt inserted at the same time, the
 second conversation in a later round; first-token time from the round's insert.
 """
@@ -25,10 +25,11 @@ import tempfile
 from pathlib import Path
 
 from kvstore.adapters.tiny_models import make_tiny_model
+from kvstore.tools.bench.common import record
 
 
 def _engine(model: Path, prompts: list[str], store: Path | None, report: Path, batch: bool = False) -> list[dict]:
-    engine = "kvstore.tools.run_batch_engine" if batch else "kvstore.tools.run_engine"
+    engine = "kvstore.tools.bench.run_batch_engine" if batch else "kvstore.tools.bench.run_engine"
     argv = [sys.executable, "-m", engine, str(model), "fresh", *prompts]
     if store is not None:
         argv = [sys.executable, "-m", "kvstore.adapters.cli", "run", "--ssd-path", str(store), "--", *argv]
@@ -38,12 +39,13 @@ def _engine(model: Path, prompts: list[str], store: Path | None, report: Path, b
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m kvstore.tools.run_ttft")
+    p = argparse.ArgumentParser(prog="kvstore bench run-ttft")
     p.add_argument("--prefix", type=int, default=1536, help="tokens of the shared system prompt (about)")
     p.add_argument("--layers", type=int, default=4)
     p.add_argument("--hidden", type=int, default=512)
     p.add_argument("--batch", action="store_true", help="the engine: mlx-lm's BatchGenerator")
-    p.add_argument("--out", type=Path, default=None)
+    p.add_argument("--out", type=Path, default=None,
+                   help="a JSON file: this run goes under the engine's name (stream_generate, BatchGenerator)")
     a = p.parse_args(argv)
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)
@@ -79,7 +81,7 @@ def main(argv: list[str] | None = None) -> int:
     text = json.dumps(out, indent=1)
     print(text)
     if a.out:
-        a.out.write_text(text + "\n")
+        record(a.out, out["engine"], out)
     return 0
 
 

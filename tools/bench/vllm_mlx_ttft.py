@@ -2,7 +2,7 @@
 ``kvstore vllm-mlx serve``, a cold request, the same request again, and the
 same request after the server was killed (SIGKILL) and started again.
 
-    python -m kvstore.tools.vllm_mlx_ttft [--layers 6] [--trials 3] [--out DIR]
+    kvstore bench vllm-mlx-ttft [--layers 6] [--trials 3] [--out DIR]
 
 Needs vllm-mlx (CI's second virtualenv has it). Each trial sends one chat
 request of ~1,500 tokens (its own system prompt, so each cold request is cold)
@@ -106,7 +106,7 @@ def measure(name: str, cmd: list[str], work: Path, trials: int, repeat_system: i
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="kvstore bench vllm-mlx-ttft", description=__doc__.split("\n\n")[0])
     p.add_argument("--layers", type=int, default=6, help="layers of the tiny fp32 llama")
     p.add_argument("--trials", type=int, default=3)
     p.add_argument("--repeat-system", type=int, default=38, help="system prompt repeats (38: ~1,520 tokens)")

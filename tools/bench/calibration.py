@@ -4,7 +4,7 @@ timed, and the request's TTFT without and with it, through
 ``kvstore.adapters.generate.generate`` on a new store (``remember_rates=False``:
 nothing learned earlier), per model and prompt length.
 
-    python -m kvstore.tools.calibration_cost [--model smollm2 slow6 tiny PATH] [--lengths 6 64]
+    kvstore bench calibration [--model smollm2 slow6 tiny PATH] [--lengths 6 64]
         [--budget 3.0] [--out docs/bench/calibration.json]
 
 ``slow6``: a random-weight llama of 6 layers in float32, hidden size 256
@@ -57,7 +57,7 @@ def first_request(model, tokenizer, path: str, tokens: list[int], budget: float,
 
 
 def main(argv=None) -> dict:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(prog="kvstore bench calibration", description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", nargs="+", default=["smollm2", "slow6"])
     ap.add_argument("--lengths", nargs="+", type=int, default=[6, 64])
     ap.add_argument("--budget", type=float, default=3.0)

@@ -1,6 +1,6 @@
 """A small continuous-batching engine built on mlx-lm's ``BatchGenerator``, as mlx-lm's server uses it:
-tests/test_run.py and ``tools/run_ttft.py --batch`` run it alone and under ``kvstore run``.
-``python -m kvstore.tools.run_batch_engine MODEL fresh|keep PROMPT... [-- PROMPT...]``. Each round of prompts (rounds
+tests/test_run.py and ``kvstore bench run-ttft --batch`` run it alone and under ``kvstore run``.
+``python -m kvstore.tools.bench.run_batch_engine MODEL fresh|keep PROMPT... [-- PROMPT...]``. Each round of prompts (rounds
 are separated by ``--``) is inserted at once and run until every sequence finishes; the next round starts
 after. ``fresh``: ``insert(prompts)`` with no caches. ``keep``: mlx-lm's ``LRUPromptCache`` as its server
 keeps it: each prompt's nearest cache and the tokens it holds go to ``insert_segments(caches=...,

@@ -32,7 +32,7 @@ kind back to back (see ``run``):
   buffer), and on CUDA the same read followed by mlx's own route to the GPU
   (``mx.array`` + first kernel), which is what an engine without kvstore gets.
 
-    python -m kvstore.tools.ssd_bench --tokens 8192 --layers 32 --heads 8 --dim 128 --kv fp16 q8 q4 --out DIR
+    kvstore bench ssd --tokens 8192 --layers 32 --heads 8 --dim 128 --kv fp16 q8 q4 --out DIR
 
 ``--parts reads writes`` (the default) or either; ``--parts hot``: only the
 RAM and device-tier fetches (a minute-long A/B of the hot path on a GPU).
@@ -56,7 +56,7 @@ import numpy as np
 
 from kvstore import PrefixStore
 from kvstore.gpu import cuda
-from kvstore.cost.model import probe
+from kvstore.cost import probe
 from kvstore.blocks.layers import KVLayer
 from kvstore.tools.bench.common import WRITE_CHUNK, drop_page_cache, random_chunk, write_file
 
@@ -392,7 +392,7 @@ def add_shape_args(ap: argparse.ArgumentParser, tokens: int) -> None:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="ssd_bench", description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(prog="kvstore bench ssd", description=__doc__.split("\n\n")[0])
     add_shape_args(ap, tokens=4096)
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--dir", type=Path, default=None, help="where the stores go (default: a temporary folder)")

@@ -52,8 +52,10 @@ earlier prompt + its generated tokens, the last token always computed); and,
 as ``tools/bench/replay.py`` counts it, with the trace's responses already in
 the cache (which no engine has: it never runs a response it did not generate).
 
-    python -m kvstore.tools.vllm_mlx_replay --out docs/bench/vllm-mlx-replay-cpu.json
-    python tools/vllm_mlx_replay.py --responses generated --out /tmp/vllm-mlx-replay-generated.json
+    kvstore bench vllm-mlx-replay --out docs/bench/vllm-mlx-replay.json
+    kvstore bench vllm-mlx-replay --responses generated --out docs/bench/vllm-mlx-replay.json
+
+``--out`` is a JSON file holding a run per ``--responses`` (``trace``, ``generated``).
 """
 
 from __future__ import annotations
@@ -368,8 +370,9 @@ def summarize(name: str, recs: list[dict], half: Optional[int], wall: float, res
 
 
 def main(argv: Optional[list[str]] = None) -> dict:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--out", type=Path, default=Path("docs/bench/vllm-mlx-replay-cpu.json"))
+    ap = argparse.ArgumentParser(prog="kvstore bench vllm-mlx-replay", description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", type=Path, default=Path("docs/bench/vllm-mlx-replay.json"),
+                    help="a JSON file: this run goes under its --responses (default: %(default)s)")
     ap.add_argument("--budgets", type=float, nargs="+", default=[0.25, 0.1],
                     help="RAM budgets as fractions of the working set (rounded to whole MiB)")
     ap.add_argument("--block-size", type=int, default=64, help="kvstore's block size (tokens)")
@@ -394,7 +397,7 @@ def main(argv: Optional[list[str]] = None) -> dict:
     import mlx_lm
 
     from kvstore.adapters.tiny_models import make_tiny_model
-    from kvstore.tools.bench.common import describe_model
+    from kvstore.tools.bench.common import describe_model, record
     from kvstore.tools.bench.replay import make_trace
 
     lines = Lines()
@@ -512,8 +515,7 @@ def main(argv: Optional[list[str]] = None) -> dict:
         res["met"] = all(b["kvstore_recomputes_less_than_builtin"] for b in res["budgets"])
         res["run_s"] = time.perf_counter() - t_all
         res["run_at"] = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps(res, indent=1) + "\n")
+        record(args.out, args.responses, res)
         print(markdown(res, args))
         log(f"wrote {args.out} ({res['run_s']:.0f} s)")
         return res

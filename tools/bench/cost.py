@@ -2,7 +2,7 @@
 prompt length x entry type x where the prefix is (RAM, SSD page-cached, SSD
 cold), measured in one run.
 
-    python -m kvstore.tools.cost_bench [--model PATH] [--lengths 1024 4096] [--out DIR]
+    kvstore bench cost [--model PATH] [--lengths 1024 4096] [--out DIR]
 
 Without ``--model`` it builds the fixed-seed tiny llama (CPU-sized); on a GPU
 machine pass ``--model`` an mlx-lm folder (e.g. an 8B-shaped random-weight
@@ -57,7 +57,6 @@ from kvstore import PrefixStore
 from kvstore.adapters.generate import generate, model_key
 from kvstore.cost.model import PrefillModel
 from kvstore.tools.bench.common import drop_page_cache
-from kvstore.tools.hot_path_table import timed_fetch
 
 SOURCES = ("ram", "ssd_cached", "ssd_cold")
 POLICIES = {"never": "cold_ms", "always": "forced_ms", "auto": "auto_ms"}
@@ -66,6 +65,22 @@ KV = {"fp16": None, "q8": 8, "q4": 4}
 # just before changes a hit's TTFT on a GPU (the buffers left to reuse), and rotating one order put
 # "always" after "never" in two of three repeats and "auto" after "always" (docs/benchmarks.md, hot path)
 _CYCLE = ("never", "never", "always", "never", "auto", "always", "always", "auto", "auto")
+
+
+def timed_fetch(store: PrefixStore) -> list[float]:
+    """Seconds of each ``store.fetch`` from now on (the store's part of a
+    request's TTFT; the rest is the engine's)."""
+    times: list[float] = []
+    fetch = store.fetch
+
+    def timed(*args, **kwargs):
+        t = time.perf_counter()
+        try:
+            return fetch(*args, **kwargs)
+        finally:
+            times.append(time.perf_counter() - t)
+    store.fetch = timed
+    return times
 
 
 def request_order(repeats: int) -> list[str]:
@@ -246,7 +261,7 @@ def _result(model_path: str, key: str, block: int, repeats: int, rows: list[dict
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="cost_bench", description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(prog="kvstore bench cost", description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default=None, help="mlx-lm model folder (default: the tiny fixed-seed llama)")
     ap.add_argument("--lengths", type=int, nargs="+", default=[1024, 4096])
     ap.add_argument("--kv", nargs="+", default=list(KV), choices=list(KV))

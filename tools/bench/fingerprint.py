@@ -1,6 +1,6 @@
 """What keying a model by every byte of its files costs at load (issue 41):
 
-    python -m kvstore.tools.fingerprint_cost --gb 16 --dir DIR [--out docs/bench/fingerprint-cost.json]
+    kvstore bench fingerprint --gb 16 --dir DIR [--out docs/bench/fingerprint.json]
 
 Writes an 8B-fp16-sized model folder under DIR (``--shards`` safetensors
 files of random bytes and a config.json; content does not change the speed),
@@ -129,15 +129,15 @@ def run(gb: float, root: Path, shards: int) -> dict:
 
 
 def main(argv=None) -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(prog="kvstore bench fingerprint", description=__doc__.split("\n\n")[0])
     ap.add_argument("--gb", type=float, default=16.0, help="total size of the weight files (GB, 1e9 bytes)")
     ap.add_argument("--shards", type=int, default=4)
     ap.add_argument("--dir", type=Path, required=True, help="where to write them (a disk like a model's)")
-    ap.add_argument("--out", type=Path, default=Path("docs/bench/fingerprint-cost.json"))
+    ap.add_argument("--out", type=Path, default=Path("docs/bench/fingerprint.json"))
     a = ap.parse_args(argv)
     res = run(a.gb, a.dir, a.shards)
     res["machine"] = f"{platform.system()} {platform.machine()}, {os.cpu_count()} cores"
-    res["command"] = "python -m kvstore.tools.fingerprint_cost " + " ".join(sys.argv[1:] if argv is None else argv)
+    res["command"] = "kvstore bench fingerprint " + " ".join(sys.argv[1:] if argv is None else argv)
     res["date"] = time.strftime("%Y-%m-%d")
     a.out.parent.mkdir(parents=True, exist_ok=True)
     a.out.write_text(json.dumps(res, indent=2) + "\n")

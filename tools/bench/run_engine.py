@@ -1,5 +1,5 @@
 """A small engine of kvstore's own, built on mlx-lm as engines are: tests/test_run.py and
-tools/run_ttft.py run it alone and under ``kvstore run``. ``python -m kvstore.tools.run_engine MODEL
+``kvstore bench run-ttft`` run it alone and under ``kvstore run``. ``python -m kvstore.tools.bench.run_engine MODEL
 fresh|keep PROMPT...`` loads MODEL with ``mlx_lm.load`` and answers each prompt greedily with
 ``stream_generate``, printing one JSON line each (tokens, first-token time). ``fresh``: a new prompt cache
 per request. ``keep``: one cache across requests, trimmed to the prefix the next prompt shares with what it

@@ -1,6 +1,6 @@
 """Per-eviction cost against the number of blocks a store holds.
 
-    python -m kvstore.tools.evict_bench [--blocks 10000 1000000] [--out DIR]
+    kvstore bench evict [--blocks 10000 1000000] [--out DIR]
 
 For each size, fills a store with that many small blocks through ``put`` (one
 layer of 4-token rows, 2 KiB a block, so the filling is cheap and eviction
@@ -104,7 +104,7 @@ def run(blocks: int, rounds: int, legacy: bool) -> dict:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="evict_bench", description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(prog="kvstore bench evict", description=__doc__.split("\n\n")[0])
     ap.add_argument("--blocks", type=int, nargs="+", default=[10_000, 1_000_000])
     ap.add_argument("--rounds", type=int, default=200, help="single-block evictions timed per size")
     ap.add_argument("--legacy", action="store_true", help="measure a kvstore from before the split")

@@ -3,7 +3,7 @@ garbage collector holds the GIL, so the engine's thread waits for every one,
 whichever thread's allocations set it off (the writer's, mostly), and a full
 collection walks every object the tiers hold:
 
-    python -m kvstore.tools.gc_pauses --tokens 32768 --puts 12 --out OUT/gc.json
+    kvstore bench gc-pauses --tokens 32768 --puts 12 --out OUT/gc.json
 
 ``--puts`` prompts of their own (every block new), each stored through
 ``store_cache`` from an mlx-lm ``KVCache`` per layer (Llama-3-8B KV shape by
@@ -67,7 +67,7 @@ def run(tokens: int, puts: int, layers: int, heads: int, dim: int) -> dict:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(prog="kvstore bench gc-pauses", description=__doc__.split("\n\n")[0])
     ap.add_argument("--tokens", type=int, default=32768)
     ap.add_argument("--puts", type=int, default=12)
     ap.add_argument("--layers", type=int, default=32)
