@@ -1,4 +1,4 @@
-"""The LMDB tier (kvstore/tiers/lmdb.py): blocks' values and their records.
+"""The LMDB tier (kvstore/tiers/disk/lmdb.py): blocks' values and their records.
 
 - A transaction that outgrows the map is retried whole with a larger map.
 - Writes start each value's write-out at its place in data.mdb, and prefill
@@ -53,7 +53,7 @@ def test_a_transaction_that_outgrows_the_map_is_written_again_whole(ssd, monkeyp
 # -------------------------------------------------- write-out, prefill
 
 
-@pytest.mark.skipif(not __import__("kvstore.tiers.disk.residency").tiers.residency.can_start_writeback(),
+@pytest.mark.skipif(not __import__("kvstore.tiers.disk.residency").tiers.disk.residency.can_start_writeback(),
                     reason="sync_file_range is Linux-only")
 def test_each_block_starts_its_write_out_where_its_bytes_lie_in_the_file(ssd, monkeypatch):
     """The writer asks the kernel to write each value out as soon as it is in
@@ -81,7 +81,7 @@ def test_each_block_starts_its_write_out_where_its_bytes_lie_in_the_file(ssd, mo
     assert on_file == stored
 
 
-@pytest.mark.skipif(not __import__("kvstore.tiers.disk.residency").tiers.residency.can_start_writeback(),
+@pytest.mark.skipif(not __import__("kvstore.tiers.disk.residency").tiers.disk.residency.can_start_writeback(),
                     reason="Linux only")
 def test_the_pages_a_write_takes_are_prefilled_only_where_lmdb_appends(ssd, monkeypatch):
     """A store with no free pages gets its values past the last page in use:
@@ -117,7 +117,7 @@ def test_the_pages_a_write_takes_are_prefilled_only_where_lmdb_appends(ssd, monk
     assert_hit_is(s.fetch(M, q), q, len(q), **big)
 
 
-@pytest.mark.skipif(not __import__("kvstore.tiers.disk.residency").tiers.residency.can_start_writeback(),
+@pytest.mark.skipif(not __import__("kvstore.tiers.disk.residency").tiers.disk.residency.can_start_writeback(),
                     reason="Linux only")
 def test_a_value_appended_without_prefill_is_never_zeroed_by_the_next_ones_prefill(tmp_path):
     """Where free pages could hold a value, nothing is prefilled for it, yet

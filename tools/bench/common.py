@@ -125,7 +125,7 @@ def resident_fraction(path: Path) -> float:
 @contextlib.contextmanager
 def lmdb_readahead(enabled: bool):
     """Open LMDB environments with ``readahead=enabled`` (bench-only experiment:
-    kvstore/tiers/lmdb_env.py chooses its own flag)."""
+    kvstore/tiers/disk/lmdb_env.py chooses its own flag)."""
     import lmdb
 
     orig = lmdb.open

@@ -61,7 +61,7 @@ def _note_ram(p: dict) -> Optional[str]:
             f"`mx.array` copy takes {fp['stored_bytes'] // page:,} minor faults and runs at "
             f"{b['mx_array_copy']['gbps']:.2f} GB/s, numpy's copy (which madvises huge pages) at "
             f"{b['numpy_copy']['gbps']:.2f} GB/s. `fetch` makes the arrays and copies the blocks into them on every "
-            "core (`kvstore/spread.py`), which puts fp16 "
+            "core (`kvstore/convert/spread.py`), which puts fp16 "
             f"fetch at {fp['ratio']['ram_vs_mx_array_copy']:.2f}x one `mx.array` copy of the same bytes.")
 
 
@@ -72,7 +72,7 @@ def _note_ssd_cached(p: dict) -> Optional[str]:
     proto = fp["ssd_page_cached"]["median_s"] / fp["ssd_page_cached_numpy_assemble"]["median_s"]
     return ("**SSD page-cached fetch copies each stored byte once**: blocks are read straight from LMDB's mapped "
             "pages into the final per-layer arrays, blocks side by side on every core, each block's checksum taken "
-            "as its arrays are copied (`kvstore/gather.py`). The numpy-assemble prototype it grew from (timed in "
+            "as its arrays are copied (`kvstore/convert/gather.py`). The numpy-assemble prototype it grew from (timed in "
             f"the same run) runs at {proto:.2f}x of `fetch`'s speed.")
 
 
