@@ -205,7 +205,7 @@ class BlockTable(DiskSide, AdmitSide):
             if node is None or node.job is not job:
                 return False
             kept = self._admit(node, r.block)
-            wait = not ram_only and not self.admit_to_disk(node, job)
+            wait = not ram_only and not self._admit_to_disk(node, job)
             if ram_only or wait:
                 if not kept:
                     self._forget(node)

@@ -51,7 +51,7 @@ class AdmitSide:
             out, self._admissions = self._admissions, []
             return [n.ref() for n in out]
 
-    def admit_to_disk(self, node: Node, job) -> bool:
+    def _admit_to_disk(self, node: Node, job) -> bool:
         """Under the lock, while ``job`` admits ``node`` to RAM: whether it goes
         to disk now (reused, and its parent on disk or written before it by
         ``job``); else it waits in RAM for ``claim``."""
