@@ -240,15 +240,15 @@ def gguf_fingerprint(path: Union[str, os.PathLike], model: Optional[nn.Module] =
     loaded in fp32 gives other KV than in fp16)."""
     from mlx.utils import tree_flatten
 
-    from .mlx_lm import _field, layout_signature
+    from .fingerprints import hash_field, layout_signature
 
     h = xxhash.xxh3_128()
-    _field(h, "kvstore-gguf-v2", file_digests([path])[0])
+    hash_field(h, "kvstore-gguf-v2", file_digests([path])[0])
     if model is not None:
-        _field(h, "layout", layout_signature(model).encode())
+        hash_field(h, "layout", layout_signature(model).encode())
         dtypes = sorted({str(v.dtype) for _, v in tree_flatten(model.parameters())})
-        _field(h, "dtypes", ",".join(dtypes).encode())
-    _field(h, "extra", extra.encode("utf-8"))
+        hash_field(h, "dtypes", ",".join(dtypes).encode())
+    hash_field(h, "extra", extra.encode("utf-8"))
     return h.hexdigest()
 
 

@@ -39,7 +39,8 @@ from .gguf import TRAINED, is_gguf, load_model, resolve_model
 from .loading import ModelLoadError
 from .inserts import Inserts
 from .metrics import with_metrics
-from .mlx_lm import ADAPTER_FILES, adapter_fingerprint, cache_offset, layers_to_caches, snapshot
+from .fingerprints import ADAPTER_FILES, adapter_fingerprint
+from .mlx_lm import cache_offset, layers_to_caches, snapshot
 
 log = logging.getLogger("kvstore")
 
