@@ -89,7 +89,7 @@ def generate(
     from .generate import Generation, stream_generate
     from .gguf import load_model
     from .loading import ModelLoadError
-    from .server import parse_kv_bits
+    from .server_args import parse_kv_bits
 
     try:
         bits = parse_kv_bits(store_kv_bits)
@@ -151,7 +151,8 @@ def serve(ctx: typer.Context):
 
     Example: [bold]kvstore serve --model ./my-model --ssd-path ~/.cache/kvstore/store --store-kv-bits 8 --port 8080[/bold]
     """
-    from .server import serve as run_server, usage
+    from .server import serve as run_server
+    from .server_args import usage
 
     if "--help" in ctx.args or "-h" in ctx.args:
         out.print(serve.__doc__)
@@ -173,11 +174,11 @@ def run_engine(ctx: typer.Context):
     Example: [bold]kvstore run --ssd-path ~/.cache/kvstore/store -- mlx-openai-server launch --model-path ./my-model[/bold]
     """
     from .run import exec_engine, parse_run_args
-    from .server import _parser
+    from .server_args import store_parser
 
     if ctx.args[:1] in (["--help"], ["-h"]):
         out.print(run_engine.__doc__)
-        print(_parser("kvstore run", "kvstore run [store options] -- COMMAND ...").format_help())
+        print(store_parser("kvstore run", "kvstore run [store options] -- COMMAND ...").format_help())
         raise typer.Exit()
     exec_engine(*parse_run_args(ctx.args))
 
@@ -206,7 +207,7 @@ def vllm_mlx_serve(ctx: typer.Context):
     if "--help" in ctx.args or "-h" in ctx.args:
         out.print(vllm_mlx_serve.__doc__)
         raise typer.Exit(0)
-    from .vllm_mlx import serve as run_server
+    from .vllm_mlx_serve import serve as run_server
 
     run_server(ctx.args)
 
