@@ -79,16 +79,10 @@ def generate(
 
     Example: [bold]kvstore generate --model smollm2 --prompt "What is a KV cache?" --max-tokens 64[/bold]
     """
-    import mlx.core as mx
-    from mlx_lm.sample_utils import make_sampler
-
     from kvstore import PrefixStore
     from kvstore.config import store_config
     from kvstore.errors import ConfigError
 
-    from .generate import Generation, stream_generate
-    from .gguf import load_model
-    from .loading import ModelLoadError
     from .server_args import parse_kv_bits
 
     try:
@@ -102,6 +96,13 @@ def generate(
     except ConfigError as e:
         err.print(f"[red]error:[/red] {e}")
         raise typer.Exit(2)
+    import mlx.core as mx  # (the engine's imports take seconds: after the options are known good)
+    from mlx_lm.sample_utils import make_sampler
+
+    from .generate import Generation, stream_generate
+    from .gguf import load_model
+    from .loading import ModelLoadError
+
     text = sys.stdin.read() if prompt == "-" else prompt
     try:
         mlx_model, tokenizer, path = load_model(model)

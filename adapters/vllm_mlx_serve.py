@@ -10,10 +10,7 @@ from typing import Sequence
 from kvstore import PrefixStore
 from kvstore.config import store_config
 
-from .internals import unsupported
 from .server_args import parse_kv_bits
-from .vllm_mlx import TESTED, VllmMlxUnsupported, check_vllm_mlx, install
-from . import vllm_usage
 
 __all__ = ["parse_serve_args", "serve"]
 
@@ -87,6 +84,10 @@ def _report_cached_tokens() -> None:
     """vllm-mlx's app reports the store's hits in usage (``vllm_usage``)."""
     import vllm_mlx.server as vserver
 
+    from . import vllm_usage
+    from .internals import unsupported
+    from .vllm_mlx import TESTED, VllmMlxUnsupported
+
     app = getattr(vserver, "app", None)
     if not callable(getattr(app, "add_middleware", None)):
         raise unsupported(VllmMlxUnsupported, "vllm-mlx", "vllm-mlx", TESTED)("no vllm_mlx.server.app to add middleware to")
@@ -101,7 +102,9 @@ def serve(argv: Sequence[str]) -> None:
     import sys
 
     store_args, rest = parse_serve_args(argv)
-    config = store_config(**store_args)  # a bad store option is an error now
+    config = store_config(**store_args)  # a bad store option is an error now, before the engine's imports
+    from .vllm_mlx import check_vllm_mlx, install
+
     check_vllm_mlx()  # before anything starts: an unsupported version exits here
     import vllm_mlx.cli as vcli
 

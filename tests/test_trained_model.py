@@ -78,7 +78,7 @@ def test_fidelity_short_cpu_case(smollm2, tmp_path):
     texts = fidelity.default_texts()[:1]  # Python's LICENSE.txt (numpy's where the interpreter ships none)
     assert texts
     res = fidelity.run("smollm2", texts, prefix=64, cont=16, settings=["dense", "q8", "q4", "q4 rotK", "q4 rotK+rotV"],
-                       greedy=0, tmp=str(tmp_path), log=lambda m: None)
+                       greedy=0, tmp=str(tmp_path), log=lambda m: None, loaded=smollm2)
     rows = res["rows"]
     assert res["continuation_tokens"] == 16
     dense, q8, q4, q4r = rows["dense"], rows["q8"], rows["q4"], rows["q4 rotK"]
