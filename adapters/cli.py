@@ -79,17 +79,11 @@ def generate(
 
     Example: [bold]kvstore generate --model smollm2 --prompt "What is a KV cache?" --max-tokens 64[/bold]
     """
-    import mlx.core as mx
-    from mlx_lm.sample_utils import make_sampler
-
     from kvstore import PrefixStore
     from kvstore.config import store_config
     from kvstore.errors import ConfigError
 
-    from .generate import Generation, stream_generate
-    from .gguf import load_model
-    from .loading import ModelLoadError
-    from .server import parse_kv_bits
+    from .server_args import parse_kv_bits
 
     try:
         bits = parse_kv_bits(store_kv_bits)
@@ -102,6 +96,13 @@ def generate(
     except ConfigError as e:
         err.print(f"[red]error:[/red] {e}")
         raise typer.Exit(2)
+    import mlx.core as mx  # (the engine's imports take seconds: after the options are known good)
+    from mlx_lm.sample_utils import make_sampler
+
+    from .generate import Generation, stream_generate
+    from .gguf import load_model
+    from .loading import ModelLoadError
+
     text = sys.stdin.read() if prompt == "-" else prompt
     try:
         mlx_model, tokenizer, path = load_model(model)
@@ -155,7 +156,8 @@ def serve(ctx: typer.Context):
 
     Example: [bold]kvstore serve --model ./my-model --ssd-path ~/.cache/kvstore/store --store-kv-bits 8 --port 8080[/bold]
     """
-    from .server import serve as run_server, usage
+    from .server import serve as run_server
+    from .server_args import usage
 
     if "--help" in ctx.args or "-h" in ctx.args:
         out.print(serve.__doc__)
@@ -177,11 +179,11 @@ def run_engine(ctx: typer.Context):
     Example: [bold]kvstore run --ssd-path ~/.cache/kvstore/store -- mlx-openai-server launch --model-path ./my-model[/bold]
     """
     from .run import exec_engine, parse_run_args
-    from .server import _parser
+    from .server_args import store_parser
 
     if ctx.args[:1] in (["--help"], ["-h"]):
         out.print(run_engine.__doc__)
-        print(_parser("kvstore run", "kvstore run [store options] -- COMMAND ...").format_help())
+        print(store_parser("kvstore run", "kvstore run [store options] -- COMMAND ...").format_help())
         raise typer.Exit()
     exec_engine(*parse_run_args(ctx.args))
 
@@ -210,7 +212,7 @@ def vllm_mlx_serve(ctx: typer.Context):
     if "--help" in ctx.args or "-h" in ctx.args:
         out.print(vllm_mlx_serve.__doc__)
         raise typer.Exit(0)
-    from .vllm_mlx import serve as run_server
+    from .vllm_mlx_serve import serve as run_server
 
     run_server(ctx.args)
 

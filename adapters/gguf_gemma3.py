@@ -38,18 +38,9 @@ from typing import Union
 import mlx.core as mx
 import numpy as np
 
-from .gguf import rename_tensor
+from .gguf_names import GEMMA3_LAYER_NAMES, rename_tensor
 
 __all__ = ["load_gemma3", "GEMMA_CHAT_TEMPLATE"]
-
-_LAYER_NAMES = {
-    "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
-    "attn_output": "self_attn.o_proj", "attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm",
-    "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj",
-    "attn_norm": "input_layernorm", "post_attention_norm": "post_attention_layernorm",
-    "ffn_norm": "pre_feedforward_layernorm", "post_ffw_norm": "post_feedforward_layernorm",
-}
-_TOP_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
 
 # Gemma's turn format (a system message opens the first user turn, as Gemma 3's own template does)
 GEMMA_CHAT_TEMPLATE = (
@@ -108,7 +99,7 @@ def _weights(reader, dtype: mx.Dtype) -> dict[str, mx.array]:
     out = {}
     for t in reader.tensors:
         w = dequantize(t.data, t.tensor_type).reshape([int(n) for n in reversed(t.shape)])  # ggml lists dims inner-first
-        name = rename_tensor(t.name, _LAYER_NAMES, _TOP_NAMES, "gemma3_text")
+        name = rename_tensor(t.name, GEMMA3_LAYER_NAMES, "gemma3_text")
         if name.endswith("norm.weight"):
             w = w - np.float32(1.0)
         out[name] = mx.array(w).astype(dtype)

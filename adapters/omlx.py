@@ -41,7 +41,7 @@ from kvstore import PrefixStore
 from kvstore.errors import ConfigError, KVStoreError
 
 from .internals import Handle, scheduler_module, signature_mismatch, unsupported
-from .vllm_mlx import StorePrefixCache
+from .vllm_mlx_cache import StorePrefixCache
 
 __all__ = ["StoreBlockCache", "install", "attach", "check_omlx", "OmlxUnsupported", "TESTED"]
 

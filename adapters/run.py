@@ -76,9 +76,9 @@ def parse_run_args(argv: Sequence[str]) -> tuple[dict, list[str]]:
 
     from kvstore.config import store_config
 
-    from .server import _parser, parse_args
+    from .server_args import parse_args, store_parser
 
-    parser = _parser("kvstore run", "kvstore run [store options] -- COMMAND ...")
+    parser = store_parser("kvstore run", "kvstore run [store options] -- COMMAND ...")
     parser.add_argument("command", nargs=argparse.REMAINDER)
     argv = list(argv)
     command = parser.parse_args(argv).command  # an unknown option before the command exits here

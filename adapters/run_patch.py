@@ -72,8 +72,9 @@ from kvstore.config import store_config
 from kvstore.blocks.hashing import as_tokens
 
 from .calibration import calibrate_once
+from .fingerprints import layout_signature
 from .generate import fetch_cache, model_key, needs_snapshots, prefill, store_cache
-from .mlx_lm import cache_offset, layout_signature
+from .mlx_lm import cache_offset
 
 log = logging.getLogger("kvstore.run")
 

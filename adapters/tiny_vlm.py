@@ -25,7 +25,8 @@ from typing import Any
 
 import numpy as np
 
-from .tiny_models import CHAT_TEMPLATE, make_tiny_model
+from .tiny_models import make_tiny_model
+from .tiny_tokenizer import CHAT_TEMPLATE
 
 __all__ = ["make_tiny_vlm", "IMAGE_TOKENS", "PATCH_PIXELS"]
 

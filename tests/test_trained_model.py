@@ -78,7 +78,7 @@ def test_fidelity_short_cpu_case(smollm2, tmp_path):
     texts = fidelity.default_texts()[:1]  # Python's LICENSE.txt (numpy's where the interpreter ships none)
     assert texts
     res = fidelity.run("smollm2", texts, prefix=64, cont=16, settings=["dense", "q8", "q4", "q4 rotK", "q4 rotK+rotV"],
-                       greedy=0, tmp=str(tmp_path), log=lambda m: None)
+                       greedy=0, tmp=str(tmp_path), log=lambda m: None, loaded=smollm2)
     rows = res["rows"]
     assert res["continuation_tokens"] == 16
     dense, q8, q4, q4r = rows["dense"], rows["q8"], rows["q4"], rows["q4 rotK"]
@@ -111,7 +111,7 @@ def test_fidelity_texts_travel_as_json_with_their_names(tmp_path):
 def test_serve_reads_gguf_files_and_trained_model_names(tmp_path):
     """``kvstore serve --model`` takes a GGUF file or 'smollm2' / 'gemma3' (read by load_gguf); a model
     folder or hub name still goes to mlx-lm's own ``load``."""
-    from kvstore.adapters import server
+    from kvstore.adapters import server, server_cache
 
     calls = []
 
@@ -122,14 +122,14 @@ def test_serve_reads_gguf_files_and_trained_model_names(tmp_path):
     load = server._load_gguf_too(mlx_load)
     assert server._load_gguf_too(load) is load  # wrapped once, however often the server starts
     assert load("some-org/some-model", return_config=True) == ("model", "tokenizer", {"x": 1})
-    assert calls == ["some-org/some-model"] and server._folder("some-org/some-model") is None
+    assert calls == ["some-org/some-model"] and server_cache._folder("some-org/some-model") is None
     folder = tmp_path / "m"
     folder.mkdir()
     (folder / "config.json").write_text("{}")
-    assert server._folder(str(folder)) == folder
+    assert server_cache._folder(str(folder)) == folder
     p = tmp_path / "x.gguf"
     p.write_bytes(b"GGUF" + bytes(64))
-    assert server._folder(str(p)) == p
+    assert server_cache._folder(str(p)) == p
     with pytest.raises(ValueError):  # a GGUF file goes to load_gguf, which reads its header
         load(str(p))
     assert calls == ["some-org/some-model"]
@@ -137,7 +137,7 @@ def test_serve_reads_gguf_files_and_trained_model_names(tmp_path):
 
 @needs_smollm2
 def test_serve_loads_smollm2_by_name():
-    from kvstore.adapters import server
+    from kvstore.adapters import server, server_cache
 
     model, tok, config = server._load_gguf_too(None)("smollm2", return_config=True)
-    assert config == {} and model.args.num_hidden_layers == 30 and server._folder("smollm2") == smollm2_path()
+    assert config == {} and model.args.num_hidden_layers == 30 and server_cache._folder("smollm2") == smollm2_path()

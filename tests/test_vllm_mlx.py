@@ -29,6 +29,7 @@ import vllm_mlx.scheduler as vllm_scheduler  # noqa: E402
 
 from kvstore import PrefixStore  # noqa: E402
 from kvstore.adapters import vllm_mlx as V  # noqa: E402
+from kvstore.adapters import vllm_mlx_serve  # noqa: E402
 from kvstore.adapters.tiny_models import make_tiny_model  # noqa: E402
 from kvstore.errors import ConfigError  # noqa: E402
 from kvstore.tools.bench.vllm_mlx_ttft import Server  # noqa: E402
@@ -312,13 +313,13 @@ def test_attach_refuses_an_engine_without_the_memory_aware_cache(models):
                                     "--cache-memory-mb", "--disable-prefix-cache"])
 def test_serve_refuses_vllm_mlx_own_cache_options(option, capsys):
     with pytest.raises(SystemExit) as exit_:
-        V.parse_serve_args(["model", option])
+        vllm_mlx_serve.parse_serve_args(["model", option])
     assert exit_.value.code == 2
     assert option.split("=")[0] in capsys.readouterr().err
 
 
 def test_serve_maps_the_store_options_and_adds_continuous_batching():
-    store_args, rest = V.parse_serve_args(["./m", "--ssd-path", "/s", "--kv-bits", "8,4", "--budget-gb", "2",
+    store_args, rest = vllm_mlx_serve.parse_serve_args(["./m", "--ssd-path", "/s", "--kv-bits", "8,4", "--budget-gb", "2",
                                            "--port", "8001"])
     assert store_args["ssd_path"] == "/s" and store_args["kv_bits"] == (8, 4) and store_args["budget_gb"] == 2
     assert rest == ["./m", "--port", "8001", "--continuous-batching"]

@@ -209,8 +209,9 @@ def _prefill(model, tokens: Sequence[int], step: int = 512) -> list:
 
 def run(model_spec: str = "smollm2", texts: Optional[list[Text]] = None, prefix: int = 1536, cont: int = 512,
         settings: Optional[Sequence[str]] = None, greedy: int = 32, tmp: Optional[str] = None,
-        log=print) -> dict:
-    """Measure every setting on every text; see the module docstring."""
+        log=print, loaded: Optional[tuple] = None) -> dict:
+    """Measure every setting on every text; see the module docstring. ``loaded``: ``load_model(model_spec)``'s
+    ``(model, tokenizer, path)`` when the caller has it already."""
     from kvstore import PrefixStore
     from kvstore.adapters.generate import model_key
     from kvstore.adapters.gguf import load_model
@@ -222,7 +223,7 @@ def run(model_spec: str = "smollm2", texts: Optional[list[Text]] = None, prefix:
         raise ValueError(f"unknown settings {unknown}; known: {list(SETTINGS)}")
     texts = default_texts() if texts is None else texts
     t0 = time.perf_counter()
-    model, tok, path = load_model(model_spec)
+    model, tok, path = loaded or load_model(model_spec)
     key = model_key(model, path)
     need = prefix + cont + 1
     used, skipped = [], []

@@ -33,10 +33,10 @@ _.writeable       # numpy: arr.flags.writeable = False freezes checked bytes
 _.pre_tokenizer, _.normalizer, _.post_processor  # tokenizers: a Tokenizer's pipeline, set by assignment
 _._idx            # mlx-lm: RotatingKVCache's write position, set when the adapter builds one
 
-# --- mlx-lm's LRUPromptCache interface (adapters/server.py; mlx_lm.server calls these)
+# --- mlx-lm's LRUPromptCache interface (adapters/server_cache.py; mlx_lm.server calls these)
 _.trim_to, _.n_sequences, _.stats_by_type, _.cache_type
 
-# --- vllm-mlx's MemoryAwarePrefixCache / trie interface (adapters/vllm_mlx.py; vllm-mlx's scheduler and
+# --- vllm-mlx's MemoryAwarePrefixCache / trie interface (adapters/vllm_mlx_cache.py; vllm-mlx's scheduler and
 #     SimpleEngine call or read these; check_vllm_mlx() checks they are the ones vllm-mlx uses)
 _._last_matched_key, _._last_match_type, _.evict_prefixes, _.include_ssd, _._entries, _._current_memory
 _.memory_usage_mb, _.save_to_disk, _.load_from_disk, _.cache_dir, _.set_ssd_tier, _.check_ssd
