@@ -43,7 +43,7 @@ from .blocks.codec import Codec
 from .blocks.hashing import KeyChain, as_tokens, root_key
 from .blocks.layers import Layer
 from .config import DEFAULT_BLOCK, StoreConfig, gib, init_signature, store_config
-from .convert.queued import rows_of_queued
+from .convert.queued import joined, rows_of_queued
 from .cost.model import CostModel
 from .cost.planner import Planner
 from .counters import Counters
@@ -172,23 +172,29 @@ class PrefixStore:
                 match = find(self._table, self._disk, self._reader.tokens_of, root, chain, n)
         blocks = self._table.plan_fetch(match.path, match.matched, skip=found.blocks.keys())
         pinned, length, jobs = blocks.path, blocks.length, blocks.jobs
+        tail = None  # rows [cut, length) taken from a put the writer has not stored yet: no wait for it
         try:
             if jobs and self._from_queued and quantized is None and not found.blocks:
                 with self._engine.engine():
-                    queued = rows_of_queued(jobs, toks, length, self.codec)
-                if queued is not None:  # the put still holds the rows: no wait for the writer
-                    return self._queued_hit(len(toks), length, queued)
-            if jobs:
+                    tail = rows_of_queued(jobs, toks, blocks.queued_from, length, self.codec)
+                if tail is not None and blocks.queued_from == 0:
+                    return self._queued_hit(len(toks), length, tail)
+            cut = length if tail is None else blocks.queued_from
+            if jobs and tail is None:
                 waited = time.perf_counter()
                 for job in jobs:
                     job.done.wait()
                 self._counters.count("fetch_waited_us", int((time.perf_counter() - waited) * 1e6))
             with self._engine.engine():  # (not around the wait above: the writer would wait for it)
-                plan = self._planner.plan(root, len(toks), pinned, length, found.blocks)
+                plan = self._planner.plan(root, len(toks), [p for p in pinned if p.start < cut], cut, found.blocks)
                 path = [p for p in pinned if p.start < plan.length]
                 t0 = time.perf_counter()
                 got = self._reader.read(path, toks, plan.length, quantized, plan.cold, found.blocks, found.fill)
                 t_load = time.perf_counter() - t0
+                if tail is not None and got.length == cut:  # the stored rows as stored, then the put's
+                    got = replace(got, layers=joined(got.layers, tail), length=length)
+                else:
+                    tail = None
         finally:
             self._table.release(blocks)
             for job in copies:
@@ -205,10 +211,12 @@ class PrefixStore:
             self._admit_reused()
         remote_tokens = sum(min(p.end, length) - p.start for p, _ in served if p.key in found.blocks)
         ram_tokens = sum(min(p.end, length) - p.start for p, r in served if r and p.key not in found.blocks)
+        ram_tokens += 0 if tail is None else length - cut  # (a queued put's rows count as RAM's)
         hit = Hit(length, layers, ram_tokens=ram_tokens, ssd_tokens=length - ram_tokens - remote_tokens,
                   skipped_tokens=plan.skipped, skip_reason=plan.reason,
                   predicted_s=plan.load_s if length == plan.length else 0.0, remote_tokens=remote_tokens)
-        hit.source_bytes = self._planner.observe(path, got.nbytes, from_ram, length, plan, t_load)
+        hit.source_bytes = self._planner.observe(path, got.nbytes, from_ram, min(length, cut), plan, t_load)
+        self._counters.count("tokens_queued", 0 if tail is None else length - cut)
         self._counters.count("hits")
         self._counters.count("tokens_ram", hit.ram_tokens)
         self._counters.count("tokens_ssd", hit.ssd_tokens)

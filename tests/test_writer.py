@@ -119,6 +119,32 @@ def test_a_quantized_stores_fetch_of_a_queued_put_gives_what_its_stored_blocks_g
                for x, y in ((e.keys, t.keys), (e.values, t.values)))
 
 
+def test_a_fetch_of_stored_blocks_then_a_queued_puts_reads_the_stored_ones_as_stored(ssd, monkeypatch):
+    """Where a prompt's first blocks are stored already (here dense, by an
+    earlier open) and the rest is still queued, the stored blocks are read as
+    they are and only the queued put's own rows go through the codec: the
+    same hit as once everything is stored."""
+    a = toks(2 * BS)
+    s = ssd()
+    put(s, a)
+    s.close()
+    gate = _writer_held(monkeypatch)
+    s = ssd(kv_bits=4, kv_group_size=32)
+    b = list(a) + list(toks(BS + 3, start=900))
+    put(s, b)
+    early = s.fetch(M, b + [1])
+    st = s.stats()
+    assert (early.length, st["tokens_queued"], st["fetch_waited_us"]) == (len(b), BS + 3, 0)
+    for layer, ref in zip(early.layers, kv_layers(a)):  # the stored dense rows, exact
+        assert np.array_equal(bits_of(layer.keys[..., : 2 * BS, :]), bits_of(ref.keys))
+    gate.set()
+    s.flush()
+    stored = s.fetch(M, b + [1])
+    assert stored.length == len(b)
+    assert all(np.array_equal(bits_of(x), bits_of(y)) for e, t in zip(early.layers, stored.layers)
+               for x, y in ((e.keys, t.keys), (e.values, t.values)))
+
+
 def test_a_fetch_that_cannot_use_a_queued_put_waits_for_it_and_counts_the_wait(ssd, monkeypatch):
     """Where the put's rows cannot be handed over as they are (here: under
     ``ssd_admit="reuse"``, which must see the blocks stored to count the

@@ -18,11 +18,12 @@ class FetchPlan:
     """A fetch's blocks, pinned until ``BlockTable.release``: the path up to
     the servable ``length`` (each block as its ref says where it was) and the
     jobs still storing blocks of it that are in no tier yet (the fetch waits
-    for them, or takes their rows: ``queued``)."""
+    for them, or takes their rows from ``queued_from`` on: ``queued``)."""
 
     path: list[BlockRef]
     length: int
     jobs: list
+    queued_from: int = 0  # where the first block a job still holds (in no tier yet) starts; ``length`` if none
 
 
 @dataclass

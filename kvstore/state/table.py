@@ -259,9 +259,9 @@ class BlockTable(DiskSide, AdmitSide):
         with self._lock:
             nodes = self._nodes(refs)
             RadixIndex.pin(nodes)
-            jobs = list({id(p.job): p.job for p in nodes
-                         if p.job is not None and not p.in_ram and p.key not in skip}.values())
-        return FetchPlan(refs, length, jobs)
+            held = [p for p in nodes if p.job is not None and not p.in_ram and p.key not in skip]
+        jobs = list({id(p.job): p.job for p in held}.values())
+        return FetchPlan(refs, length, jobs, min((p.start for p in held), default=length))
 
     def release(self, plan: FetchPlan) -> None:
         """Unpin a fetch's blocks; blocks promoted while pinned may have left RAM over budget."""
