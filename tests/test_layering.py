@@ -13,6 +13,7 @@ import pytest
 import kvstore
 
 CORE = pathlib.Path(kvstore.__file__).parent
+ADAPTERS = pathlib.Path(__file__).resolve().parents[1] / "adapters"  # the repository's: the tests run from it
 
 
 def _imports(path: pathlib.Path) -> set[str]:
@@ -169,9 +170,39 @@ def test_no_import_cycle_in_the_core():
             visit(m)
 
 
-def test_no_core_module_over_the_line_limit():
-    long = {m: n for m, p in _core_modules().items() if (n := len(p.read_text().splitlines())) > MAX_LINES}
+def test_no_module_of_the_core_or_the_adapters_over_the_line_limit():
+    files = list(_core_modules().values()) + sorted(ADAPTERS.rglob("*.py"))
+    long = {str(p.relative_to(CORE.parent)): n for p in files if (n := len(p.read_text().splitlines())) > MAX_LINES}
     assert not long, f"over {MAX_LINES} lines (split by job): {long}"
+
+
+def _adapter_imports(path: pathlib.Path, names: set[str]) -> set[str]:
+    """The adapters modules ``path`` imports (relatively or as ``kvstore.adapters.X``), anywhere in it."""
+    out = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom):
+            mod = node.module or ""
+            if node.level == 1 or mod.startswith("kvstore.adapters"):
+                mod = mod.removeprefix("kvstore.adapters").lstrip(".")
+                out |= {a.name for a in node.names if not mod and a.name in names}
+                out |= {mod.split(".")[0]} if mod else set()
+    return (out & names) - {path.stem}
+
+
+def test_no_import_cycle_in_the_adapters():
+    files = {p.stem: p for p in ADAPTERS.glob("*.py")}
+    graph = {m: _adapter_imports(p, set(files)) for m, p in files.items()}
+    done: set[str] = set()
+
+    def visit(m, stack):
+        for d in sorted(graph[m]):
+            assert d not in stack, "import cycle: " + " -> ".join(stack[stack.index(d):] + [d])
+            if d not in done:
+                visit(d, stack + [d])
+        done.add(m)
+
+    for m in sorted(graph):
+        visit(m, [m])
 
 
 def test_node_never_leaves_the_state_package():
