@@ -270,6 +270,14 @@ def fp16_nbytes(layers) -> int:
     return sum(l.nbytes for l in layers)
 
 
+def restore_workload(cfg: dict):
+    """The restore part's prompt (seed 10): its settings, fp16 layers, tokens and their bytes."""
+    c = cfg["restore"]
+    rng = np.random.default_rng(10)
+    layers = kv_layers(rng, c["layers"], c["heads"], c["dim"], c["tokens"])
+    return c, layers, rand_tokens(rng, c["tokens"], 100_000), fp16_nbytes(layers)
+
+
 # ------------------------------------------------------------------ models
 
 _MODELS: dict[str, tuple] = {}

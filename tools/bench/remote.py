@@ -46,8 +46,8 @@ from typing import Any, Optional
 
 import numpy as np
 
-from .common import (MiB, cold_ttft, fp16_nbytes, kv_layers, load_tiny, log, machine, med, rand_tokens, run_tokens,
-                     splice, stat, timed)
+from .common import (MiB, cold_ttft, load_tiny, log, machine, med, rand_tokens, restore_workload, run_tokens, splice,
+                     stat, timed)
 from .replay import make_trace
 from .settings import SIZES
 
@@ -141,11 +141,7 @@ def bench_restore(cfg: dict, R: int, tmp: Path, server: Server) -> dict:
     from kvstore.tiers.remote.tier import RemoteTier
     from kvstore.blocks.wire import deserialize
 
-    c = cfg["restore"]
-    rng = np.random.default_rng(10)
-    layers = kv_layers(rng, c["layers"], c["heads"], c["dim"], c["tokens"])
-    toks = rand_tokens(rng, c["tokens"], 100_000)
-    out_bytes = fp16_nbytes(layers)
+    c, layers, toks, out_bytes = restore_workload(cfg)
     key = "remote-bench-restore"
     res: dict[str, Any] = {"shape": dict(c, block_size=256, dtype="float16"), "fp16_bytes": out_bytes, "entries": {}}
     log(f"restore: {c['layers']} layers x {c['heads']} heads x {c['dim']} dim x {c['tokens']} tokens "

@@ -15,9 +15,8 @@ from typing import Any, Optional
 import mlx.core as mx
 import numpy as np
 
-from .common import (MiB, drop_page_cache, fp16_nbytes, kv_layers, lmdb_readahead, lmdb_readahead_flag, log,
-                     memcpy_baselines, page_facts, plain_read, rand_tokens, read_ahead_kb, resident_fraction, stat, timed,
-                     write_file)
+from .common import (MiB, drop_page_cache, lmdb_readahead, lmdb_readahead_flag, log, memcpy_baselines, page_facts,
+                     plain_read, read_ahead_kb, resident_fraction, restore_workload, stat, timed, write_file)
 
 SHIPPED = "kvstore Quantized.dequantize, one core"
 COMPILED = "the same under mx.compile, one core"
@@ -134,11 +133,7 @@ def run(cfg: dict, R: int, tmp: Path) -> dict:
     from kvstore import PrefixStore
     from kvstore.tiers.disk.lmdb import LmdbTier
 
-    c = cfg["restore"]
-    rng = np.random.default_rng(10)
-    layers = kv_layers(rng, c["layers"], c["heads"], c["dim"], c["tokens"])
-    toks = rand_tokens(rng, c["tokens"], 100_000)
-    out_bytes = fp16_nbytes(layers)
+    c, layers, toks, out_bytes = restore_workload(cfg)
     key = "bench-restore"
     res: dict[str, Any] = {"shape": dict(c, block_size=BLOCK, group_size=GROUP, dtype="float16"), "fp16_bytes": out_bytes, "entries": {},
                            "lmdb_readahead": lmdb_readahead_flag(tmp), "read_ahead_kb": read_ahead_kb(tmp),
