@@ -35,6 +35,8 @@ def demo(
     kv_bits: int = typer.Option(8, help="Bits of stored entries (0: keep fp16)."),
     ssd_admit: str = typer.Option("always", help="always: write every block to SSD; reuse: only blocks asked for "
                                                   "again (after the restart, only shared prefixes hit)."),
+    fetch_policy: str = typer.Option("auto", help="auto: serve a hit only as far as loading beats recomputing it "
+                                                   "(by the rates the store measures); always: every hit whole."),
 ):
     """The main job: a multi-user chat workload on the store, then again after a restart (hits from SSD).
 
@@ -46,7 +48,8 @@ def demo(
 
     try:
         run_demo(model, str(ssd_path) if ssd_path else None, users=users, turns=turns,
-                 max_tokens=max_tokens, kv_bits=kv_bits or None, console=out, ssd_admit=ssd_admit)
+                 max_tokens=max_tokens, kv_bits=kv_bits or None, console=out, ssd_admit=ssd_admit,
+                 fetch_policy=fetch_policy)
     except (DemoError, ConfigError) as e:
         err.print(f"[red]error:[/red] {e}")
         raise typer.Exit(2)

@@ -69,7 +69,7 @@ class DemoError(Exception):
 
 def run_demo(model_path: Optional[str] = None, ssd_path: Optional[str] = None, users: int = 3, turns: int = 2,
              max_tokens: int = 12, budget_gb: float = 1.0, kv_bits=8, block_size: int = 64,
-             console: Optional[Console] = None, ssd_admit: str = "always") -> list[dict]:
+             console: Optional[Console] = None, ssd_admit: str = "always", fetch_policy: str = "auto") -> list[dict]:
     """Run the workload twice (fresh store, then reopened). Returns one row per request.
 
     ``model_path``: an mlx-lm model folder, a GGUF file, ``"smollm2"`` (the
@@ -80,7 +80,7 @@ def run_demo(model_path: Optional[str] = None, ssd_path: Optional[str] = None, u
     from .gguf import load_model
 
     config = store_config(budget_gb=budget_gb, ssd_path=ssd_path, kv_bits=kv_bits, block_size=block_size,
-                          ssd_admit=ssd_admit)
+                          ssd_admit=ssd_admit, fetch_policy=fetch_policy)
     base = model_path == "gemma3"  # the package ships the base model
     console = console or Console()
     if model_path is None:
