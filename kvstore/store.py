@@ -186,12 +186,15 @@ class PrefixStore:
                     job.done.wait()
                 self._counters.count("fetch_waited_us", int((time.perf_counter() - waited) * 1e6))
             with self._engine.engine():  # (not around the wait above: the writer would wait for it)
-                plan = self._planner.plan(root, len(toks), [p for p in pinned if p.start < cut], cut, found.blocks)
-                path = [p for p in pinned if p.start < plan.length]
+                # a queued put's rows (from ``cut`` on) are in hand: the plan weighs them, at no cost, with the rest
+                plan = self._planner.plan(root, len(toks), pinned, length, found.blocks,
+                                          frozenset(p.key for p in pinned if p.start >= cut))
+                read_to = min(plan.length, cut)
+                path = [p for p in pinned if p.start < read_to]
                 t0 = time.perf_counter()
-                got = self._reader.read(path, toks, plan.length, quantized, plan.cold, found.blocks, found.fill)
+                got = self._reader.read(path, toks, read_to, quantized, plan.cold, found.blocks, found.fill)
                 t_load = time.perf_counter() - t0
-                if tail is not None and got.length == cut:  # the stored rows as stored, then the put's
+                if tail is not None and plan.length > cut and got.length == cut:  # stored rows as stored, the put's
                     got = replace(got, layers=joined(got.layers, tail), length=length)
                 else:
                     tail = None
@@ -225,10 +228,8 @@ class PrefixStore:
 
     def _queued_hit(self, n: int, length: int, layers: list) -> Hit:
         """A hit copied from a put the writer has not stored yet (``queued``)."""
-        self._counters.count("tokens_requested", n)
-        self._counters.count("hits")
-        self._counters.count("tokens_ram", length)
-        self._counters.count("tokens_queued", length)
+        for name, value in (("tokens_requested", n), ("hits", 1), ("tokens_ram", length), ("tokens_queued", length)):
+            self._counters.count(name, value)
         return Hit(length, layers, ram_tokens=length)
 
     def knows_prefill(self, model_key: Union[str, bytes]) -> bool:

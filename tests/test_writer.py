@@ -28,7 +28,7 @@ from kvstore.blocks.hashing import root_key
 from kvstore.blocks.layers import KVLayer
 from kvstore.store import PrefixStore
 
-from ._helpers import BS, M, assert_hit_is, bits_of, block_by_block, kv_layers, put, toks
+from ._helpers import BLOCK_BYTES, BS, M, assert_hit_is, bits_of, block_by_block, kv_layers, put, toks
 
 # ------------------------------------------------------------ the queue bound
 
@@ -143,6 +143,31 @@ def test_a_fetch_of_stored_blocks_then_a_queued_puts_reads_the_stored_ones_as_st
     assert stored.length == len(b)
     assert all(np.array_equal(bits_of(x), bits_of(y)) for e, t in zip(early.layers, stored.layers)
                for x, y in ((e.keys, t.keys), (e.values, t.values)))
+
+
+def test_the_cost_plan_weighs_a_queued_puts_rows_with_the_stored_prefix_before_them(ssd, monkeypatch):
+    """Under ``fetch_policy="auto"``, a stored block that alone would lose to
+    recomputing it (here: a slow disk against 1 ms a token) is still served
+    where a queued put's rows follow it: those are in hand already, and the
+    two together beat recomputing the prompt. (Planned alone, the stored
+    block was declined and the put's rows went with it: a miss.)"""
+    a = toks(BS)
+    s = ssd()
+    put(s, a)
+    s.close()
+    gate = _writer_held(monkeypatch)
+    slow = BLOCK_BYTES / (3 * BS * 1e-3) / 1e9  # GB/s at which the stored block loads in 3 tokens' prefill time
+    s = ssd(prior_ram_gbps=10.0, prior_ssd_cached_gbps=slow, prior_ssd_cold_gbps=slow, remember_rates=False)
+    for n in (BS, 4 * BS, 16 * BS, 64 * BS):
+        s.observe_prefill(M, 0, n, n * 1e-3)
+    assert s.fetch(M, list(a) + [1]).length == 0  # the stored block alone: declined
+    b = list(a) + list(toks(10 * BS, start=900))
+    put(s, b)
+    hit = s.fetch(M, b + [1])
+    st = s.stats()
+    assert (hit.length, st["tokens_queued"], st["fetch_waited_us"]) == (len(b), 10 * BS, 0)
+    assert_hit_is(hit, b, len(b))
+    gate.set()
 
 
 def test_a_fetch_that_cannot_use_a_queued_put_waits_for_it_and_counts_the_wait(ssd, monkeypatch):

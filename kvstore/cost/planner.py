@@ -32,28 +32,34 @@ class Planner:
         self.cfg = cfg
         self.cached_share = cfg.tuning.cached_share  # a disk block with this share of its pages cached reads as cached
 
-    def plan(self, root: bytes, n_prompt: int, path: list[BlockRef], servable: int, found: Mapping = {}) -> Plan:
+    def plan(self, root: bytes, n_prompt: int, path: list[BlockRef], servable: int, found: Mapping = {},
+             in_hand: frozenset = frozenset()) -> Plan:
         """How much of the servable prefix to load: per block its tier and, on
         disk, whether its pages are cached (``found``: blocks in hand, read
-        from the remote, that load as RAM does)."""
+        from the remote, that load as RAM does; ``in_hand``: keys of blocks
+        whose rows the fetch holds already, a queued put's, that cost nothing
+        more to serve)."""
         if not path:
             return Plan(servable, servable)
         view = self.table.plan_view(path, found)
+        on_disk = {k: v for k, v in view.on_disk.items() if k not in in_hand}
         resident: dict = {}
-        if view.on_disk and self.disk is not None:
+        if on_disk and self.disk is not None:
             try:
-                resident = self.disk.tier.resident(view.on_disk)
+                resident = self.disk.tier.resident(on_disk)
             except Exception:
                 resident = {}
-        states = ["ram" if r else "ssd_cached" if (resident.get(p.key) or 0) >= self.cached_share else "ssd_cold"
+        states = ["ram" if r or p.key in in_hand else
+                  "ssd_cached" if (resident.get(p.key) or 0) >= self.cached_share else "ssd_cold"
                   for p, r in zip(path, view.in_ram)]
+        sizes = [0 if p.key in in_hand else n for p, n in zip(path, view.sizes)]
         if self.cost.policy == "auto":
             self.assume(states)
         limit_to = (lambda n: self.table.servable([p for p in path if p.start < n], n)) if view.constrained else None
-        plan = self.cost.plan(root.hex(), n_prompt, [p.start for p in path], [p.end for p in path], view.sizes,
+        plan = self.cost.plan(root.hex(), n_prompt, [p.start for p in path], [p.end for p in path], sizes,
                               states, servable, limit_to)
         plan.states = dict(zip((p.key for p in path), states))
-        plan.unknown = frozenset(k for k in view.on_disk if resident.get(k) is None)  # planned as cold
+        plan.unknown = frozenset(k for k in on_disk if resident.get(k) is None)  # planned as cold
         return plan
 
     def observe(self, path: list[BlockRef], sizes: list[int], from_ram: list[bool], length: int, plan: Plan,
