@@ -43,7 +43,7 @@ from .blocks.codec import Codec
 from .blocks.hashing import KeyChain, as_tokens, root_key
 from .blocks.layers import Layer
 from .config import DEFAULT_BLOCK, StoreConfig, gib, init_signature, store_config
-from .convert.queued import joined, rows_of_queued
+from .convert.queued import joined, owned, rows_of_queued
 from .cost.model import CostModel
 from .cost.planner import Planner
 from .counters import Counters
@@ -177,8 +177,8 @@ class PrefixStore:
             if jobs and self._from_queued and quantized is None and not found.blocks:
                 with self._engine.engine():
                     tail = rows_of_queued(jobs, toks, blocks.queued_from, length, self.codec)
-                if tail is not None and blocks.queued_from == 0:
-                    return self._queued_hit(len(toks), length, tail)
+                    if tail is not None and blocks.queued_from == 0:
+                        return self._queued_hit(len(toks), length, owned(tail))
             cut = length if tail is None else blocks.queued_from
             if jobs and tail is None:
                 waited = time.perf_counter()

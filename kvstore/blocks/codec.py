@@ -11,7 +11,7 @@ import numpy as np
 
 from ..errors import ConfigError
 from .hashing import narrowest
-from .layers import KVLayer, Layer, Quantized, StateLayer, Tensor
+from .layers import KVLayer, Layer, Quantized, StateLayer, Tensor, tensor_arrays
 from .rotation import DEFAULT_SEED, rotatable, rotate
 
 if TYPE_CHECKING:
@@ -223,7 +223,7 @@ def layer_arrays(layer: Layer) -> list[mx.array]:
         return [a for a in layer.arrays if a is not None]
     out = []
     for t in (layer.keys, layer.values):
-        out.extend(t.arrays() if isinstance(t, Quantized) else [t])
+        out.extend(tensor_arrays(t))
     return out
 
 

@@ -106,6 +106,11 @@ def dequantize(data: mx.array, scales: mx.array, biases: mx.array, group_size: i
     return (m + biases[..., None].astype(f32)).astype(scales.dtype).reshape(*data.shape[:-1], -1)
 
 
+def tensor_arrays(t: Tensor) -> tuple[mx.array, ...]:
+    """A tensor's arrays: its own, or a quantized one's data, scales and biases."""
+    return t.arrays() if isinstance(t, Quantized) else (t,)
+
+
 def tensor_rows(t: Tensor) -> int:
     """Number of tokens (axis -2) a tensor holds."""
     return t.shape[-2]

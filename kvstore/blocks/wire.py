@@ -18,7 +18,7 @@ from .codec import Block, block_arrays
 from ..errors import BlockDecodeError
 from .header import (FORMAT_VERSION, MAGIC, NAME_OF, PREFIX, ArraySpec, Header, KVSpec, LayerSpec, StateSpec,
                      TensorSpec, aligned, check_key, interned, read_header)
-from .layers import KVLayer, Layer, Quantized, StateLayer, Tensor, tensor_rows
+from .layers import KVLayer, Layer, Quantized, StateLayer, Tensor, tensor_arrays, tensor_rows
 
 # --------------------------------------------------------------- serialization
 
@@ -47,7 +47,7 @@ class _Layout:
         return ArraySpec(NAME_OF[a.dtype], tuple(a.shape), off, a.nbytes)
 
     def tensor(self, t: Tensor) -> TensorSpec:
-        return self._spec(t, tuple(self.add(x) for x in (t.arrays() if isinstance(t, Quantized) else (t,))))
+        return self._spec(t, tuple(self.add(x) for x in tensor_arrays(t)))
 
     def layers(self, layers: list[Optional[Layer]], ntokens: int) -> tuple[LayerSpec, ...]:
         """Every layer's arrays placed. Where every layer is an attention layer
@@ -57,11 +57,9 @@ class _Layout:
         evenly spaced, and a hit lands each kind on the GPU with one strided
         copy per block (``kvstore.convert.rowcopy``). For dense layers this is the
         layer-by-layer order."""
-        tensors = [t for l in layers if isinstance(l, KVLayer) for t in (l.keys, l.values)]
-        arity = {len(t.arrays()) if isinstance(t, Quantized) else 1 for t in tensors}
-        if len(tensors) != 2 * len(layers) or len(arity) != 1:
+        parts = [tensor_arrays(t) for l in layers if isinstance(l, KVLayer) for t in (l.keys, l.values)]
+        if len(parts) != 2 * len(layers) or len({len(p) for p in parts}) != 1:
             return tuple(self.layer(l, ntokens) for l in layers)
-        parts = [t.arrays() if isinstance(t, Quantized) else (t,) for t in tensors]
         placed = list(zip(*[[self.add(a) for a in kind] for kind in zip(*parts)]))
         return tuple(KVSpec(self._spec(l.keys, placed[2 * i]), self._spec(l.values, placed[2 * i + 1]), l.window,
                             ntokens - tensor_rows(l.keys)) for i, l in enumerate(layers))

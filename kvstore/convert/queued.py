@@ -18,8 +18,8 @@ from typing import Optional, Sequence
 import mlx.core as mx
 import numpy as np
 
-from ..blocks.codec import Codec
-from ..blocks.layers import KVLayer, Layer, Quantized, Tensor, own, take_rows
+from ..blocks.codec import Codec, densify
+from ..blocks.layers import KVLayer, Layer, Quantized, own, take_rows
 
 
 def rows_of_queued(jobs: Sequence, tokens: np.ndarray, start: int, length: int, codec: Codec
@@ -29,7 +29,9 @@ def rows_of_queued(jobs: Sequence, tokens: np.ndarray, start: int, length: int, 
     with ``tokens[:length]`` and whose layers are plain attention held from
     row 0 (dense, not sliding windows, no state); None when no such put is
     still holding its arrays. (Rows before ``start`` are stored already,
-    maybe under other settings: those are read as stored.)"""
+    maybe under other settings: those are read as stored.) Not evaluated:
+    plain rows are views of the put's arrays until ``owned`` or ``joined``
+    copies them, once."""
     for job in jobs:
         layers = job.layers  # (read once: the writer empties it once the job is encoded)
         if not layers or job.found is not None or len(job.tokens) < length \
@@ -37,23 +39,24 @@ def rows_of_queued(jobs: Sequence, tokens: np.ndarray, start: int, length: int, 
             continue
         if all(isinstance(l, KVLayer) and l.start == 0 and l.window is None and l.stop >= length
                and not isinstance(l.keys, Quantized) and not isinstance(l.values, Quantized) for l in layers):
-            out: list[Layer] = [KVLayer(_served(codec.compress_keys(take_rows(l.keys, start, length))),
-                                        _served(codec.compress_values(take_rows(l.values, start, length))), start)
-                                for l in layers]
-            mx.eval([a for l in out for a in (l.keys, l.values)])
-            return out
+            return [KVLayer(densify(codec.compress_keys(take_rows(l.keys, start, length))),
+                            densify(codec.compress_values(take_rows(l.values, start, length))), start)
+                    for l in layers]
     return None
 
 
-def _served(t: Tensor):
-    """What a read hands a dense engine: quantized rows dequantized, plain rows copied (a view would keep the
-    engine's whole buffer alive and see its in-place writes)."""
-    return t.dequantize() if isinstance(t, Quantized) else own(t)
+def owned(rows: list[Layer]) -> list[Layer]:
+    """A queued put's rows as arrays of their own (a view would keep the engine's whole buffer alive and see its
+    in-place writes)."""
+    return _evaluated([KVLayer(own(l.keys), own(l.values)) for l in rows])
 
 
 def joined(head: list[Layer], tail: list[Layer]) -> list[Layer]:
     """Rows read from the store, then a queued put's rows after them, one array per layer and tensor."""
-    out: list[Layer] = [KVLayer(mx.concatenate([a.keys, b.keys], axis=2), mx.concatenate([a.values, b.values], axis=2))
-                        for a, b in zip(head, tail)]
-    mx.eval([x for l in out for x in (l.keys, l.values)])
-    return out
+    return _evaluated([KVLayer(mx.concatenate([a.keys, b.keys], axis=2), mx.concatenate([a.values, b.values], axis=2))
+                       for a, b in zip(head, tail)])
+
+
+def _evaluated(layers: list[Layer]) -> list[Layer]:
+    mx.eval([x for l in layers for x in (l.keys, l.values)])
+    return layers

@@ -168,23 +168,27 @@ def _land(items: Sequence, starts: Sequence[int], rows: int, nlines: int, lay: L
             rt.copy2d(base + region[c] + first * pitch[c] + row * line[c], pitch[c], src, spitch, spitch, count,
                       stream)
 
+        def runs(it) -> tuple[list[int], list[tuple[int, tuple[int, int, int]]]]:
+            """A block's bytes per line of each kind, and its runs of lines: ``(kind, run)``."""
+            width = [it.header.ntokens * b for b in line]
+            return width, [(c, r) for c in range(n) for r in _runs(it, c, n, width[c])]
+
         def queue(k: int, stream) -> None:
             it = items[k]
-            at, width = np.frombuffer(it.payload, np.uint8).ctypes.data, [it.header.ntokens * b for b in line]
-            for c in range(n):
-                for off, first, count in _runs(it, c, n, width[c]):
-                    send(c, at + off, width[c], first, count, starts[k], stream)
+            at = np.frombuffer(it.payload, np.uint8).ctypes.data
+            width, block = runs(it)
+            for c, (off, first, count) in block:
+                send(c, at + off, width[c], first, count, starts[k], stream)
 
         def stage(k: int) -> None:
             it = items[k]
-            width = [it.header.ntokens * b for b in line]
-            runs = [(c, r) for c in range(n) for r in _runs(it, c, n, width[c])]
-            if len(runs) > n and len(it.payload) <= cuda.STAGE:  # many small runs: the block staged once
+            width, block = runs(it)
+            if len(block) > n and len(it.payload) <= cuda.STAGE:  # many small runs: the block staged once
                 with cuda.staged(rt, it.payload) as (at, stream):
-                    for c, (off, first, count) in runs:
+                    for c, (off, first, count) in block:
                         send(c, at + off, width[c], first, count, starts[k], stream)
                 return
-            for c, (off, first, count) in runs:
+            for c, (off, first, count) in block:
                 w = width[c]
                 cuda.upload_lines(rt, it.payload[off : off + count * w], w,
                                   lambda at, f, m, stream, c=c, w=w, first=first: send(c, at, w, first + f, m,
