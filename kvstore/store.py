@@ -280,7 +280,7 @@ class PrefixStore:
                    pageable_past_cap_bytes=buffers.made[2])  # (this process's, on CUDA)
         if self._disk is not None:
             tier = self._disk.tier
-            out.update(ssd_bytes=tier.usage(), ssd_budget=tier.budget, ssd_blocks=self._table.disk_blocks,
+            out.update(ssd_bytes=tier.usage(), ssd_budget=tier.budget, ssd_blocks=self._table.disk.blocks,
                        ssd_path=str(tier.path))
         if self._remote is not None:
             out.update(self._remote.stats())
@@ -413,7 +413,7 @@ class PrefixStore:
 
     def _admit_reused(self) -> None:
         """Queue the disk writes of blocks asked for again (``ssd_admit="reuse"``)."""
-        leaves = self._table.take_admissions()
+        leaves = self._table.admissions.take()
         if leaves:
             self._writer.admit(leaves)
 

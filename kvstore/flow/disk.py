@@ -101,7 +101,7 @@ class Disk:
             over = self.tier.usage() - target
             if over <= 0:
                 break
-            victims = self.table.disk_victims(over)
+            victims = self.table.disk.victims(over)
             if not victims:
                 break
             deleted = set(self.tier.remove([v.key for v in victims]))
@@ -130,14 +130,14 @@ class Disk:
         them, RAM copies too, so the next put stores them again rather than
         keep them RAM-only."""
         self.cleared = cleared
-        keys = self.table.disk_keys()
+        keys = self.table.disk.keys()
         try:
             with self.tier.reader() as txn:
                 gone = {k for k in keys if self.tier.record(txn, k) is None}
         except Exception as e:
             self.failed("reading", e)
             return
-        dropped = self.table.disk_removed(gone)
+        dropped = self.table.disk.removed(gone)
         log.info("kvstore: %s was cleared or evicted by another process: %d blocks not written (their parent was "
                  "gone), %d blocks this process knew there forgotten", self.tier.path, parentless, dropped)
 
@@ -255,7 +255,7 @@ class Disk:
         if bad:
             log.warning("kvstore: %d blocks in %s have an unreadable index record and are ignored "
                         "(`kvstore verify --repair` removes them)", len(bad), self.tier.path)
-        self.table.adopt_all(by_parent, roots)
+        self.table.disk.adopt_all(by_parent, roots)
         self.orphans = sum(len(v) for v in by_parent.values())
         if self.orphans:
             log.info("kvstore: %d blocks in %s have no parent and are ignored (`kvstore verify --repair` "

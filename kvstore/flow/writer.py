@@ -162,7 +162,7 @@ class Writer:
         only (``ssd_admit="reuse"``): claimed when the writer gets to it, after
         the puts queued before, so their blocks are in RAM by then."""
         def run() -> None:
-            job = self.table.claim(leaves, lambda nodes, entries: Job(
+            job = self.table.admissions.claim(leaves, lambda nodes, entries: Job(
                 nodes, entries[nodes[0].key].record.root, np.zeros(0, np.int32), [],
                 sum(len(e.payload) for e in entries.values()), found=entries, held=0))
             if job is not None:

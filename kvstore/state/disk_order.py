@@ -3,8 +3,11 @@ only ones that may leave it), least recently used first.
 
 A heap kept lazily: every use pushes an entry, stale ones are skipped as
 they surface and dropped when they outnumber the live ones, so evicting one
-block costs O(log n) however many blocks the store holds. Owned by the
-``BlockTable`` and used under its lock.
+block costs O(log n) however many blocks the store holds. It also keeps
+what the heap reads (``Node.on_disk``, each parent's ``disk_kids``) and the
+count of blocks on disk, so they change only together (``mark``,
+``dropped``). Owned by the table's ``DiskSide`` and used under the table's
+lock.
 """
 
 from __future__ import annotations
@@ -20,7 +23,34 @@ class DiskOrder:
         self._index = index
         self._heap: list[tuple[float, int, Node]] = []  # (last use, tie-break, node)
         self._seq = itertools.count()
-        self.blocks = 0  # indexed blocks with a disk copy (kept by the table)
+        self.blocks = 0  # indexed blocks with a disk copy
+
+    def mark(self, node: Node, on_disk: bool) -> None:
+        """Set ``node.on_disk``, keeping the count, its parent's ``disk_kids`` and the heap."""
+        if node.on_disk == on_disk:
+            return
+        node.on_disk = on_disk
+        parent = node.parent
+        if on_disk:
+            self.blocks += 1
+            if parent is not None and not parent.is_root:
+                parent.disk_kids += 1
+            self.push(node)
+        else:
+            self.blocks -= 1
+            if parent is not None and not parent.is_root:
+                parent.disk_kids -= 1
+                self.push(parent)
+
+    def dropped(self, nodes: list[Node]) -> None:
+        """``nodes`` (a block, then its subtree: ``RadixIndex.remove``) left the
+        index: those on disk leave the count, and the block its parent's
+        ``disk_kids`` (a parent left with none on disk may leave the disk next)."""
+        self.blocks -= sum(d.on_disk for d in nodes)
+        top = nodes[0] if nodes else None
+        if top is not None and top.on_disk and top.parent is not None and not top.parent.is_root:
+            top.parent.disk_kids -= 1
+            self.push(top.parent)
 
     def push(self, node: Node) -> None:
         """``node``'s last use or its children changed: a leaf on disk is (re)entered."""

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import itertools
 from dataclasses import dataclass, field
-from typing import Iterator, NamedTuple, Optional, Sequence
+from typing import Iterable, Iterator, NamedTuple, Optional, Sequence
 
 # `gap` values: which layers a block lacks rows for.
 NO_GAP = 0  # every KV layer has its rows
@@ -177,6 +177,17 @@ class RadixIndex:
 
     def get(self, key: bytes) -> Optional[Node]:
         return self._nodes.get(key)
+
+    def node(self, ref: BlockRef) -> Optional[Node]:
+        """The indexed block ``ref`` names (a root's sentinel for a root's ref), ``None`` once it was dropped."""
+        if ref.parent is None:
+            return self.root(ref.key)
+        node = self._nodes.get(ref.key)
+        return node if node is not None and node.ident == ref.ident else None
+
+    def nodes(self, refs: Iterable[BlockRef]) -> list[Node]:
+        """``node`` of each ref, those dropped left out."""
+        return [n for r in refs if (n := self.node(r)) is not None]
 
     def root(self, key: bytes) -> Node:
         """The sentinel every chain of one model and namespace hangs from."""

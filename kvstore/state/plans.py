@@ -78,7 +78,7 @@ class Written:
 
 @dataclass(frozen=True)
 class LeftDisk:
-    """``deleted`` of ``victims`` (``disk_victims``) left the disk."""
+    """``deleted`` of ``victims`` (``DiskSide.victims``) left the disk."""
 
     victims: Sequence[BlockRef]
     deleted: set

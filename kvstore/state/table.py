@@ -23,6 +23,13 @@ Eviction takes leaves first, without a scan, in both tiers:
   (the writer holds it and writes it).
 - Disk: a heap of blocks on disk with no child on disk, by last use
   (``DiskOrder``): O(log n) per evicted block.
+
+The table holds the index, the RAM and device tiers, pins, jobs and the
+lock. Two parts of it, each made here with the index, the lock and what else
+it needs, own the rest: ``disk`` (``DiskSide``: which blocks are on disk,
+their LRU, adopting blocks found there) and ``admissions`` (``Admissions``:
+``ssd_admit="reuse"``'s queue). Callers ask a part for what is its own
+(``table.disk.victims``); every result comes back through ``apply``.
 """
 
 from __future__ import annotations
@@ -33,8 +40,7 @@ from typing import Callable, Iterable, Mapping, Optional, Sequence
 from . import lookup
 from ..blocks.wire import Stored
 from ..counters import Counters
-from .disk_order import DiskOrder
-from .table_admit import AdmitSide
+from .table_admit import Admissions
 from .table_disk import DiskSide
 from ..blocks.hashing import KeyChain
 from .index import BlockRef, Node, RadixIndex, Refs, Walk
@@ -45,19 +51,21 @@ from ..tiers.device import DeviceTier
 from ..tiers.ram import RamTier
 
 
-class BlockTable(DiskSide, AdmitSide):
+class BlockTable:
     def __init__(self, ram_budget: int, counters: Counters, *, has_disk: bool, writable: bool,
                  device_budget: int = 0, admit_on_reuse: bool = False):
         self._lock = threading.RLock()
         self._index = RadixIndex()
         self._ram = RamTier(ram_budget)
         self._dev = DeviceTier(device_budget)  # copies of RAM or disk blocks in GPU memory (CUDA only)
-        self._lru = DiskOrder(self._index)
         self._counters = counters
         self._has_disk = has_disk
         self._writable = writable
-        self._admit_on_reuse = admit_on_reuse and has_disk and writable  # ``ssd_admit="reuse"``
-        self._admissions: list[Node] = []  # chains asked for again, to admit to disk (``table_admit``)
+        self.disk = DiskSide(self._index, self._lock, self._forget)
+        self.admissions = Admissions(self._index, self._lock, self._ram.get, admit_on_reuse and has_disk and writable)
+        self._handlers = {Encoded: self._on_encoded, JobDone: self._on_job_done, JobReleased: self._on_job_released,
+                          Used: self._on_served, OnDevice: self._on_device, Promoted: self._on_promoted,
+                          Bad: self._on_bad, **self.disk.handlers, **self.admissions.handlers}
 
     # ---------------------------------------------------------------- reads
 
@@ -79,38 +87,28 @@ class BlockTable(DiskSide, AdmitSide):
 
     def candidates(self, stop: BlockRef, chain: KeyChain, pos: int, n: int) -> list[BlockRef]:
         with self._lock:
-            node = self._node(stop)
+            node = self._index.node(stop)
             return [] if node is None else [c.ref() for c in lookup.partial_candidates(node, chain, pos, n)]
 
     @staticmethod
     def servable(path: Sequence[BlockRef], matched: int) -> int:
         return lookup.servable(path, matched)
 
-    def _node(self, ref: BlockRef) -> Optional[Node]:
-        """The indexed block ``ref`` names, ``None`` once it was dropped (call under the lock)."""
-        if ref.parent is None:
-            return self._index.root(ref.key)
-        node = self._index.get(ref.key)
-        return node if node is not None and node.ident == ref.ident else None
-
-    def _nodes(self, refs: Iterable[BlockRef]) -> list[Node]:
-        return [n for r in refs if (n := self._node(r)) is not None]
-
     def sources(self, ref: BlockRef) -> tuple[Optional[Stored], object, bool]:
         """Where a block's tokens can be read: its bytes in RAM, the job still
         storing it (its put's tokens), and whether it has a disk copy."""
         with self._lock:
-            node = self._node(ref)
+            node = self._index.node(ref)
             return self._ram.get(ref.key), None if node is None else node.job, node is not None and node.on_disk
 
     def in_ram(self, refs: Sequence[BlockRef]) -> list[bool]:
         with self._lock:
-            return [n is not None and n.in_ram for n in map(self._node, refs)]
+            return [n is not None and n.in_ram for n in map(self._index.node, refs)]
 
     def on_disk(self, ref: BlockRef, parent: bool = False) -> bool:
         """Whether the block (or, ``parent``, its parent) has a disk copy now."""
         with self._lock:
-            node = self._node(ref)
+            node = self._index.node(ref)
             if node is not None and parent:
                 node = node.parent
             return node is not None and node.on_disk
@@ -118,7 +116,7 @@ class BlockTable(DiskSide, AdmitSide):
     def promotable(self, refs: Sequence[BlockRef]) -> list[BlockRef]:
         """Of blocks just served from disk, those to copy into RAM: still on disk, and not over the RAM budget."""
         with self._lock:
-            return [r for r in refs if (n := self._node(r)) is not None and n.on_disk
+            return [r for r in refs if (n := self._index.node(r)) is not None and n.on_disk
                     and n.nbytes <= self._ram.budget]
 
     def held(self, key: bytes) -> Optional[Stored]:
@@ -153,7 +151,7 @@ class BlockTable(DiskSide, AdmitSide):
 
     def plan_view(self, path: Sequence[BlockRef], found: Mapping[bytes, Stored]) -> PlanView:
         with self._lock:
-            path = [self._node(p) or p for p in path]  # (a block dropped meanwhile: as it was)
+            path = [self._index.node(p) or p for p in path]  # (a block dropped meanwhile: as it was)
             blocks = [self._dev.get(p.key) or (self._ram.get(p.key) if p.in_ram else found.get(p.key)) for p in path]
             return PlanView(sizes=[b.nbytes if b is not None else p.nbytes for p, b in zip(path, blocks)],
                             in_ram=[b is not None for b in blocks],
@@ -183,8 +181,8 @@ class BlockTable(DiskSide, AdmitSide):
         with self._lock:
             root = self._index.root(root_key)
             new = lookup.new_blocks(self._index, root, chain, n, has_state, late)
-            if self._admit_on_reuse:
-                self._shared(new, lambda: lookup.walk(self._index, root, chain, n).last, chain.block_size)
+            if self.admissions.on:
+                self.admissions.shared(new, lambda: lookup.walk(self._index, root, chain, n).last, chain.block_size)
             if not new:
                 return None
             job = make_job(Refs(new, self._lock))
@@ -201,11 +199,11 @@ class BlockTable(DiskSide, AdmitSide):
         longer this job's to store."""
         job, ram_only = r.job, r.ram_only
         with self._lock:
-            node = self._node(r.ref)
+            node = self._index.node(r.ref)
             if node is None or node.job is not job:
                 return False
             kept = self._admit(node, r.block)
-            wait = not ram_only and not self._admit_to_disk(node, job)
+            wait = not ram_only and not self.admissions.to_disk(node, job)
             if ram_only or wait:
                 if not kept:
                     self._forget(node)
@@ -220,7 +218,7 @@ class BlockTable(DiskSide, AdmitSide):
         """Whether the block is still indexed and ``job``'s to store (not
         dropped meanwhile, nor re-encoded by a later put)."""
         with self._lock:
-            node = self._node(ref)
+            node = self._index.node(ref)
             return node is not None and node.job is job
 
     def _on_job_done(self, r: JobDone) -> None:
@@ -229,7 +227,7 @@ class BlockTable(DiskSide, AdmitSide):
         again)."""
         job = r.job
         with self._lock:
-            for node in self._nodes(r.refs):
+            for node in self._index.nodes(r.refs):
                 if r.dropped and node.job is not job:
                     continue
                 if node.job is job:
@@ -239,7 +237,7 @@ class BlockTable(DiskSide, AdmitSide):
 
     def _on_job_released(self, r: JobReleased) -> None:
         with self._lock:
-            for node in self._nodes(r.refs):
+            for node in self._index.nodes(r.refs):
                 if node.job is r.job:
                     node.job = None
 
@@ -248,7 +246,7 @@ class BlockTable(DiskSide, AdmitSide):
     def apply(self, result):
         """Take back what a path did with a plan's blocks (``plans``: ``Encoded``, ``Written``, ``Used``, ...);
         returns what that result's handler says (see each result)."""
-        return _HANDLERS[type(result)](self, result)
+        return self._handlers[type(result)](result)
 
     def plan_fetch(self, path: Sequence[BlockRef], matched: int, skip: Iterable[bytes] = ()) -> FetchPlan:
         """The blocks of ``path`` that serve a prefix (of at most ``matched``
@@ -257,7 +255,7 @@ class BlockTable(DiskSide, AdmitSide):
         length = lookup.servable(path, matched)
         refs = [p for p in path if p.start < length]
         with self._lock:
-            nodes = self._nodes(refs)
+            nodes = self._index.nodes(refs)
             RadixIndex.pin(nodes)
             held = [p for p in nodes if p.job is not None and not p.in_ram and p.key not in skip]
         jobs = list({id(p.job): p.job for p in held}.values())
@@ -266,7 +264,7 @@ class BlockTable(DiskSide, AdmitSide):
     def release(self, plan: FetchPlan) -> None:
         """Unpin a fetch's blocks; blocks promoted while pinned may have left RAM over budget."""
         with self._lock:
-            RadixIndex.unpin(self._nodes(plan.path))
+            RadixIndex.unpin(self._index.nodes(plan.path))
             self._make_room(0)
 
     def _on_served(self, r: Used) -> list[bytes]:
@@ -276,12 +274,11 @@ class BlockTable(DiskSide, AdmitSide):
         path = r.path
         with self._lock:
             on_disk = []
-            for p in self._nodes(path):
+            for p in self._index.nodes(path):
                 if p.on_disk:
                     on_disk.append(p.key)
                     if self._has_disk:
-                        p.used = r.when
-                        self._lru.push(p)
+                        self.disk.used(p, r.when)
             self._ram.touch([p.key for p in reversed(path)])
             self._dev.touch([p.key for p in path])
             return on_disk
@@ -290,7 +287,7 @@ class BlockTable(DiskSide, AdmitSide):
         """Keep a block read from disk or the remote in RAM, if it is not there
         yet and fits beside pinned ones."""
         with self._lock:
-            node = self._node(r.ref)
+            node = self._index.node(r.ref)
             if node is not None and not node.in_ram:
                 self._promote(node, r.block)
 
@@ -303,7 +300,7 @@ class BlockTable(DiskSide, AdmitSide):
         fresh: list[Node] = []
         pinned: list[Node] = []
         with self._lock:
-            parent = self._node(parent)
+            parent = self._index.node(parent)
             if parent is None:
                 return []  # dropped while we read
             for rec, block in found:
@@ -356,7 +353,7 @@ class BlockTable(DiskSide, AdmitSide):
         """Drop the block and its subtree if still indexed; returns the keys of
         those with a disk copy (for the caller to delete, unlocked)."""
         with self._lock:
-            node = self._node(r.ref)
+            node = self._index.node(r.ref)
             return self._forget(node) if node is not None else []
 
     def clear(self) -> None:
@@ -423,7 +420,7 @@ class BlockTable(DiskSide, AdmitSide):
             self._ram.pop(node.key)
             node.in_ram = False
         else:
-            if self._admit_on_reuse:
+            if self.admissions.on:
                 self._counters.count("evicted_unadmitted")
             self._forget(node)
 
@@ -433,16 +430,5 @@ class BlockTable(DiskSide, AdmitSide):
             self._ram.pop(d.key)
             self._dev.pop(d.key)
             d.in_ram = False
-            if d.on_disk:
-                self._lru.blocks -= 1
-        top = dropped[0] if dropped else None
-        if top is not None and top.on_disk and top.parent is not None and not top.parent.is_root:
-            top.parent.disk_kids -= 1
-            self._lru.push(top.parent)
+        self.disk.dropped(dropped)
         return [d.key for d in dropped if d.on_disk]
-
-
-_HANDLERS = {Encoded: BlockTable._on_encoded, JobDone: BlockTable._on_job_done,
-             JobReleased: BlockTable._on_job_released, Used: BlockTable._on_served,
-             OnDevice: BlockTable._on_device, Promoted: BlockTable._on_promoted, Bad: BlockTable._on_bad,
-             **DiskSide.HANDLERS, **AdmitSide.HANDLERS}

@@ -1,50 +1,76 @@
 """The disk side of ``BlockTable``: what the LMDB tier holds, as the table
-records it (written, evicted, found by this or another process). Methods of
-the one table (its state and lock are declared in ``table``), kept in a file
-of their own.
+records it (written, evicted, found by this or another process).
+
+``DiskSide`` owns that record, the disk LRU (``DiskOrder``, with the count of
+blocks on disk) and adoption; the table makes it with the index, its one lock
+and its ``forget`` (a block dropping out of the index leaves every tier, not
+only this one), and hands it the results that are its own (``handlers``).
 """
 
 from __future__ import annotations
 
-from typing import Iterable, Optional
+from typing import Callable, Iterable, Optional
 
-from .index import BlockRef, Node
+from .disk_order import DiskOrder
+from .index import BlockRef, Node, RadixIndex
 from .plans import Adopted, GoneFromDisk, LeftDisk, OffsetFound, Written
 from ..blocks.record import BlockRecord
 
 
 class DiskSide:
+    def __init__(self, index: RadixIndex, lock, forget: Callable[[Node], list[bytes]]):
+        self._index = index
+        self._lock = lock  # the table's
+        self._forget = forget
+        self._order = DiskOrder(index)
+        self.handlers = {Written: self._on_written, LeftDisk: self._on_left_disk, Adopted: self._on_adopted,
+                         GoneFromDisk: self._on_gone, OffsetFound: self._on_offset}
+
+    # ------------------------------------------------ the table's own steps, under its lock
+
+    def used(self, node: Node, when: float) -> None:
+        """A block on disk was served at ``when``: its place in the disk LRU."""
+        node.used = when
+        self._order.push(node)
+
+    def dropped(self, nodes: list[Node]) -> None:
+        """The table dropped ``nodes`` (a block and its subtree) from the index."""
+        self._order.dropped(nodes)
+
+    # ------------------------------------------------------------------ handlers and reads
+
     def _on_written(self, r: Written) -> None:
         """These blocks' records and bytes are on disk now."""
         with self._lock:
             for ref, rec in r.pairs:
-                node = self._node(ref)
+                node = self._index.node(ref)
                 if node is None:
                     continue  # dropped meanwhile
                 node.nbytes, node.used, node.offset = rec.nbytes, rec.used, rec.offset
                 node.record = None  # (held for admission on reuse until now)
-                self._mark(node, True)
+                self._order.mark(node, True)
 
     @property
-    def disk_blocks(self) -> int:
+    def blocks(self) -> int:
         """Indexed blocks with a disk copy."""
-        return self._lru.blocks
+        return self._order.blocks
 
-    def disk_victims(self, nbytes: int) -> list[BlockRef]:
-        """Least recently used disk leaves, unpinned, about ``nbytes`` of them."""
+    def victims(self, nbytes: int) -> list[BlockRef]:
+        """Least recently used disk leaves, unpinned, about ``nbytes`` of them
+        (hand them back as ``LeftDisk``)."""
         with self._lock:
-            return [v.ref() for v in self._lru.victims(nbytes)]
+            return [v.ref() for v in self._order.victims(nbytes)]
 
     def _on_left_disk(self, r: LeftDisk) -> None:
         """``deleted`` of ``victims`` left the disk; a block then in no tier
         leaves the index."""
         deleted = r.deleted
         with self._lock:
-            for v in self._nodes(r.victims):
+            for v in self._index.nodes(r.victims):
                 if v.key not in deleted and v.on_disk:
-                    self._lru.push(v)  # another process removed it first, or it survived: keep it known
+                    self._order.push(v)  # another process removed it first, or it survived: keep it known
                     continue
-                self._mark(v, False)
+                self._order.mark(v, False)
                 if not v.in_ram and v.job is None:
                     self._forget(v)
 
@@ -52,7 +78,7 @@ class DiskSide:
         """Index blocks found on disk below ``parent`` (by this or another
         process); returns how many were indexed."""
         with self._lock:
-            node = self._node(r.parent)
+            node = self._index.node(r.parent)
             if node is None:
                 return 0
             return sum(self._adopt(node, rec) is not None for rec in r.records)
@@ -79,15 +105,15 @@ class DiskSide:
         except (KeyError, ValueError):
             return None
         node.nbytes, node.used, node.offset = rec.nbytes, max(node.used, rec.used), rec.offset
-        self._mark(node, True)
+        self._order.mark(node, True)
         return node
 
-    def disk_keys(self) -> list[bytes]:
+    def keys(self) -> list[bytes]:
         """Keys of the indexed blocks with a disk copy."""
         with self._lock:
             return [n.key for n in self._index if n.on_disk]
 
-    def disk_removed(self, keys: set[bytes]) -> int:
+    def removed(self, keys: set[bytes]) -> int:
         """Blocks removed from disk by another process (a clear) leave the
         index with the blocks under them, in RAM or not (a RAM copy of a block
         whose disk copy is gone would never be written again: the next put
@@ -104,34 +130,13 @@ class DiskSide:
         """A block the index has on disk is no longer there (another process
         removed it): it leaves the index with the blocks under it."""
         with self._lock:
-            node = self._node(r.ref)
+            node = self._index.node(r.ref)
             if node is not None and not node.in_ram and node.job is None:
                 self._forget(node)
 
     def _on_offset(self, r: OffsetFound) -> None:
         """Where a block written before offsets were recorded sits (for residency checks)."""
         with self._lock:
-            node = self._node(r.ref)
+            node = self._index.node(r.ref)
             if node is not None:
                 node.offset = r.offset
-
-    def _mark(self, node: Node, on_disk: bool) -> None:
-        """Set ``node.on_disk``, keeping leaf counts and the LRU heap."""
-        if node.on_disk == on_disk:
-            return
-        node.on_disk = on_disk
-        parent = node.parent
-        if on_disk:
-            self._lru.blocks += 1
-            if parent is not None and not parent.is_root:
-                parent.disk_kids += 1
-            self._lru.push(node)
-        else:
-            self._lru.blocks -= 1
-            if parent is not None and not parent.is_root:
-                parent.disk_kids -= 1
-                self._lru.push(parent)
-
-
-DiskSide.HANDLERS = {Written: DiskSide._on_written, LeftDisk: DiskSide._on_left_disk, Adopted: DiskSide._on_adopted,
-                     GoneFromDisk: DiskSide._on_gone, OffsetFound: DiskSide._on_offset}
