@@ -279,9 +279,7 @@ class PrefixStore:
                    pinned_made_bytes=buffers.made[0], pinned_made_s=buffers.made[1],
                    pageable_past_cap_bytes=buffers.made[2])  # (this process's, on CUDA)
         if self._disk is not None:
-            tier = self._disk.tier
-            out.update(ssd_bytes=tier.usage(), ssd_budget=tier.budget, ssd_blocks=self._table.disk.blocks,
-                       ssd_path=str(tier.path))
+            out.update(self._disk.stats())
         if self._remote is not None:
             out.update(self._remote.stats())
         req = out["tokens_requested"]
@@ -358,7 +356,7 @@ class PrefixStore:
         if self._remote is not None:
             self._remote.close()
         if self._disk is not None:
-            self._disk.tier.close()
+            self._disk.close()
         _OPEN.discard(self)
 
     def __enter__(self) -> "PrefixStore":
@@ -382,7 +380,7 @@ class PrefixStore:
         self.flush()
         self._table.clear()
         if self._disk is not None:
-            self._disk.tier.remove_all()
+            self._disk.remove_all()
 
     # --------------------------------------------------------------- lookup
 

@@ -116,8 +116,8 @@ def test_ram_holds_each_block_as_the_bytes_the_disk_stores(tmp_path):
     path = tmp_path / "s"
 
     def on_disk(s, key: bytes) -> bytes:
-        with s._disk.tier.reader() as txn:
-            return bytes(s._disk.tier.payload(txn, key))
+        with s._disk._tier.reader() as txn:
+            return bytes(s._disk._tier.payload(txn, key))
 
     with PrefixStore(budget_gb=1, ssd_path=path, block_size=BS) as s:
         s.put("m", toks, want)

@@ -221,3 +221,14 @@ def test_node_never_leaves_the_state_package():
         if "Node" in names:
             named.append(m)
     assert not named, f"Node named outside kvstore/state/: {named}"
+
+
+def test_each_tier_is_held_by_its_facade_alone():
+    """The store's LMDB tier is ``Disk``'s (flow/disk) and its remote tier
+    ``Remote``'s (tiers/remote/sync), each as ``self._tier``: the rest of the
+    core asks the facade for what it needs, never reaches through it."""
+    reached = [f"{m}:{n.lineno}: {ast.unparse(n)}" for m, p in _core_modules().items()
+               for n in ast.walk(ast.parse(p.read_text()))
+               if isinstance(n, ast.Attribute) and n.attr in ("tier", "_tier")
+               and not (isinstance(n.value, ast.Name) and n.value.id == "self")]
+    assert not reached, "a tier reached through its facade:\n" + "\n".join(reached)

@@ -70,7 +70,7 @@ def test_each_block_starts_its_write_out_where_its_bytes_lie_in_the_file(ssd, mo
     assert put(s, p) == 5
     s.flush()
     assert len(asked) == 5
-    disk = s._disk.tier
+    disk = s._disk._tier
     fd = os.open(disk.path / "data.mdb", os.O_RDONLY)
     try:
         on_file = {os.pread(fd, n, off) for off, n in asked}
@@ -92,7 +92,7 @@ def test_the_pages_a_write_takes_are_prefilled_only_where_lmdb_appends(ssd, monk
 
     big = dict(heads=4, dim=256)  # 64 KiB blocks: values on pages of their own
     s = ssd(budget_gb=0)
-    disk = s._disk.tier
+    disk = s._disk._tier
     ranges: list[tuple[int, int]] = []  # file offsets
     real = lmdb_tier.prefill
 
@@ -186,7 +186,7 @@ def test_a_record_pointing_at_other_bytes_falls_back_to_lmdb(ssd):
     s = ssd()
     s.put(M, p, kv_layers(p, **big))
     s.flush()
-    disk = s._disk.tier
+    disk = s._disk._tier
     with disk.env.begin(write=True) as txn:
         recs = [BlockRecord.unpack(bytes(k), bytes(v)) for k, v in txn.cursor(db=disk.dbs[b"nodes"])]
         offsets = [r.offset for r in recs]

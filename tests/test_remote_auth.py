@@ -96,7 +96,7 @@ def test_the_record_a_block_is_indexed_by_must_be_the_one_its_mac_covers(server,
     rec = BlockRecord.unpack(KeyChain(root_key(MODEL), as_tokens(tokens), 64).key(0), genuine)
     r.hset(name, "r", replace(rec, rows_from=rec.start + 10).pack())
     b = host("b", server.url, remote_secret=SECRET)
-    tier = b._remote.tier
+    tier = b._remote._tier
     read = tier.entries
     monkeypatch.setattr(tier, "entries", lambda keys, sizes=None: (r.hset(name, "r", genuine), read(keys, sizes))[1])
     assert b.fetch(MODEL, tokens).length == 0

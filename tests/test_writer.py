@@ -343,7 +343,7 @@ def test_rows_quantized_together_are_the_rows_quantized_block_by_block(tmp_path,
                          compress_rows=rows) as s:
             assert s.put(M, p, layers) == 5
         with PrefixStore(budget_gb=0, block_size=BS, ssd_path=path, kv_bits=bits, rotate_keys=True) as s:
-            disk = s._disk.tier
+            disk = s._disk._tier
             with disk.env.begin(db=disk.dbs[b"blocks"]) as txn:
                 stored[rows] = {bytes(k): bytes(v) for k, v in txn.cursor()}
     assert len(stored[BS]) == 5 and stored[BS] == stored[3 * BS]
@@ -405,7 +405,7 @@ def test_put_leaves_every_disk_write_to_the_background_threads(ssd, monkeypatch)
     put(s, toks(3 * BS))  # nothing new
     s.flush()
     assert writers and threading.current_thread().name not in writers
-    assert root_key(M, s.namespace) in s._disk.tier.models()
+    assert root_key(M, s.namespace) in s._disk._tier.models()
 
 
 def test_a_write_that_fails_part_way_leaves_the_writer_free_and_ram_serving(ssd, monkeypatch):
@@ -475,7 +475,7 @@ def test_where_no_thread_can_start_a_put_is_written_in_the_callers_thread(ssd, m
     p = toks(4 * BS)
     assert put(s, p) == 4
     assert s.stats()["ssd_blocks"] == 4 and s._writer.pending_bytes == 0
-    assert root_key(M, s.namespace) in s._disk.tier.models()
+    assert root_key(M, s.namespace) in s._disk._tier.models()
     monkeypatch.undo()
     assert_hit_is(s.fetch(M, p), p, 4 * BS)
 

@@ -46,7 +46,7 @@ class Planner:
         resident: dict = {}
         if on_disk and self.disk is not None:
             try:
-                resident = self.disk.tier.resident(on_disk)
+                resident = self.disk.resident(on_disk)
             except Exception:
                 resident = {}
         states = ["ram" if r or p.key in in_hand else
@@ -123,7 +123,7 @@ class Planner:
             elif cfg.tuning.prior_ssd_cold_gbps:
                 rate = cfg.tuning.prior_ssd_cold_gbps * gb
             else:
-                read = probe.direct_read_rate(self.disk.tier.path / "data.mdb", 4 * cfg.tuning.probe_bytes) \
+                read = probe.direct_read_rate(self.disk.data_file, 4 * cfg.tuning.probe_bytes) \
                     if self.disk is not None else None
                 rate = cfg.tuning.prior_cold_share * (probe.in_series(read, arrays) if read else cfg.tuning.unprobed_cold_gbps * gb)
             self.cost.assume(state, rate)
@@ -132,7 +132,7 @@ class Planner:
         """At open: what earlier runs on this machine measured, then priors for
         the states still unknown where ``fetch_policy="auto"`` will need them."""
         try:
-            saved = (self.disk.tier.get_info("rates") or {}).get(machine_id()) \
+            saved = (self.disk.info("rates") or {}).get(machine_id()) \
                 if self.disk is not None and self.cfg.remember_rates else None
         except Exception:
             saved = None
@@ -145,8 +145,8 @@ class Planner:
         if self.disk is None or not self.cost.dirty or not self.cfg.remember_rates:
             return
         try:
-            rates = self.disk.tier.get_info("rates") or {}
+            rates = self.disk.info("rates") or {}
             rates[machine_id()] = self.cost.to_dict()
-            self.disk.tier.set_info("rates", rates)
+            self.disk.set_info("rates", rates)
         except Exception as e:
             self.disk.failed("saving measured rates to", e)

@@ -77,7 +77,6 @@ class Discovery:
         copies (for the caller to submit once the hit is served: they would
         only compete with it). Never raises; a down remote costs at most one
         timeout (then the breaker skips it)."""
-        tier = self.remote.tier
         bs = chain.block_size
         first, full = len(match.full.nodes), n // bs
         last = min(full, first + self.max_probe)
@@ -86,7 +85,7 @@ class Discovery:
         if not self.remote.breaker.allow():
             self.counters.count("remote_bypassed")
             return Found()
-        got = self.remote.call(tier.probe, root, keys, near)
+        got = self.remote.probe(root, keys, near)
         if got is None:
             return Found()
         self.counters.count("remote_lookups")
@@ -95,7 +94,7 @@ class Discovery:
         stop = first + len(run)  # the first block not found by key
         if stop < last:  # the prompt diverges inside block `stop`: its nearest stored sibling may share a prefix
             near = (chain.parent(stop), chain.tokens[stop * bs : min(n, (stop + 1) * bs)])
-            children = self.remote.call(tier.neighbours, root, *near)
+            children = self.remote.neighbours(root, *near)
         if children:  # a child this process holds already is the local walk's business
             children = [c for c in children if c[0] not in self.table]
         part = self._best_child(children, near[1]) if near is not None and children else None
@@ -105,8 +104,8 @@ class Discovery:
         sizes = [r.nbytes for r in run] + ([0] if part else [])
         got_blocks: list[tuple[BlockRecord, Stored, bytes]] = []
         rows = min(n, (first + len(run)) * bs + (part[1] if part else 0))  # the hit's length if all is good
-        last, fill = self.remote.call(self._read, run, raw[: len(run)], tier.entries(wanted, sizes), got_blocks,
-                                      lambda first: start(first, rows, quantized)) or (None, None)
+        last, fill = self.remote.read(wanted, sizes, lambda entries: self._read(
+            run, raw[: len(run)], entries, got_blocks, lambda first: start(first, rows, quantized))) or (None, None)
         if part and len(got_blocks) == len(run) and last is not None:
             leaf = self._partial(root, chain, stop, n, near[0], part, last)
             if leaf is not None:
@@ -176,7 +175,7 @@ class Discovery:
         key, _, member = part
         raw, buf, _ = entry
         if raw is None:
-            self.remote.call(self.remote.tier.forget_child, root, parent, member)  # evicted: a stale listing
+            self.remote.forget_child(root, parent, member)  # evicted: a stale listing
             return None
         if not self._authentic(key, entry):
             return None
@@ -235,7 +234,7 @@ class Discovery:
         self.counters.count("remote_bad")
         log.warning("kvstore: remote block %s refused: %s; it is deleted from %s", key.hex()[:16], why,
                     self.remote.url)
-        self.remote.call(self.remote.tier.remove, [key])
+        self.remote.remove([key])
 
     def _keep(self, parent: BlockRef, got: list[tuple[BlockRecord, Stored, bytes]], chain: KeyChain,
               jobs: list) -> dict[bytes, Stored]:

@@ -85,15 +85,14 @@ class Reader:
             served = self._serve(path, items, from_ram, toks, length, quantized, bad, fill)
         else:
             ahead: list[Future] = []
-            tier = self.disk.tier
             try:
                 want = [p.key for p, it in zip(path, items) if it is None and p.key in cold]
-                ahead = tier.read_ahead(want) if len(want) > 1 else []  # a cached block's pages are left alone
-                with tier.reader() as txn:
+                ahead = self.disk.read_ahead(want) if len(want) > 1 else []  # a cached block's pages are left alone
+                with self.disk.reading() as txn:
                     for i, p in enumerate(path):
                         if items[i] is None:
                             try:
-                                got = tier.stored(txn, p.key, p.start, unread=True)  # read while copied
+                                got = txn.stored(p.key, p.start, unread=True)  # read while copied
                             except BlockDecodeError as e:
                                 bad.append((p, str(e)))
                                 break
@@ -101,11 +100,11 @@ class Reader:
                                 gone.append(p)
                                 break
                             if p.offset < 0:
-                                self.table.apply(OffsetFound(p, tier.offset_of(got.buf)))
+                                self.table.apply(OffsetFound(p, txn.offset_of(got.buf)))
                             items[i] = got
                     served = self._serve(path, items, from_ram, toks, length, quantized, bad, fill)
             except Exception as e:
-                self.disk.warn("read", f"kvstore: reading {tier.path} failed: {e}")
+                self.disk.read_failed("read", e)
                 k = next((i for i, p in enumerate(path) if not from_ram[i] and p.key not in (found or ())), len(path))
                 served = self._serve(path[:k], items[:k], from_ram[:k], toks, length, quantized, bad)
             finally:
@@ -192,11 +191,10 @@ class Reader:
     def _promote(self, nodes: list[BlockRef]) -> None:
         try:
             held: list[Stored] = []
-            tier = self.disk.tier
-            with tier.reader() as txn:  # one copy of each value out of the map (checked), no decode
+            with self.disk.reading() as txn:  # one copy of each value out of the map (checked), no decode
                 for p in nodes:
                     try:
-                        got = tier.stored(txn, p.key, p.start)
+                        got = txn.stored(p.key, p.start)
                     except BlockDecodeError:
                         got = None
                     got = got.held() if got is not None else None

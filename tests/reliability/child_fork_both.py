@@ -46,7 +46,7 @@ for t in mine[other]:
     hit = store.fetch(MODEL, t)
     if hit.length != len(t) or D.hit_problem(hit, t):
         problems.append(f"other:{hit.length}:{D.hit_problem(hit, t)}")
-disk = store._disk.tier
+disk = store._disk._tier
 with disk.reader():
     pids = {int(line.split()[0]) for line in disk.env.readers().splitlines()[1:] if line.strip()}
 line = f"{who} {'own' if os.getpid() in pids else f'of:{sorted(pids)}'} {','.join(problems) or 'ok'}\n"

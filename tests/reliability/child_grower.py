@@ -32,7 +32,7 @@ def main() -> None:
     me, workers, rounds, n = (int(a) for a in sys.argv[3:7])
     fetches = 0
     with PrefixStore(budget_gb=0.0005, ssd_path=path, block_size=D.BLOCK) as store:
-        print("writemap", store._disk.tier.env.flags()["writemap"], flush=True)
+        print("writemap", store._disk._tier.env.flags()["writemap"], flush=True)
         for r in range(rounds):
             toks = prompt(me, r, n)
             store.put(MODEL, toks, D.layers_for(toks))

@@ -180,7 +180,7 @@ def test_bad_block_while_the_map_is_being_resized_does_not_deadlock(tmp_path, ca
     key = D.block_key(MODEL, toks, 32)
     D.rewrite(path, key, lambda v: v[:-1] + bytes([v[-1] ^ 1]))
     store = PrefixStore(budget_gb=0, ssd_path=path, block_size=D.BLOCK)
-    disk = store._disk.tier
+    disk = store._disk._tier
     real_stored = disk.stored
     resizers: list[threading.Thread] = []
 

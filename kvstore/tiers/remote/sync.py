@@ -26,7 +26,9 @@ import threading
 import time
 from collections import deque
 from dataclasses import dataclass
-from typing import Callable, Optional, Sequence, TypeVar, Union
+from typing import Callable, Iterator, Optional, Sequence, TypeVar, Union
+
+import numpy as np
 
 from ...background import running
 from ...config import StoreConfig
@@ -91,10 +93,11 @@ class ModelInfo:
 
 
 class Remote:
-    """A remote tier behind a breaker, with a bounded write-behind queue."""
+    """A remote tier behind a breaker, with a bounded write-behind queue: the
+    one holder of the store's ``RemoteTier`` (the rest of the store asks it)."""
 
     def __init__(self, url: str, namespace: Optional[str], counters: Counters, config: StoreConfig = StoreConfig()):
-        self.tier = RemoteTier(url, namespace, float(config.remote_timeout),  # a malformed URL raises here
+        self._tier = RemoteTier(url, namespace, float(config.remote_timeout),  # a malformed URL raises here
                                read_bytes=config.tuning.remote_read_bytes, secret=secret_bytes(config.remote_secret))
         self.counters = counters
         self.breaker = Breaker()
@@ -108,7 +111,7 @@ class Remote:
         self._stop = False
         self._thread: Optional[threading.Thread] = None
         try:
-            self.tier.connect()
+            self._tier.connect()
         except RemoteConfigError:
             raise
         except Exception as e:  # down or unreachable: open on the local tiers, connect later
@@ -116,7 +119,7 @@ class Remote:
 
     @property
     def url(self) -> str:
-        return self.tier.url.shown
+        return self._tier.url.shown
 
     # ------------------------------------------------------------- guarded
 
@@ -136,8 +139,8 @@ class Remote:
     def _call(self, fn: Callable[..., T], *args) -> T:
         if not self.breaker.allow():
             raise _Skipped
-        if not self.tier.connected:
-            self.tier.connect()
+        if not self._tier.connected:
+            self._tier.connect()
         out = fn(*args)
         if self.breaker.succeeded():
             log.info("kvstore: remote %s is reachable again", self.url)
@@ -152,6 +155,28 @@ class Remote:
                             "in the background (see stats()['remote_errors'])", self.url, type(e).__name__, e)
             else:
                 log.info("kvstore: remote %s failed again (%s: %s)", self.url, type(e).__name__, e)
+
+    # ------------------------------------------- reads, guarded as ``call``
+
+    def probe(self, root: bytes, keys: Sequence[bytes], near: Optional[tuple[bytes, np.ndarray]]) -> Optional[tuple]:
+        """``RemoteTier.probe`` (records of ``keys``, children nearest ``near``: one round trip), or ``None``."""
+        return self.call(self._tier.probe, root, keys, near)
+
+    def neighbours(self, root: bytes, parent: bytes, tokens: np.ndarray) -> Optional[list]:
+        """``RemoteTier.neighbours``: the stored children of ``parent`` nearest ``tokens``, or ``None``."""
+        return self.call(self._tier.neighbours, root, parent, tokens)
+
+    def read(self, keys: Sequence[bytes], sizes: Sequence[int], take: Callable[[Iterator[tuple]], T]) -> Optional[T]:
+        """``take(entries)`` of the blocks of ``keys`` as they stream in (``RemoteTier.entries``), or ``None``."""
+        return self.call(lambda: take(self._tier.entries(keys, sizes)))
+
+    def forget_child(self, root: bytes, parent: bytes, member: bytes) -> None:
+        """Drop ``member`` from ``parent``'s listing (the block it named was evicted)."""
+        self.call(self._tier.forget_child, root, parent, member)
+
+    def remove(self, keys: Sequence[bytes]) -> None:
+        """Delete blocks from the server (ones refused as bad)."""
+        self.call(self._tier.remove, keys)
 
     # -------------------------------------------------------- write-behind
 
@@ -204,12 +229,12 @@ class Remote:
             self.counters.count("remote_skipped", len(dropped))
         if self._thread is not None:
             self._thread.join(timeout=self.config.tuning.remote_close_wait)
-        self.tier.close()
+        self._tier.close()
 
     def stats(self) -> dict:
-        return {"remote_url": self.url, "remote_up": self.breaker.closed and self.tier.connected,
-                "remote_cluster": self.tier.cluster, "remote_queue_bytes": self._queued,
-                "remote_authenticated": self.tier.signer is not None}
+        return {"remote_url": self.url, "remote_up": self.breaker.closed and self._tier.connected,
+                "remote_cluster": self._tier.cluster, "remote_queue_bytes": self._queued,
+                "remote_authenticated": self._tier.signer is not None}
 
     def _ensure_thread(self) -> None:
         with self._cond:
@@ -244,11 +269,11 @@ class Remote:
         blocks = [(e.record, e.payload) for e in batch if isinstance(e, Entry)]
         for m in batch:
             if isinstance(m, ModelInfo):
-                self.call(self.tier.register_model, m.root, m.info)
+                self.call(self._tier.register_model, m.root, m.info)
         if not blocks:
             return
         try:
-            self._call(self.tier.put_many, blocks)
+            self._call(self._tier.put_many, blocks)
         except _Skipped:
             self.counters.count("remote_skipped", len(blocks))
             return
