@@ -125,6 +125,21 @@ def file_digests(paths: Sequence[PathLike]) -> list[bytes]:
     return out  # type: ignore[return-value]
 
 
+def settle(paths: Sequence[PathLike]) -> None:
+    """Wait (at most ``SETTLE_NS``) until the files' last change is a
+    timestamp granule old: a load that starts after it can tell its files
+    unchanged (``changed_since``), so a model written just before a server
+    loads it gets the key of its content, the one every later load gets, not
+    that of the loaded weights."""
+    try:
+        newest = max((os.stat(p).st_ctime_ns for p in paths), default=0)
+    except OSError:
+        return
+    wait = newest + SETTLE_NS - time.time_ns()
+    if wait > 0:
+        time.sleep(min(wait, SETTLE_NS) / 1e9)
+
+
 def changed_since(paths: Sequence[PathLike], t_ns: int) -> bool:
     """Whether any of the files is missing or was written (or renamed,
     touched) at ``t_ns`` or later, within the timestamps' granularity."""

@@ -246,7 +246,7 @@ class StorePromptCache:
         if provider.model is None or (draft is not None and getattr(provider, "draft_model", None) is None):
             return None
         models = [provider.model] if draft is None else [provider.model, provider.draft_model]
-        local, draft_local = _folder(path), _folder(draft)
+        local, draft_local = folder_of(path), folder_of(draft)
         key = _loaded_key(provider.model, local, adapter, models[1] if draft is not None else None)
         if local:
             info = {"path": str(local.resolve()), "name": local.name}
@@ -259,7 +259,7 @@ class StorePromptCache:
         return m
 
 
-def _folder(path: Any) -> Optional[Path]:
+def folder_of(path: Any) -> Optional[Path]:
     """``path`` when it is a local model folder or GGUF file (not a hub name)."""
     if path is None:
         return None
@@ -269,6 +269,12 @@ def _folder(path: Any) -> Optional[Path]:
     return local if (local / "config.json").is_file() or is_gguf(local) else None
 
 
+def key_files(local: Optional[Path], adapter: Optional[str]) -> list[Path]:
+    """The files a model loaded from ``local`` (a folder or GGUF file) with ``adapter`` is keyed by."""
+    files = [] if local is None else [local] if local.is_file() else [p for p in local.iterdir() if p.is_file()]
+    return files + ([Path(adapter, n) for n in ADAPTER_FILES] if adapter else [])
+
+
 def _loaded_key(model: nn.Module, local: Optional[Path], adapter: Optional[str],
                 draft_model: Optional[nn.Module]) -> str:
     """The store key of what the server loaded: by its files' content (each
@@ -276,10 +282,8 @@ def _loaded_key(model: nn.Module, local: Optional[Path], adapter: Optional[str],
     and unchanged since the load began, else by the loaded model itself: a hub
     name, or files written since (an adapter retrained while serving must not
     key the old weights' KV by the new file)."""
-    files = [] if local is None else [local] if local.is_file() else [p for p in local.iterdir() if p.is_file()]
-    files += [Path(adapter, n) for n in ADAPTER_FILES] if adapter else []
     loaded = getattr(model, "_kvstore_loaded_ns", None)
-    if local is None or loaded is None or changed_since(files, loaded):
+    if local is None or loaded is None or changed_since(key_files(local, adapter), loaded):
         return models_key(model, None, draft_model=draft_model)
     return models_key(model, local, draft_model=draft_model,
                       extra=f"adapter={adapter_fingerprint(adapter)}" if adapter else "")

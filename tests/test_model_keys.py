@@ -120,6 +120,22 @@ def test_a_loaded_model_is_keyed_by_every_parameter_byte(tmp_path):
     assert loaded_model_fingerprint(model) != before
 
 
+def test_a_model_written_just_before_the_server_loads_it_gets_the_key_every_later_load_gets(tmp_path):
+    """Files changed within a timestamp granule of the load could be other than what was loaded, so such a load
+    was keyed by the loaded weights: two servers started a second apart on a model written just before them
+    got two keys and shared nothing. The server's load waits for the files to settle first (at most
+    ``SETTLE_NS``): the key is the files' content, the one a later restart computes."""
+    from kvstore.adapters.generate import model_key
+    from kvstore.adapters.server import _load_gguf_too
+    from kvstore.adapters.server_cache import _loaded_key
+
+    path = make_tiny_model("llama", tmp_path / "model")
+    model, _ = _load_gguf_too(load)(str(path))
+    assert _loaded_key(model, path, None, None) == model_key(model, path) != loaded_model_fingerprint(model)
+    later, _ = _load_gguf_too(load)(str(path))  # files settled: no wait
+    assert _loaded_key(later, path, None, None) == _loaded_key(model, path, None, None)
+
+
 def test_a_gguf_with_4_kib_changed_at_its_midpoint_has_another_key(tmp_path):
     try:
         src = smollm2_path()
