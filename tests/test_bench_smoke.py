@@ -155,10 +155,11 @@ def test_put_cost_and_gc_pauses_run_and_write_their_json(tmp_path):
 
 def test_live_replay_runs_each_cache_in_its_own_process_and_writes_rows_and_summary(tmp_path):
     """Issue 42's replay (``tools/live_replay.py``) at smoke size: none, LRU and kvstore fp16 in fresh
-    processes; per-request rows, the summary's figures, and a store that computes fewer tokens than none."""
+    processes, each twice (``--warm``); per-request rows, the summary's figures for both rounds, and a store
+    that computes fewer tokens than none."""
     out = tmp_path / "out"
     proc = subprocess.run([sys.executable, "-m", "kvstore.tools.live_replay", "--model", "tiny", "--trace", "smoke",
-                           "--systems", "none", "lru", "kvstore_fp16", "--budgets", "0.5", "--fresh-process",
+                           "--systems", "none", "lru", "kvstore_fp16", "--budgets", "0.5", "--fresh-process", "--warm",
                            "--out", str(out), "--dir", str(tmp_path / "d")], capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert proc.stderr.count("process for ") == 3 and "| kvstore_fp16 | 50% |" in proc.stdout
@@ -181,6 +182,10 @@ def test_live_replay_runs_each_cache_in_its_own_process_and_writes_rows_and_summ
                 "tokens_computed", "open_s", "calibrate_s", "floor_s", "vs_floor", "vs_lru", "vs_cold_max"):
         assert s[key] is not None, key
     assert s["vs_lru"] == pytest.approx(s["ttft_total_s"] / summary["runs"]["lru-0.5"]["ttft_total_s"])
+    for name, r in runs.items():  # the second round: a new cache of the same process, every system alike
+        assert len(r["warm_run"]["rows"]) == n and summary["runs"][name]["warm_ttft_total_s"] > 0
+        assert r["fetch_total_s"] + r["prefill_total_s"] == pytest.approx(r["ttft_total_s"])
+    assert s["warm_vs_lru"] == pytest.approx(s["warm_ttft_total_s"] / summary["runs"]["lru-0.5"]["warm_ttft_total_s"])
     assert s["floor_s"] < s["ttft_total_s"] / s["vs_floor"] * 1.0001
     assert any(k.startswith("kvstore_fp16-0.5 put p99") for k in summary["checks"])
 

@@ -10,12 +10,15 @@
 #                                                          some rows only: SOURCES="device ram")
 #   bash tools/gpu_bench.sh put OUT        # what storing a cache blocks the caller, through the adapters
 #   bash tools/gpu_bench.sh gc OUT         # the garbage collector's pauses during puts (kvstore bench gc-pauses)
-#   BUDGETS="0.25 0.1" bash tools/gpu_bench.sh replay OUT   # issue 42's live replay on it (tools/replay_gpu.py;
-#                                                           SYSTEMS="lru kvstore_fp16": some only; --warm rounds)
-#   bash tools/gpu_bench.sh serve OUT      # its second half only: 8 clients, mlx_lm.server against kvstore serve
-#   bash tools/gpu_bench.sh live OUT       # issue 42's replay (tools/live_replay.py): each cache in a fresh process,
-#                                          # then 8 clients against mlx_lm.server and kvstore serve (~6 min; `model` first,
-#                                          # under a minute); SYSTEMS="none lru" BUDGETS="0.25" WARM=0
+#   BUDGETS="0.25 0.1" bash tools/gpu_bench.sh replay OUT   # issue 42's live replay on it (tools/live_replay.py):
+#                                                           each cache in a fresh process, --warm rounds (WARM=0: none),
+#                                                           the H200 table's trace (TRACE=gpu45); some caches only:
+#                                                           SYSTEMS="lru kvstore_fp16"; PROFILE=1, SWITCH=S, IDLE=1:
+#                                                           diagnoses (live_replay --help)
+#   bash tools/gpu_bench.sh serve OUT      # 8 clients on the servers' trace (gpu): mlx_lm.server against kvstore serve
+#   bash tools/gpu_bench.sh live OUT       # `replay` on the servers' trace (TRACE=gpu, into OUT/live), then `serve`
+#                                          # (~6 min; `model` first, under a minute);
+#                                          # SYSTEMS="none lru" BUDGETS="0.25" WARM=0
 set -euo pipefail
 source /tmp/site/env.sh
 ln -sfn ../adapters kvstore/adapters
@@ -30,19 +33,18 @@ case $1 in
          python3 -m kvstore.tools.bench ssd --tokens "$n" --kv ${KVS:-fp16 q8 q4} --repeats 3 --dir /tmp \
            --parts ${PARTS:-reads writes} --out "$2/ssd-$n"
        done ;;
-  model) python3 -m kvstore.tools.replay_gpu --make-model --model "$M" ;;
+  model) python3 -m kvstore.tools.live_replay --make-model --model "$M" ;;
   cost) [[ -f $M/config.json ]] || bash "$0" model "$2"
         python3 -m kvstore.tools.bench cost --model "$M" --lengths ${LENGTHS:-2048 8192 32768} --kv ${KVS:-fp16 q8 q4} \
           --repeats "${REPEATS:-3}" ${FRESH:+--fresh} ${SOURCES:+--sources $SOURCES} --out "$2" ;;
   put) python3 -m kvstore.tools.put_cost --repeats "${REPEATS:-7}" --first-puts "${FIRST_PUTS:-5}" --out "$2" ;;
   gc) python3 -m kvstore.tools.bench gc-pauses --puts "${PUTS:-10}" --out "$2/gc.json" ;;
   replay) [[ -f $M/config.json ]] || bash "$0" model "$2"
-          python3 -m kvstore.tools.replay_gpu --model "$M" --budgets ${BUDGETS:-0.25 0.1} \
-            --systems ${SYSTEMS:-none lru kvstore_fp16 kvstore_q8} --warm ${PROFILE:+--profile} ${SWITCH:+--switch-interval $SWITCH} ${IDLE:+--idle-writer} --out "$2" ;;
-  live) [[ -f $M/config.json ]] || bash "$0" model "$2"
-        python3 -m kvstore.tools.live_replay --model "$M" --trace gpu --systems ${SYSTEMS:-none lru kvstore_fp16 kvstore_q8} \
-          --budgets ${BUDGETS:-0.25 0.10} --fresh-process $([[ ${WARM:-1} == 1 ]] && echo --warm) --dir /tmp/live-replay \
-          --out "$2/live"
+          python3 -m kvstore.tools.live_replay --model "$M" --trace "${TRACE:-gpu45}" --budgets ${BUDGETS:-0.25 0.1} \
+            --systems ${SYSTEMS:-none lru kvstore_fp16 kvstore_q8} --fresh-process \
+            $([[ ${WARM:-1} == 1 ]] && echo --warm) ${PROFILE:+--profile} ${SWITCH:+--switch-interval $SWITCH} \
+            ${IDLE:+--idle-writer} --dir /tmp/live-replay --out "$2" ;;
+  live) TRACE=gpu bash "$0" replay "$2/live"
         bash "$0" serve "$2" ;;
   serve) [[ -f $M/config.json ]] || bash "$0" model "$2"   # 8 clients: mlx_lm.server against kvstore serve
          python3 -m kvstore.tools.live_replay serve --model "$M" --trace gpu --clients "${CLIENTS:-8}" --out "$2/live-serve" ;;

@@ -37,6 +37,11 @@ engines it times, ``vllm_mlx_replay``, ``vllm_mlx_ttft``) or beside this
 package (``kvstore.tools.put_cost``, ``kvstore.tools.fidelity``), each with a
 ``main(argv)``; docs/benchmarks.md gives each one's command, machine and table.
 
+The live replay of ``kvstore.tools.live_replay`` has its parts here too:
+``live_traces``, ``live_run`` (one process's replays), ``live_summary``,
+``live_serve`` (through the servers) and ``llama_8b`` (the 8B-shaped model of
+the GPU figures).
+
 Around them: ``settings`` (sizes per mode, targets), ``common`` (timing,
 baselines, tokens and KV, tiny models, the machine), ``plots``, ``report``
 (summary table and the docs page) with ``notes`` (the reading notes; every

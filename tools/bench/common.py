@@ -58,6 +58,11 @@ def med(ts) -> float:
     return float(np.median(ts)) if len(ts) else float("nan")
 
 
+def pct(xs, q: float) -> float:
+    """The ``q``-th percentile of ``xs`` (0 for none)."""
+    return float(np.percentile(xs, q)) if len(xs) else 0.0
+
+
 def timed(fn: Callable[[], Any], repeats: int, warmup: int = 0,
           setup: Optional[Callable[[], Any]] = None, teardown: Optional[Callable[[Any], None]] = None) -> list[float]:
     """Wall times of ``fn`` (results dropped after each call, outside the timing)."""
