@@ -122,14 +122,14 @@ def test_serve_reads_gguf_files_and_trained_model_names(tmp_path):
     load = server._load_gguf_too(mlx_load)
     assert server._load_gguf_too(load) is load  # wrapped once, however often the server starts
     assert load("some-org/some-model", return_config=True) == ("model", "tokenizer", {"x": 1})
-    assert calls == ["some-org/some-model"] and server_cache._folder("some-org/some-model") is None
+    assert calls == ["some-org/some-model"] and server_cache.folder_of("some-org/some-model") is None
     folder = tmp_path / "m"
     folder.mkdir()
     (folder / "config.json").write_text("{}")
-    assert server_cache._folder(str(folder)) == folder
+    assert server_cache.folder_of(str(folder)) == folder
     p = tmp_path / "x.gguf"
     p.write_bytes(b"GGUF" + bytes(64))
-    assert server_cache._folder(str(p)) == p
+    assert server_cache.folder_of(str(p)) == p
     with pytest.raises(ValueError):  # a GGUF file goes to load_gguf, which reads its header
         load(str(p))
     assert calls == ["some-org/some-model"]
@@ -140,4 +140,4 @@ def test_serve_loads_smollm2_by_name():
     from kvstore.adapters import server, server_cache
 
     model, tok, config = server._load_gguf_too(None)("smollm2", return_config=True)
-    assert config == {} and model.args.num_hidden_layers == 30 and server_cache._folder("smollm2") == smollm2_path()
+    assert config == {} and model.args.num_hidden_layers == 30 and server_cache.folder_of("smollm2") == smollm2_path()
