@@ -15,9 +15,9 @@ checksum verified by the thread that moves it:
   out of it on the GPU. Blocks laid out kind by kind (plain or quantized
   under one setting: what ``wire`` writes) land at their rows of every
   tensor by strided copies (``kvstore.convert.rowcopy``); older layouts land block by
-  block and are cut there: blocks of one layout are a ``[blocks, bytes]``
-  matrix whose column ranges are one layer's arrays, so one strided view per
-  layer and part replaces a concatenation of per-block pieces. Pageable bytes
+  block and are cut there (``kvstore.convert.landing``): blocks of one layout are a
+  ``[blocks, bytes]`` matrix whose column ranges are one layer's arrays, so one strided
+  view per layer and part replaces a concatenation of per-block pieces. Pageable bytes
   (LMDB's pages) go through pinned staging buffers (``kvstore.gpu.cuda``).
 
 Quantized parts are assembled before anything is dequantized.
@@ -36,11 +36,12 @@ import numpy as np
 import xxhash
 
 from ..gpu import cuda
-from . import rowcopy
+from . import landing, rowcopy
+from .landing import stored_arrays
 from .assemble import assemble
 from ..blocks.codec import Block
 from ..errors import BlockDecodeError
-from ..blocks.header import ArraySpec, KVSpec
+from ..blocks.header import KVSpec
 from ..blocks.layers import KVLayer, Layer, Quantized
 from .spread import each, spread
 from ..blocks.ondevice import DeviceBlock
@@ -123,7 +124,8 @@ def gather(items: Sequence, length: int, quantized: Optional[tuple[int, int]] = 
     if spec is None:
         return _slow(items, length, quantized)
     kept: list = []
-    lay = rowcopy.lines(items, spec) if cuda.runtime() is not None else None
+    on_gpu = cuda.runtime() is not None
+    lay = rowcopy.lines(items, spec) if on_gpu else None
     if lay is not None:
         hit, bad, kept = rowcopy.gather(items, spans, lay, length, keep_on_device)
         if bad is not None:
@@ -131,8 +133,8 @@ def gather(items: Sequence, length: int, quantized: Optional[tuple[int, int]] = 
         return Gathered(rowcopy.layers(hit, lay, length, quantized is not None), length, on_device=kept)
     if any(isinstance(it, DeviceBlock) and it.arrays is not None for it in items):
         return _slow(items, length, quantized)  # (a host block laid out otherwise beside them)
-    elif cuda.runtime() is not None:
-        parts, bad, kept = _fill_device(items, spans, spec, length, keep_on_device)
+    elif on_gpu:
+        parts, bad, kept = landing.fill(items, spans, spec, length, keep_on_device)
     else:
         parts, bad = _fill_host(items, spans, spec, length, fill)
     if bad is not None:
@@ -176,11 +178,6 @@ def _np(a: mx.array) -> np.ndarray:
     return np.asarray(a.view(mx.uint16) if a.dtype == mx.bfloat16 else a)
 
 
-def _stored_arrays(item: Stored) -> list[list[tuple[ArraySpec, ...]]]:
-    """Per layer, per tensor, where each array lies."""
-    return [[e.keys.arrays, e.values.arrays] for e in item.header.layers]
-
-
 def _zeros(spec, length: int) -> list:
     """Per layer, per tensor, the destination arrays, made on the worker
     threads: mlx has no uninitialized allocation, and zero-filling (on a
@@ -219,7 +216,7 @@ class HostFill:
 
     def move(self, item: Stored, s: int, n: int) -> bool:
         payload = item.payload
-        placed = sorted(((dst, a) for lv, la in zip(self.views, _stored_arrays(item)) for tv, ta in zip(lv, la)
+        placed = sorted(((dst, a) for lv, la in zip(self.views, stored_arrays(item)) for tv, ta in zip(lv, la)
                          for dst, a in zip(tv, ta)), key=lambda p: p[1].offset)
         # the checksum is taken array by array as each is copied, in the payload's order, while its bytes
         # are in the cache (one read of the mapped pages instead of two)
@@ -255,97 +252,3 @@ def _fill_host(items, spans, spec, length, fill: Optional[HostFill]):
     ok = each(lambda k: fill.move(items[todo[k]], *spans[todo[k]]), len(todo))
     bad = next((i for i, good in zip(todo, ok) if not good), None)
     return fill.dests, bad
-
-
-# -------------------------------------------------------------------- CUDA
-
-
-def _fill_device(items, spans, spec, length, keep_on_device: bool = False):
-    """Blocks of other layouts (quantized) to per-layer GPU arrays: host
-    blocks land as many at a time as a landing buffer holds (``cuda.landing``:
-    an array mlx made fresh would be moved into managed memory, with a copy,
-    the first time its address is taken), and each run of blocks is cut into
-    its layers there, on the GPU; blocks in the device tier are cut from its
-    buffers. The device tier keeps a device copy of what landed."""
-    pieces: list[list[list[list[mx.array]]]] = [[[[] for _ in t[2]] for t in layer] for layer in spec]
-    kept: list = [None] * len(items)
-    i = 0
-    while i < len(items):
-        j = i + 1
-        if isinstance(items[i], DeviceBlock):
-            while j < len(items) and isinstance(items[j], DeviceBlock) and items[j].data is items[i].data:
-                j += 1
-            _cut(items[i:j], spans[i:j], items[i].data, [it.offset for it in items[i:j]], pieces, False)
-            i = j
-            continue
-        offsets, size = [0], -(-len(items[i].payload) // 64) * 64
-        while j < len(items) and not isinstance(items[j], DeviceBlock):
-            n = -(-len(items[j].payload) // 64) * 64
-            if size + n > cuda.LANDING:
-                break
-            offsets.append(size)
-            size += n
-            j += 1
-        with cuda.landing(size) as (buf, base):
-            bad = _land(items[i:j], offsets, base)
-            if bad is not None:
-                return [], i + bad, []
-            data = mx.array(buf[:size]) if keep_on_device else buf[:size]  # the device tier's: a copy of its own
-            new = _cut(items[i:j], spans[i:j], data, offsets, pieces, not keep_on_device)
-            mx.eval(new + [data])  # done with the landing buffer before it is used again
-        if keep_on_device:
-            kept[i:j] = [DeviceBlock.kept(it, data=data, offset=o) for it, o in zip(items[i:j], offsets)]
-        i = j
-    out = [[[p[0] if len(p) == 1 else mx.concatenate(p, axis=2) for p in tp] for tp in lp] for lp in pieces]
-    mx.eval([a for lp in out for tp in lp for a in tp])
-    return out, None, kept
-
-
-def _land(items: Sequence[Stored], offsets: Sequence[int], base: int) -> Optional[int]:
-    """Host blocks to GPU address ``base`` + their offsets (``rowcopy.move_blocks``);
-    the index of the first block whose checksum failed, if any."""
-    rt = cuda.runtime()
-
-    def queue(k: int, stream) -> None:
-        a = np.frombuffer(items[k].payload, np.uint8)
-        rt.copy(base + offsets[k], a.ctypes.data, len(a), stream)
-
-    return rowcopy.move_blocks(items, queue, lambda k: cuda.upload(rt, base + offsets[k], items[k].payload))
-
-
-def _cut(items: Sequence, spans: Sequence[tuple[int, int]], data: mx.array, offsets: Sequence[int], pieces: list,
-         own: bool) -> list[mx.array]:
-    """Each run of consecutive blocks of one byte layout in ``data`` (uint8,
-    a block at each offset) cut into its layers as a strided matrix, per
-    array appended to ``pieces`` (a copy on the GPU where ``own``); returns
-    the pieces appended."""
-    views = {name: data.view(dt) for name, dt in _DTYPE.items()}
-    new: list[mx.array] = []
-    i = 0
-    while i < len(items):
-        item = items[i]
-        j = i + 1
-        size = _payload_size(item)
-        while (j < len(items) and _payload_size(items[j]) == size and size % 64 == 0
-               and items[j].header.layers == item.header.layers and offsets[j] - offsets[j - 1] == size):
-            j += 1
-        m = j - i
-        rows = sum(n for _, n in spans[i:j])
-        stride = -(-size // 64) * 64
-        for lp, la in zip(pieces, _stored_arrays(item)):
-            for tp, ta in zip(lp, la):
-                for p, a in zip(tp, ta):
-                    isz = a.np_dtype.itemsize
-                    o = offsets[i]
-                    flat = views[a.dtype][o // isz : (o + m * stride) // isz]
-                    x = flat.reshape(m, stride // isz)[:, a.offset // isz : (a.offset + a.nbytes) // isz]
-                    _, h, r, w = a.shape
-                    x = x.reshape(m, h, r, w).transpose(1, 0, 2, 3).reshape(1, h, m * r, w)[..., :rows, :]
-                    p.append(mx.array(x) if own else x)
-                    new.append(p[-1])
-        i = j
-    return new
-
-
-def _payload_size(item) -> int:
-    return item.size if isinstance(item, DeviceBlock) else len(item.payload)
