@@ -176,6 +176,21 @@ def test_no_module_of_the_core_or_the_adapters_over_the_line_limit():
     assert not long, f"over {MAX_LINES} lines (split by job): {long}"
 
 
+REPO = ADAPTERS.parent
+DOC_LIMITS = {"README.md": 300, "docs/benchmarks.md": 450}  # lines: the quick start; the current tables
+
+
+def test_the_docs_and_tools_stay_documentation_and_maintained_tools():
+    """History lives in git: the README and the benchmarks page stay within their lines, docs/bench holds at
+    most 20 result files, and tools/ at most 12 scripts beside the benchmarks of ``kvstore bench``."""
+    long = {f: n for f, m in DOC_LIMITS.items() if (n := len((REPO / f).read_text().splitlines())) > m}
+    assert not long, f"over their limits {DOC_LIMITS}: {long}"
+    results = [p.name for p in (REPO / "docs" / "bench").iterdir() if p.is_file()]
+    assert len(results) <= 20, f"docs/bench holds {len(results)} files: {sorted(results)}"
+    scripts = [p.name for p in (REPO / "tools").iterdir() if p.suffix in (".py", ".sh") and p.name != "__init__.py"]
+    assert len(scripts) <= 12, f"{len(scripts)} tool scripts outside tools/bench: {sorted(scripts)}"
+
+
 def _adapter_imports(path: pathlib.Path, names: set[str]) -> set[str]:
     """The adapters modules ``path`` imports (relatively or as ``kvstore.adapters.X``), anywhere in it."""
     out = set()
