@@ -220,6 +220,33 @@ def vllm_mlx_serve(ctx: typer.Context):
     run_server(ctx.args)
 
 
+omlx_app = typer.Typer(help="oMLX on the store (a separate install: pip install --no-deps 'flyto-mlx==0.7.0', "
+                                "docs/engines.md).", no_args_is_help=True)
+app.add_typer(omlx_app, name="omlx")
+
+
+@omlx_app.command("serve", context_settings={"allow_extra_args": True, "ignore_unknown_options": True,
+                                             "help_option_names": []})
+def omlx_serve(ctx: typer.Context):
+    """Run oMLX's multi-model server (omlx serve) on the store: every model it serves keeps its prompts' KV there.
+
+    kvstore omlx serve \\[store options] \\[every omlx serve option]. Store options are those of
+    kvstore vllm-mlx serve: --ssd-path DIR, --budget-gb G, --disk-budget-gb G, --kv-bits 8 | 4 | 8,4, --store-group-size N,
+    --block-size N, --namespace NAME, --fetch-policy auto | always | never, --ssd-admit always | reuse,
+    --calibrate-budget-s S, --remote URL, --remote-timeout S, --remote-secret S (better: $KVSTORE_REMOTE_SECRET).
+    oMLX's own cache bounds (--paged-ssd-cache-max-size, --hot-cache-max-size) and --no-cache are refused, each
+    naming the store's option to use.
+
+    Example: [bold]kvstore omlx serve --model-dir ~/models --ssd-path ~/.cache/kvstore/store --kv-bits 8 --port 8000[/bold]
+    """
+    if "--help" in ctx.args or "-h" in ctx.args:
+        out.print(omlx_serve.__doc__)
+        raise typer.Exit(0)
+    from .omlx_serve import serve as run_server
+
+    run_server(ctx.args)
+
+
 def main() -> None:
     run()
 

@@ -3,19 +3,14 @@ a ``PrefixStore`` (its prefix cache replaced by :func:`.vllm_mlx.install`)."""
 
 from __future__ import annotations
 
-import argparse
-import logging
 from typing import Sequence
 
 from kvstore import PrefixStore
 from kvstore.config import store_config
 
-from .server_args import parse_kv_bits
+from .engine_serve import parse_store_options, run_until_stopped
 
 __all__ = ["parse_serve_args", "serve"]
-
-log = logging.getLogger("kvstore")
-
 
 
 # vllm-mlx serve options that would take the prefix cache away from the store
@@ -36,45 +31,13 @@ _REFUSED = {
 }
 
 
-def _serve_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="kvstore vllm-mlx serve", add_help=False, allow_abbrev=False)
-    p.add_argument("--ssd-path", default=None)
-    p.add_argument("--budget-gb", type=float, default=4.0)
-    p.add_argument("--disk-budget-gb", type=float, default=None)
-    p.add_argument("--kv-bits", default=None)
-    p.add_argument("--store-group-size", type=int, default=64)
-    p.add_argument("--block-size", type=int, default=None)  # None: the store's own (256 for a new one)
-    p.add_argument("--namespace", default=None)
-    p.add_argument("--fetch-policy", default="auto", choices=["auto", "always", "never"])
-    p.add_argument("--calibrate-budget-s", type=float, default=3.0)  # 0: no calibration of the model's prefill
-    p.add_argument("--ssd-admit", default="always", choices=["always", "reuse"])
-    p.add_argument("--remote", default=None)
-    p.add_argument("--remote-timeout", type=float, default=0.5)
-    p.add_argument("--remote-secret", default=None)  # better: $KVSTORE_REMOTE_SECRET (not in process lists)
-    return p
-
-
 def parse_serve_args(argv: Sequence[str]) -> tuple[dict, list[str]]:
     """``kvstore vllm-mlx serve``'s own options as ``PrefixStore`` arguments,
     and the rest for ``vllm-mlx serve``: continuous batching added, unless
     ``--prefix-trie-cache`` asks for vllm-mlx's SimpleEngine. Options
     that would move the prefix cache off the store exit with code 2, naming
     what to use instead."""
-    parser = _serve_parser()
-    opts, rest = parser.parse_known_args(list(argv))
-    for arg in rest:
-        name = arg.split("=", 1)[0]
-        if name in _REFUSED:
-            parser.error(f"{name} does not apply on the store: {_REFUSED[name]}")
-    try:
-        bits = parse_kv_bits(opts.kv_bits)
-    except ValueError as e:
-        parser.error(f"--kv-bits: {e}")
-    store_args = dict(budget_gb=opts.budget_gb, ssd_path=opts.ssd_path, block_size=opts.block_size, kv_bits=bits,
-                      kv_group_size=opts.store_group_size, namespace=opts.namespace,
-                      disk_budget_gb=opts.disk_budget_gb, fetch_policy=opts.fetch_policy, remote=opts.remote,
-                      remote_timeout=opts.remote_timeout, remote_secret=opts.remote_secret,
-                      calibrate_budget_s=opts.calibrate_budget_s, ssd_admit=opts.ssd_admit)
+    store_args, rest = parse_store_options("kvstore vllm-mlx serve", argv, _REFUSED)
     if "--continuous-batching" not in rest and "--prefix-trie-cache" not in rest:
         rest.append("--continuous-batching")
     return store_args, rest
@@ -98,9 +61,6 @@ def serve(argv: Sequence[str]) -> None:
     """``kvstore vllm-mlx serve MODEL [store options] [vllm-mlx serve options]``:
     vllm-mlx's own server, continuous batching, on a ``PrefixStore``. SIGTERM
     or Ctrl-C shuts the server down, then flushes and closes the store."""
-    import signal
-    import sys
-
     store_args, rest = parse_serve_args(argv)
     config = store_config(**store_args)  # a bad store option is an error now, before the engine's imports
     from .vllm_mlx import check_vllm_mlx, install
@@ -116,20 +76,4 @@ def serve(argv: Sequence[str]) -> None:
 
     remove_metrics = add_store_metrics(store)  # kvstore_* series in /metrics (with --enable-metrics)
 
-    def stop(signum, frame):
-        # uvicorn shuts down on SIGTERM, then raises it again for the handler it found: ours ends main()
-        raise KeyboardInterrupt
-
-    argv0, previous = sys.argv, signal.signal(signal.SIGTERM, stop)
-    sys.argv = ["vllm-mlx", "serve", *rest]
-    try:
-        vcli.main()  # returns (or raises KeyboardInterrupt) once uvicorn has shut down
-    except KeyboardInterrupt:
-        pass
-    finally:
-        sys.argv = argv0
-        signal.signal(signal.SIGTERM, previous)
-        remove_metrics()
-        installed.close()
-        store.close()
-        log.info("kvstore: store closed, pending blocks written")
+    run_until_stopped(vcli.main, ["vllm-mlx", "serve", *rest], remove_metrics, installed.close, store.close)

@@ -10,6 +10,7 @@ own (.ci/run); without omlx they skip.
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 import time
@@ -194,3 +195,51 @@ def test_a_changed_omlx_is_refused_by_name(llama, tmp_path, monkeypatch):
         assert omlx_scheduler.BlockAwarePrefixCache.__name__ == "BlockAwarePrefixCache"  # nothing replaced
     finally:
         store.close()
+
+
+# ------------------------------------------------------------ kvstore omlx serve
+
+
+def serve_omlx(models, store, port, log, home):
+    from .test_server import launch
+
+    cmd = [sys.executable, "-m", "kvstore.adapters.cli", "omlx", "serve", "--ssd-path", str(store), "--budget-gb", "1",
+           "--block-size", str(BLOCK), "--calibrate-budget-s", "0", "--model-dir", str(models), "--host", "127.0.0.1",
+           "--port", str(port)]
+    return launch(cmd, port, log, env=dict(os.environ, HOME=str(home)))  # (oMLX keeps its settings under ~)
+
+
+def test_kvstore_omlx_serve_reports_cached_tokens_and_keeps_them_across_restart(tmp_path):
+    """oMLX's own server, every model it discovers on the store: a second conversation sharing the system
+    prompt reports it cached (oMLX's own usage field), SIGTERM writes the store out, and the server started
+    again answers the first conversation the same from the store."""
+    from .test_server import chat, free_port, stop
+
+    make_tiny_model("llama", tmp_path / "models" / "tiny")
+    store, home = tmp_path / "store", tmp_path / "home"
+    with open(tmp_path / "serve.log", "wb") as log:
+        proc = serve_omlx(tmp_path / "models", store, port := free_port(), log, home)
+        try:
+            first = chat(port, "hello there", full=True, model="tiny")
+            other = chat(port, "how are you today", model="tiny")
+        finally:
+            stop(proc)
+        proc = serve_omlx(tmp_path / "models", store, port := free_port(), log, home)
+        try:
+            again = chat(port, "hello there", full=True, model="tiny")
+        finally:
+            stop(proc)
+    assert first["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+    assert other["prompt_tokens_details"]["cached_tokens"] >= 640  # the system prompt's whole blocks
+    assert again["usage"]["prompt_tokens_details"]["cached_tokens"] >= first["usage"]["prompt_tokens"] - BLOCK
+    assert again["choices"][0]["message"] == first["choices"][0]["message"]
+    assert not list((home / ".fmlx" / "cache").rglob("*.safetensors"))  # oMLX's own SSD cache got no block
+
+
+@pytest.mark.parametrize("option, says", [("--no-cache", "run omlx serve itself"),
+                                          ("--hot-cache-max-size=4GB", "--budget-gb"),
+                                          ("--paged-ssd-cache-max-size", "--disk-budget-gb")])
+def test_kvstore_omlx_serve_refuses_omlx_own_cache_options_naming_the_stores(option, says):
+    done = subprocess.run([sys.executable, "-m", "kvstore.adapters.cli", "omlx", "serve", option, "10GB"],
+                          capture_output=True, text=True, timeout=60)
+    assert done.returncode == 2 and says in done.stderr and option.split("=")[0] in done.stderr

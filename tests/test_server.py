@@ -23,8 +23,13 @@ def free_port() -> int:
 
 
 def start(model, store, port, log, *extra, env=None):
-    cmd = [sys.executable, "-m", "kvstore.adapters.cli", "serve", "--model", str(model), "--ssd-path", str(store),
-           "--budget-gb", "1", "--block-size", "64", "--host", "127.0.0.1", "--port", str(port), *extra]
+    return launch([sys.executable, "-m", "kvstore.adapters.cli", "serve", "--model", str(model), "--ssd-path",
+                   str(store), "--budget-gb", "1", "--block-size", "64", "--host", "127.0.0.1", "--port", str(port),
+                   *extra], port, log, env)
+
+
+def launch(cmd, port, log, env=None):
+    """A server process, once it listens on ``port``."""
     proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
     deadline = time.time() + 120
     while time.time() < deadline:
@@ -38,13 +43,15 @@ def start(model, store, port, log, *extra, env=None):
     pytest.fail("server did not start")
 
 
-def chat(port, question):
+def chat(port, question, full=False, **fields):
+    """A chat request's usage (``full``: the whole response)."""
     body = {"messages": [{"role": "system", "content": SYSTEM}, {"role": "user", "content": question}],
-            "max_tokens": 8, "temperature": 0}
+            "max_tokens": 8, "temperature": 0, **fields}
     req = urllib.request.Request(f"http://127.0.0.1:{port}/v1/chat/completions", json.dumps(body).encode(),
                                  {"Content-Type": "application/json"})
     with urllib.request.urlopen(req, timeout=120) as r:
-        return json.load(r)["usage"]
+        out = json.load(r)
+    return out if full else out["usage"]
 
 
 def stop(proc):
