@@ -101,6 +101,36 @@ def test_answers_at_temperature_0_equal_omlx_own_cache_and_none(llama, tmp_path)
     assert stats.tokens_saved >= len(prompts[2]) - 1
 
 
+@pytest.mark.parametrize("kind", ["qwen3_next", "gemma3_text"])
+def test_hybrid_models_share_a_system_prompt_through_block_snapshots(kind, tmp_path):
+    """A model whose cache cannot be cut back (recurrent layers; sliding windows) has its prompt's whole
+    blocks computed at the fetch, a snapshot offered at each boundary: a second question on the same
+    system prompt starts at least from the shared prefix's last whole block, with oMLX's own answers."""
+    path = make_tiny_model(kind, tmp_path / kind)
+    model, tokenizer = load(str(path))
+    prompts = [chat(tokenizer, q) for q in QUESTIONS[:2]]
+    none = engine(model, tokenizer)
+    try:
+        alone = [answer(none, p) for p in prompts]
+    finally:
+        none.close()
+    store = open_store(tmp_path / "store")
+    with A.install(store, model_path=path, calibrate_prefill=False) as installed:
+        eng = engine(model, tokenizer, tmp_path / "omlx-scratch")
+    try:
+        first = answer(eng, prompts[0])
+        installed.flush()
+        before = store.stats()["tokens_ram"]
+        second = answer(eng, prompts[1])
+        served = store.stats()["tokens_ram"] - before
+    finally:
+        eng.close()
+        store.close()
+    shared = next(i for i, (a, b) in enumerate(zip(*prompts)) if a != b)
+    assert [first, second] == alone
+    assert 0 < shared // BLOCK * BLOCK <= served <= shared  # (a window not yet wrapped is cut back mid-block)
+
+
 def test_repeat_and_restart_after_sigkill_are_served_from_the_store(llama, tmp_path):
     """A repeat computes one token; a process killed with SIGKILL after
     answering leaves its KV on disk for the next; both first tokens take a
