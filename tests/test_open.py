@@ -177,7 +177,9 @@ def test_opening_a_store_reads_its_index_not_the_blocks_around_it(tmp_path, read
         if resident_fraction(data) > 0.5:
             pytest.skip("this file system keeps files in memory (tmpfs): its page cache cannot be dropped")
         with PrefixStore(ssd_path=tmp_path / "s", budget_gb=0, block_size=64, readonly=readonly) as s:
-            assert resident_fraction(data) < 0.02
+            # none of the kernel's read-around (8 MiB a fault here: a quarter of this file); a loaded box left up
+            # to 4% resident once (1 of 4 full suite runs), its own pages and what writeback had not let go
+            assert resident_fraction(data) < 0.1
             assert s.fetch(M, p[: 64 * 8]).length == 64 * 8
         assert resident_fraction(data) > 0.1
 
