@@ -82,7 +82,7 @@ class Discovery:
         last = min(full, first + self.max_probe)
         keys = [chain.key(i) for i in range(first, last)]
         near = (chain.parent(full), chain.tokens[full * bs : n]) if last == full and n > full * bs else None
-        if not self.remote.breaker.allow():
+        if not self.remote.available():
             self.counters.count("remote_bypassed")
             return Found()
         got = self.remote.probe(root, keys, near)

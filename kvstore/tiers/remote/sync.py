@@ -123,6 +123,10 @@ class Remote:
 
     # ------------------------------------------------------------- guarded
 
+    def available(self) -> bool:
+        """Whether the breaker lets a call through now (a down server is skipped until its back-off ends)."""
+        return self.breaker.allow()
+
     def call(self, fn: Callable[..., T], *args) -> Optional[T]:
         """``fn(*args)`` against the server, or ``None`` when the breaker is
         open or the call failed (counted, warned once). Never raises."""
