@@ -24,9 +24,9 @@ PROMPTS = [list(range(40)) + [100 + i] * (10 + 10 * i) for i in range(3)]  # a s
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def kvstore(*args):
+def kvstore(*args, env=None):
     return subprocess.run([sys.executable, "-m", "kvstore.adapters.cli", *map(str, args)], capture_output=True,
-                          text=True, timeout=120)
+                          text=True, timeout=120, env=env)
 
 
 def fill(path, prompts=PROMPTS, model=MODEL, block_size=BS, **kw):
@@ -279,3 +279,86 @@ def test_a_progress_bar_on_a_terminal_and_none_with_quiet(exported, tmp_path):
     assert "exporting" in on_tty("export", src, tmp_path / "g.kvx")
     assert "exporting" not in on_tty("export", src, tmp_path / "g.kvx", "--quiet")
     assert "importing" in on_tty("import", tmp_path / "dst", file)
+
+
+# ------------------------------------------------------------ signed files (format 2)
+
+SECRET = "export-secret-for-tests"
+
+
+def _frames(file: Path) -> tuple[bytes, list]:
+    import msgpack
+
+    data = file.read_bytes()
+    return data[: PREFIX.size], list(msgpack.Unpacker(__import__("io").BytesIO(data[PREFIX.size:]), raw=False))
+
+
+def _written(prefix: bytes, frames: list, out: Path) -> Path:
+    import msgpack
+
+    out.write_bytes(prefix + b"".join(msgpack.packb(f, use_bin_type=True) for f in frames))
+    return out
+
+
+def test_a_signed_export_imports_where_its_secret_verifies_it(tmp_path):
+    fill(tmp_path / "src")
+    file = tmp_path / "signed.kvx"
+    res = kvstore("export", tmp_path / "src", file, "--sign", env=dict(os.environ, KVSTORE_EXPORT_SECRET=SECRET))
+    assert res.returncode == 0 and "exported 9 blocks" in res.stdout and "signed" in res.stdout, res.stderr
+    assert PREFIX.unpack(file.read_bytes()[: PREFIX.size])[1] == 2
+    res = kvstore("import", tmp_path / "dst", file, "--verify", env=dict(os.environ, KVSTORE_EXPORT_SECRET=SECRET))
+    assert res.returncode == 0 and "imported 9 blocks" in res.stdout and "signed, verified" in res.stdout
+    assert served(tmp_path / "dst") == [50, 60, 70]
+    plain = import_store(tmp_path / "dst2", file)  # no secret given: checked as any file, its tags not
+    assert (plain.blocks, plain.signed, plain.verified) == (9, True, False)
+
+
+def test_without_the_secret_no_file_passes_verification_and_nothing_is_written(exported, tmp_path):
+    """Checksums catch damage, not forgery: a file written without the secret (unsigned, signed under
+    another, or a signed file with one block's KV swapped and every checksum made to match) is refused
+    whole by an import given the secret, while the swapped file passes an import without it."""
+    src, unsigned = exported
+    other = tmp_path / "other.kvx"
+    export_store(src, other, secret="someone else's")
+    signed = tmp_path / "signed.kvx"
+    export_store(src, signed, secret=SECRET)
+    # the forgery: block 4's KV from a store of the same tokens and other values, digests recomputed
+    with PrefixStore(budget_gb=0.1, ssd_path=tmp_path / "evil", block_size=BS) as store:
+        store.register_model(MODEL, {"name": "tiny"})
+        for p in PROMPTS:
+            store.put(MODEL, p, kv_layers(p, dim=32, dtype=mx.float32))
+        store.flush()
+    evil = tmp_path / "evil.kvx"
+    export_store(tmp_path / "evil", evil)
+    prefix, frames = _frames(signed)
+    _, theirs = _frames(evil)
+    from kvstore.admin.transfer import _digest
+    import xxhash
+
+    i = 4
+    assert frames[i][1] == theirs[i][1] and frames[i][3] != theirs[i][3]  # the same block key, other KV
+    frames[i] = theirs[i][:5] + [frames[i][5]]
+    chain = xxhash.xxh3_128(frames[0][2])
+    for f in frames[1:-1]:
+        assert _digest(*f[1:4]) == f[4]
+        chain.update(f[4])
+    frames[-1][2] = chain.digest()
+    forged = _written(prefix, frames, tmp_path / "forged.kvx")
+    for bad in (unsigned, other, forged):
+        with pytest.raises(TransferError, match="not signed"):
+            import_store(tmp_path / "dst", bad, secret=SECRET)
+        assert blocks_in(tmp_path / "dst") == 0
+    assert import_store(tmp_path / "gullible", forged).blocks == 9  # what the signature guards against:
+    with PrefixStore(budget_gb=0.1, ssd_path=tmp_path / "gullible") as store:  # KV that is not the prompt's
+        hits = [(store.fetch(MODEL, p), kv_layers(p)) for p in PROMPTS]
+    assert all(h.length == len(p) for (h, _), p in zip(hits, PROMPTS))
+    assert not all(same(a.keys, b.keys) for h, ref in hits for a, b in zip(h.layers, ref))
+
+
+def test_sign_and_verify_take_the_secret_from_the_environment_only(exported, tmp_path):
+    src, file = exported
+    env = {k: v for k, v in os.environ.items() if k != "KVSTORE_EXPORT_SECRET"}
+    for args in (("export", src, tmp_path / "x.kvx", "--sign"), ("import", tmp_path / "dst", file, "--verify")):
+        res = kvstore(*args, env=env)
+        assert res.returncode == 2 and "KVSTORE_EXPORT_SECRET" in res.stderr and "Traceback" not in res.stderr
+    assert not (tmp_path / "x.kvx").exists() and blocks_in(tmp_path / "dst") == 0

@@ -9,14 +9,13 @@ from __future__ import annotations
 import datetime as dt
 import json
 import sys
-from contextlib import contextmanager
 from enum import Enum
 from pathlib import Path
 from typing import Any, Callable, Optional
 
 import typer
 from rich.markup import escape
-from rich.progress import DownloadColumn, Progress
+from rich.progress import Progress
 from rich.table import Table
 
 from .. import __version__
@@ -24,7 +23,7 @@ from .catalog import Catalog, check_block, parse_age, select
 from ..cost.model import CostModel
 from ..errors import KVStoreError, StoreOpenError
 from ..tiers.disk.lmdb import LmdbTier
-from .transfer import export_store, import_store
+from .cli_transfer import export_, import_
 from .cli_remote import (clear_remote as _clear_remote, path_or_remote as _path_or_remote,
                          print_remote_stats as _print_remote_stats, remote_catalog as _remote_catalog)
 from .ui import err, out, size as _size
@@ -302,59 +301,8 @@ def verify(path: Path = PathArg,
     raise typer.Exit(1 if n_bad else 0)
 
 
-QuietOpt = typer.Option(False, "--quiet", "-q", help="No progress bar (there is none when stderr is not a terminal).")
-
-
-@contextmanager
-def _progress(what: str, quiet: bool):
-    """A progress bar on stderr, fed ``(bytes done, bytes in all)``."""
-    with Progress(*Progress.get_default_columns(), DownloadColumn(), console=err, transient=True,
-                  disable=quiet or not err.is_terminal) as bar:
-        task = bar.add_task(what, total=None)
-        yield lambda done, total: bar.update(task, completed=done, total=total)
-
-
-@app.command("export")
-def export_(
-    path: Path = PathArg,
-    file: Path = typer.Argument(..., help="The export file to write (replaced once complete).", show_default=False),
-    model_key: Optional[str] = typer.Option(None, "--model-key", help="Only this model's entries (the model key "
-                                            "its engine stored them under, as `kvstore inspect` names it)."),
-    namespace: Optional[str] = typer.Option(None, "--namespace", help="Only entries of this namespace."),
-    quiet: bool = QuietOpt,
-):
-    """Write a store's entries (tokens, records, KV blocks, a checksum per block) to one file, for
-    `kvstore import` on another machine or later. Opens the store read-only: safe while an engine writes it.
-
-    Example: [bold]kvstore export ~/.cache/kvstore/store cache.kvx --model-key my-model[/bold]
-    """
-    with _progress("exporting", quiet) as bar:
-        r = export_store(path, file, model_key, namespace, progress=bar)
-    out.print(f"exported {r.blocks} blocks ({_size(r.nbytes)}) of {len(r.models)} model"
-              f"{'' if len(r.models) == 1 else 's'} ({', '.join(r.models) or 'none matched'}) to {file}"
-              + (f"; {r.skipped} damaged blocks (or removed meanwhile) left out with the blocks below them "
-                 f"(`kvstore verify`)" if r.skipped else ""))
-
-
-@app.command("import")
-def import_(
-    path: Path = typer.Argument(..., help="The store directory to add to (made when the path is new or empty).",
-                                show_default=False),
-    file: Path = typer.Argument(..., help="A file `kvstore export` wrote.", show_default=False),
-    quiet: bool = QuietOpt,
-):
-    """Add the entries of an export file to a store. The whole file is checked first (every block's
-    checksum, key and tokens): a damaged, truncated or foreign file is refused and nothing is written.
-    Blocks the store holds already are skipped. Safe beside running engines: they find the new blocks
-    at their next lookup.
-
-    Example: [bold]kvstore import ~/.cache/kvstore/store cache.kvx[/bold]
-    """
-    with _progress("importing", quiet) as bar:
-        r = import_store(path, file, progress=bar)
-    out.print(f"imported {r.blocks} blocks ({_size(r.nbytes)}) of {', '.join(r.models) or 'no model'}; "
-              f"{r.present} already there" + (f"; {r.skipped} not written: their parent was removed meanwhile "
-                                               f"(a `kvstore clear`)" if r.skipped else ""))
+app.command("export")(export_)  # (kvstore/admin/cli_transfer.py)
+app.command("import")(import_)
 
 
 @app.command()

@@ -22,7 +22,11 @@ have the store open find the blocks as they find any other process's, at
 their next lookup that reaches them.
 
 The checks catch damage, not forgery: whoever can write the file can write
-KV that is consistent and wrong. Import files of a source you trust.
+KV that is consistent and wrong. A signed export (``secret=``: format 2)
+carries an HMAC-SHA256 tag under the exporter's secret on every frame, and
+an import given the secret takes only files whose every tag it verifies, in
+both passes (each block's own tag is checked again as it is written): a
+file only a keyholder could have written.
 """
 
 from __future__ import annotations
@@ -34,6 +38,8 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import BinaryIO, Callable, Iterator, Optional, Union
 
+import hmac
+
 import msgpack
 import xxhash
 
@@ -43,9 +49,13 @@ from ..errors import StoreOpenError, TransferError
 from ..blocks.hashing import chain_key, root_key
 from ..blocks.record import BlockRecord, Entry
 from ..tiers.disk.lmdb import LmdbTier
+from ..tiers.remote.auth import Signer
 
 MAGIC = b"\x89KVX\r\n\x1a\n"  # as PNG's: a file mangled by a text-mode copy fails here
-FORMAT_VERSION = 1
+FORMAT_VERSION = 1  # unsigned
+SIGNED_VERSION = 2  # every frame carries a tag (HMAC-SHA256 under the exporter's secret) after its digest
+SECRET_ENV = "KVSTORE_EXPORT_SECRET"  # where `kvstore export --sign` and `kvstore import --verify` read the secret
+_DOMAIN = b"kvstore-export-v2"  # tags of export frames, never taken for another layout's under the same secret
 PREFIX = struct.Struct("<8sH")  # magic, format version
 _MAX_FRAME = 1 << 31  # the largest frame read (a block of a large model at a large block size is ~100 MiB)
 _BATCH_BYTES = 64 << 20  # block bytes per write transaction of an import
@@ -66,18 +76,33 @@ class Report:
     #                   whose parent a `kvstore clear` removed while the import ran
     models: list[str] = field(default_factory=list)
     block_size: int = 0
+    signed: bool = False  # the file carries tags (format 2)
+    verified: bool = False  # ... and every one was checked under the secret given
 
 
 # ------------------------------------------------------------------ export
 
 
+def _signer(secret: Union[str, bytes, None]) -> Optional[Signer]:
+    if secret is None:
+        return None
+    if isinstance(secret, str):
+        secret = secret.encode()
+    if not isinstance(secret, bytes) or not secret:
+        raise TransferError("the export secret must be a non-empty str or bytes")
+    return Signer(secret, _DOMAIN)
+
+
 def export_store(ssd_path: PathLike, file: PathLike, model_key: Optional[str] = None,
-                 namespace: Optional[str] = None, progress: Optional[Progress] = None) -> Report:
+                 namespace: Optional[str] = None, progress: Optional[Progress] = None,
+                 secret: Union[str, bytes, None] = None) -> Report:
     """Write the entries of the store at ``ssd_path`` (of ``model_key`` and / or
     ``namespace`` only, when given) to ``file``, replaced whole once it is
-    complete. Opens the store read-only: safe beside engines writing it.
-    Every block is checked as it is read; a damaged one is left out with the
-    blocks below it (``Report.skipped``)."""
+    complete; with ``secret``, signed (format 2: every frame tagged). Opens
+    the store read-only: safe beside engines writing it. Every block is
+    checked as it is read; a damaged one is left out with the blocks below
+    it (``Report.skipped``)."""
+    signer = _signer(secret)
     tier = LmdbTier.open(ssd_path, readonly=True)
     try:
         size = _block_size(tier)
@@ -92,7 +117,7 @@ def export_store(ssd_path: PathLike, file: PathLike, model_key: Optional[str] = 
         tmp = Path(f"{file}.partial")
         try:
             with _opened(tmp, "wb", shown=file) as f:
-                report = _write(tier, f, header, order, progress)
+                report = _write(tier, f, header, order, progress, signer)
                 f.flush()
                 os.fsync(f.fileno())
             os.replace(tmp, file)
@@ -102,6 +127,7 @@ def export_store(ssd_path: PathLike, file: PathLike, model_key: Optional[str] = 
         tier.close()
     report.models = [_name(info, r) for r, info in header["models"]]
     report.block_size = size
+    report.signed = report.verified = signer is not None
     return report
 
 
@@ -118,14 +144,16 @@ def _roots(models: dict[bytes, dict], model_key: Optional[str], namespace: Optio
     return out
 
 
-def _write(tier: LmdbTier, f: BinaryIO, header: dict, order: list, progress: Optional[Progress]) -> Report:
+def _write(tier: LmdbTier, f: BinaryIO, header: dict, order: list, progress: Optional[Progress],
+           signer: Optional[Signer]) -> Report:
     report = Report()
     total = sum(o[2] for o in order)
-    f.write(PREFIX.pack(MAGIC, FORMAT_VERSION))
+    tags = (lambda *parts: [signer.tag(*parts)]) if signer is not None else (lambda *parts: [])
+    f.write(PREFIX.pack(MAGIC, FORMAT_VERSION if signer is None else SIGNED_VERSION))
     raw = msgpack.packb(header, use_bin_type=True)
     digest = _digest(b"header", raw)
     chain = xxhash.xxh3_128(digest)
-    f.write(msgpack.packb(["header", raw, digest], use_bin_type=True))
+    f.write(msgpack.packb(["header", raw, digest, *tags(b"header", raw)], use_bin_type=True))
     roots = {r for r, _ in header["models"]}
     done: set[bytes] = set()
     for i in range(0, len(order), _READ_BATCH):  # short read transactions: engines' writes reuse freed pages
@@ -140,13 +168,16 @@ def _write(tier: LmdbTier, f: BinaryIO, header: dict, order: list, progress: Opt
                 rec_raw = replace(rec, offset=-1).pack()
                 digest = _digest(key, rec_raw, buf)
                 chain.update(digest)
-                f.write(msgpack.packb(["block", key, rec_raw, buf, digest], use_bin_type=True))
+                f.write(msgpack.packb(["block", key, rec_raw, buf, digest, *tags(key, rec_raw, buf)],
+                                      use_bin_type=True))
                 done.add(key)
                 report.blocks += 1
                 report.nbytes += len(buf)
                 if progress is not None:
                     progress(report.nbytes, total)
-    f.write(msgpack.packb(["end", report.blocks, chain.digest()], use_bin_type=True))
+    end = chain.digest()
+    f.write(msgpack.packb(["end", report.blocks, end, *tags(b"end", report.blocks.to_bytes(8, "little"), end)],
+                          use_bin_type=True))
     return report
 
 
@@ -162,15 +193,18 @@ def _digest(*parts) -> bytes:
 # ------------------------------------------------------------------ import
 
 
-def import_store(ssd_path: PathLike, file: PathLike, progress: Optional[Progress] = None) -> Report:
+def import_store(ssd_path: PathLike, file: PathLike, progress: Optional[Progress] = None,
+                 secret: Union[str, bytes, None] = None) -> Report:
     """Add the entries of export file ``file`` to the store at ``ssd_path``
     (made when the path is new or an empty directory). Raises
     ``TransferError`` for a file that is not an export file, of another
     format version, truncated, damaged, or of another block size than the
-    store: then nothing was written. Safe beside engines that have the store
-    open (see the module docstring)."""
+    store, and, with ``secret``, for a file not signed under it: then nothing
+    was written. Safe beside engines that have the store open (see the
+    module docstring)."""
+    signer = _signer(secret)
     total = _file_size(file)
-    header = _check(file, lambda n: progress(n, 2 * total) if progress else None)
+    header = _check(file, lambda n: progress(n, 2 * total) if progress else None, signer)
     path = Path(ssd_path).expanduser()
     tier = LmdbTier.open(path, _stored_budget(path))
     try:
@@ -183,7 +217,7 @@ def import_store(ssd_path: PathLike, file: PathLike, progress: Optional[Progress
             raise TransferError(f"{file} holds blocks of {size} tokens, the store at {path} blocks of {have}: "
                                 f"a block's key hashes its tokens, so they would never be found there. Import "
                                 f"into a store of {size}-token blocks (a new path makes one); nothing was written.")
-        report = Report(block_size=size)
+        report = Report(block_size=size, signed=header["signed"], verified=signer is not None)
         for root, info in header["models"]:
             if info:
                 tier.register_model(root, info)
@@ -191,7 +225,7 @@ def import_store(ssd_path: PathLike, file: PathLike, progress: Optional[Progress
         batch: list[Entry] = []
         held = 0
         with open(file, "rb") as f:
-            frames = _Frames(f, file)
+            frames = _Frames(f, file, signer)
             try:
                 for entry in frames.blocks(frames.header()):
                     batch.append(entry)
@@ -212,10 +246,10 @@ def import_store(ssd_path: PathLike, file: PathLike, progress: Optional[Progress
     return report
 
 
-def _check(file: PathLike, progress: Callable[[int], None]) -> dict:
+def _check(file: PathLike, progress: Callable[[int], None], signer: Optional[Signer]) -> dict:
     """The header of ``file`` once every frame of it checked out (``TransferError`` otherwise)."""
     with _opened(file, "rb") as f:
-        frames = _Frames(f, file)
+        frames = _Frames(f, file, signer)
         header = frames.header()
         for _ in frames.blocks(header):
             progress(frames.offset)
@@ -234,17 +268,24 @@ def _commit(tier: LmdbTier, batch: list[Entry], report: Report) -> None:
 
 
 class _Frames:
-    """The frames of an export file, each checked before it is handed on."""
+    """The frames of an export file, each checked before it is handed on
+    (with a ``signer``: its tag too, and only a signed file is read)."""
 
-    def __init__(self, f: BinaryIO, name: PathLike):
+    def __init__(self, f: BinaryIO, name: PathLike, signer: Optional[Signer] = None):
         self.name = name
         prefix = f.read(PREFIX.size)
         if len(prefix) < PREFIX.size or prefix[:8] != MAGIC:
             raise TransferError(f"{name} is not a kvstore export file (no export header): nothing was imported.")
         version = PREFIX.unpack(prefix)[1]
-        if version != FORMAT_VERSION:
-            raise TransferError(f"{name} is an export file of format {version}; this kvstore reads format "
-                                f"{FORMAT_VERSION}. Import it with the kvstore that wrote it; nothing was imported.")
+        if version not in (FORMAT_VERSION, SIGNED_VERSION):
+            raise TransferError(f"{name} is an export file of format {version}; this kvstore reads formats "
+                                f"{FORMAT_VERSION} and {SIGNED_VERSION}. Import it with the kvstore that wrote it; "
+                                f"nothing was imported.")
+        if signer is not None and version != SIGNED_VERSION:
+            raise TransferError(f"{name} is not signed, and a signed file was asked for (a secret given): "
+                                f"nothing was imported. Export it again with the secret (kvstore export --sign).")
+        self.signed = version == SIGNED_VERSION
+        self._signer = signer
         # frames are short arrays of bytes, ints and a tag: a length field claiming more is refused at once
         self._frames = msgpack.Unpacker(f, raw=False, use_list=True, max_buffer_size=_MAX_FRAME, max_str_len=16,
                                         max_array_len=8, max_map_len=0, max_ext_len=0)
@@ -256,6 +297,21 @@ class _Frames:
 
     def _bad(self, why: str) -> TransferError:
         return TransferError(f"{self.name} is damaged ({why}, at byte {self.offset}): nothing was imported.")
+
+    def _fields(self, frame: list, n: int, what: str) -> list:
+        """A frame's ``n`` fields (after its kind), its tag checked where a secret was given."""
+        if len(frame) != 1 + n + self.signed or not all(isinstance(x, bytes) for x in frame[1 + n:]):
+            raise self._bad(f"not a {what} frame")
+        fields = frame[1 : 1 + n]
+        if self._signer is not None:
+            parts = [b"end", fields[0].to_bytes(8, "little"), fields[1]] if what == "end" else \
+                [b"header", fields[0]] if what == "header" else fields[:3]
+            if not all(isinstance(p, bytes) for p in parts) or not hmac.compare_digest(self._signer.tag(*parts),
+                                                                                        frame[-1]):
+                raise TransferError(f"{self.name}: its {what} frame at byte {self.offset} is not signed under "
+                                    f"this secret (a file written without it, or changed since): nothing was "
+                                    f"imported.")
+        return fields
 
     def _next(self) -> list:
         try:
@@ -271,18 +327,19 @@ class _Frames:
 
     def header(self) -> dict:
         frame = self._next()
-        if frame[0] != "header" or len(frame) != 3 or not all(isinstance(x, bytes) for x in frame[1:]) \
+        if frame[0] != "header" or len(frame) < 3 or not all(isinstance(x, bytes) for x in frame[1:3]) \
                 or _digest(b"header", frame[1]) != frame[2]:
             raise self._bad("header checksum mismatch")
-        self.chain.update(frame[2])
+        raw, digest = self._fields(frame, 2, "header")
+        self.chain.update(digest)
         try:
-            h = msgpack.unpackb(frame[1], raw=False, strict_map_key=False)
+            h = msgpack.unpackb(raw, raw=False, strict_map_key=False)
             size, models = h["block_size"], [(bytes(r), dict(i)) for r, i in h["models"]]
         except Exception:
             raise self._bad("header unreadable") from None
         if not isinstance(size, int) or size < 1:
             raise self._bad("header unreadable")
-        return dict(h, block_size=size, models=models)
+        return dict(h, block_size=size, models=models, signed=self.signed)
 
     def blocks(self, header: dict) -> Iterator[Entry]:
         """Every block, checked: its frame's checksum, its record, its key
@@ -295,16 +352,18 @@ class _Frames:
         while True:
             frame = self._next()
             if frame[0] == "end":
-                if len(frame) != 3 or frame[1] != len(ends) or frame[2] != self.chain.digest():
+                if len(frame) < 3 or frame[1] != len(ends) or frame[2] != self.chain.digest():
                     raise self._bad("its end frame does not match its blocks")
+                self._fields(frame, 2, "end")
                 if next(self._frames, None) is not None:
                     raise self._bad("bytes after the end frame")
                 return
-            if frame[0] != "block" or len(frame) != 5 or not all(isinstance(x, bytes) for x in frame[1:]):
+            if frame[0] != "block" or len(frame) < 5 or not all(isinstance(x, bytes) for x in frame[1:5]):
                 raise self._bad("not a block frame")
-            key, raw, payload, digest = frame[1:]
+            key, raw, payload, digest = frame[1:5]
             if _digest(key, raw, payload) != digest:
                 raise self._bad(f"block {len(ends)}: checksum mismatch")
+            self._fields(frame, 4, "block")
             self.chain.update(digest)
             rec = BlockRecord.unpack(key, raw)
             why = self._why(rec, key, payload, roots, ends, size)

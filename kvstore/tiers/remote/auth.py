@@ -29,19 +29,22 @@ def secret_bytes(secret: Optional[str]) -> Optional[bytes]:
 
 
 class Signer:
-    """Tags and checks blocks under one secret."""
+    """Tags and checks blocks under one secret. ``domain`` names what is
+    tagged (remote blocks by default; export files have their own), so no tag
+    of one layout is ever taken for another's."""
 
     __slots__ = ("_base",)
 
-    def __init__(self, secret: bytes):
-        self._base = hmac.new(secret, _DOMAIN, hashlib.sha256)
+    def __init__(self, secret: bytes, domain: bytes = _DOMAIN):
+        self._base = hmac.new(secret, domain, hashlib.sha256)
 
     def __repr__(self) -> str:
         return "Signer(***)"
 
-    def tag(self, key: bytes, record: bytes, payload) -> bytes:
+    def tag(self, *parts) -> bytes:
+        """The tag of ``parts`` (for a block: its key, packed record and payload), each length-prefixed."""
         mac = self._base.copy()
-        for part in (key, record, payload):
+        for part in parts:
             view = memoryview(part)
             mac.update(view.nbytes.to_bytes(8, "big"))
             mac.update(view)
