@@ -27,7 +27,8 @@ NAMES = ("hits", "misses", "tokens_requested", "tokens_ram", "tokens_ssd", "puts
          "remote_bypassed",  # fetches that did not ask the remote: it was down (breaker open)
          "remote_errors",  # failed calls: refused connections, timeouts
          "remote_bad",  # remote values refused: checksum, key binding, record or tokens that do not fit
-         "remote_unauthenticated")  # remote blocks skipped: no valid MAC under this store's remote_secret
+         "remote_unauthenticated",  # remote blocks skipped: no valid MAC under this store's remote_secret
+         "remote_block_size_mismatch")  # models the remote holds in blocks of another size (shared with nothing)
 
 
 class Counters:

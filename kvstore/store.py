@@ -391,7 +391,8 @@ class PrefixStore:
                 and (self._disk is not None or self._remote is not None):
             self._registered.add(key)
             name = model_key if isinstance(model_key, str) else model_key.hex()
-            desc = dict(info or {}, model_key=name, namespace=self.namespace, created=time.time())
+            desc = dict(info or {}, model_key=name, namespace=self.namespace, created=time.time(),
+                        block_size=self.block_size)
             if self._disk is not None:
                 if info is None:  # a put's implicit description: written by the writer, not while the engine waits
                     self._writer.later(partial(self._disk.register_model, key, desc))

@@ -47,7 +47,7 @@ def host(tmp_path):
     opened = []
 
     def open_store(name, url, **kw):
-        store = PrefixStore(budget_gb=0.25, ssd_path=tmp_path / name, block_size=BS, remote=url, **kw)
+        store = PrefixStore(**dict(dict(budget_gb=0.25, ssd_path=tmp_path / name, block_size=BS, remote=url), **kw))
         opened.append(store)
         return store
     yield open_store
@@ -180,6 +180,23 @@ def test_two_kvstore_serve_hosts_share_a_system_prompt_through_the_server(server
     assert first["prompt_tokens_details"]["cached_tokens"] == 0
     # host b never saw the system prompt: its few hundred tokens came from the server
     assert other["prompt_tokens_details"]["cached_tokens"] > 0.8 * first["prompt_tokens"]
+
+
+def test_a_host_of_another_block_size_is_told_it_shares_nothing(server, host, caplog):
+    """A block's key hashes its tokens, so hosts of a namespace storing one model in blocks of other sizes
+    find none of each other's (never wrong KV): the later one logs a warning naming both sizes and counts
+    ``remote_block_size_mismatch``; a host of the same size hits."""
+    tokens = prompt(200, seed=3)
+    put(host("a", server.url), tokens)
+    other = host("b", server.url, block_size=2 * BS)
+    with caplog.at_level(logging.WARNING, logger="kvstore"):
+        put(other, tokens)
+    assert other.stats()["remote_block_size_mismatch"] == 1
+    assert any(f"blocks of {BS} tokens, this store in blocks of {2 * BS}" in r.getMessage() for r in caplog.records)
+    assert host("c", server.url, block_size=2 * BS).fetch(MODEL, prompt(200, seed=4)).length == 0
+    same_size = host("d", server.url)
+    assert_hit_is(same_size.fetch(MODEL, tokens), tokens, 200)
+    assert same_size.stats()["remote_block_size_mismatch"] == 0
 
 
 def test_namespaces_hold_across_hosts(server, host):

@@ -209,6 +209,16 @@ class Remote:
             self._cond.notify()
         self._ensure_thread()
 
+    def _same_blocks(self, ours: dict, theirs: Optional[dict]) -> None:
+        """Warn where the hosts before this one store the model in blocks of another size: a block's key
+        hashes its tokens, so the two share nothing (never wrong KV: every hit is checked token by token)."""
+        size = (theirs or {}).get("block_size")
+        if isinstance(size, int) and size != ours.get("block_size"):
+            log.warning("kvstore: remote %s holds model %s in blocks of %d tokens, this store in blocks of %s: "
+                        "they share nothing. Give every host of a namespace one block size (block_size / "
+                        "--block-size).", self.url, ours.get("model_key"), size, ours.get("block_size"))
+            self.counters.count("remote_block_size_mismatch")
+
     def flush(self, timeout: Optional[float] = None) -> bool:
         """Wait until the queue is written (or skipped); True when it is."""
         deadline = None if timeout is None else time.monotonic() + timeout
@@ -273,7 +283,7 @@ class Remote:
         blocks = [(e.record, e.payload) for e in batch if isinstance(e, Entry)]
         for m in batch:
             if isinstance(m, ModelInfo):
-                self.call(self._tier.register_model, m.root, m.info)
+                self._same_blocks(m.info, self.call(self._tier.register_model, m.root, m.info))
         if not blocks:
             return
         try:

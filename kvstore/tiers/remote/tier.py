@@ -268,8 +268,15 @@ class RemoteTier:
             pipe.zadd(self.kids_name(rec.root, rec.parent), {_member(rec.tokens, rec.key): 0})
         pipe.execute()
 
-    def register_model(self, root: bytes, info: dict) -> None:
-        self.writes.hsetnx(self.models_name(), root, msgpack.packb(info, use_bin_type=True))
+    def register_model(self, root: bytes, info: dict) -> Optional[dict]:
+        """Describe a model (the first host's description stays); the one already there, if any."""
+        if self.writes.hsetnx(self.models_name(), root, msgpack.packb(info, use_bin_type=True)):
+            return None
+        try:
+            theirs = msgpack.unpackb(self.reads.hget(self.models_name(), root) or b"\x80", raw=False)
+        except Exception:
+            return None
+        return theirs if isinstance(theirs, dict) else None
 
     def _each(self, client, command: str, names: Sequence[bytes], *args) -> list:
         """One command per key, pipelined in one round trip; per-key errors (a value of another type) come back
