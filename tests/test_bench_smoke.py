@@ -188,6 +188,18 @@ def test_live_replay_runs_each_cache_in_its_own_process_and_writes_rows_and_summ
     assert s["warm_vs_lru"] == pytest.approx(s["warm_ttft_total_s"] / summary["runs"]["lru-0.5"]["warm_ttft_total_s"])
     assert s["floor_s"] < s["ttft_total_s"] / s["vs_floor"] * 1.0001
     assert any(k.startswith("kvstore_fp16-0.5 put p99") for k in summary["checks"])
+    # `live_replay compare`: a change's check that every request got the same tokens
+    other = tmp_path / "other"
+    other.mkdir()
+    for name, r in runs.items():
+        (other / f"replay-{name}.json").write_text(json.dumps(r))
+    compare = [sys.executable, "-m", "kvstore.tools.live_replay", "compare", str(out), str(other)]
+    same = subprocess.run(compare, capture_output=True, text=True, timeout=60)
+    assert same.returncode == 0 and "every request's tokens identical" in same.stdout, same.stdout
+    store["rows"][1]["cached_tokens"] += 1
+    (other / "replay-kvstore_fp16-0.5.json").write_text(json.dumps(store))
+    moved = subprocess.run(compare, capture_output=True, text=True, timeout=60)
+    assert moved.returncode == 1 and "kvstore_fp16-0.5     round 1" in moved.stdout and "at requests [1]" in moved.stdout
 
 
 def test_live_replay_serve_replays_sessions_in_order_through_both_servers(tmp_path):

@@ -8,6 +8,7 @@ a GPU with the 8B-shaped llama of ``--make-model``.
         [--ssd [--ssd-admit always|reuse]] [--profile] [--switch-interval S] [--idle-writer]
     python -m kvstore.tools.live_replay --make-model --model /tmp/llama-8b     # the 8B-shaped llama, then stop
     python -m kvstore.tools.live_replay serve --model PATH|tiny --trace gpu --clients 8 --out DIR
+    python -m kvstore.tools.live_replay compare DIR_A DIR_B    # every request's tokens, run by run: a change's check
 
 The traces are ``tools/bench/live_traces.py``'s (``make_trace`` settings:
 "gpu45" is docs/benchmarks.md's H200 replay table, "gpu" its servers' run).
@@ -76,6 +77,14 @@ def _serve_args(ap: argparse.ArgumentParser, argv: list[str]) -> argparse.Namesp
 
 def main(argv: Optional[list[str]] = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
+    if argv and argv[0] == "compare":
+        from kvstore.tools.bench.live_summary import compare
+
+        cp = argparse.ArgumentParser(prog="live_replay compare", description=compare.__doc__)
+        cp.add_argument("first", type=Path)
+        cp.add_argument("second", type=Path)
+        c = cp.parse_args(argv[1:])
+        return compare(c.first, c.second)
     ap = argparse.ArgumentParser(prog="live_replay", description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default="tiny", help="an mlx-lm model folder, or 'tiny' (the tiny llama)")
     ap.add_argument("--trace", choices=sorted(TRACES), default="cpu")

@@ -8,6 +8,8 @@ tokens over TTFT) + the bytes its hits served (``Hit.source_bytes``) at ``bus_gb
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
 from typing import Any, Optional
 
 SYSTEMS = ("none", "lru", "kvstore_fp16", "kvstore_q8")
@@ -122,3 +124,33 @@ def table(summary: dict) -> str:
                      f"| {s['tokens_computed']:,} | {fetch} | {put} | {f(s.get('vs_lru'))} | {floor} "
                      f"| {warm} | {f(s.get('vs_cold_max'))} |")
     return "\n".join(lines)
+
+
+# what each request got, compared run by run between two replays of one trace (a change must not move them)
+TOKEN_KEYS = ("session", "prompt_tokens", "cached_tokens", "computed_tokens", "ram_tokens", "ssd_tokens")
+
+
+def _rounds(folder: Path) -> dict[str, list[list[dict]]]:
+    out = {}
+    for f in sorted(folder.glob("replay-*.json")):
+        d = json.loads(f.read_text())
+        rows = [d["rows"]] + ([d["warm_run"]["rows"]] if d.get("warm_run") else [])
+        out[f.stem.removeprefix("replay-")] = [[{k: r[k] for k in TOKEN_KEYS if k in r} for r in rs] for rs in rows]
+    return out
+
+
+def compare(a: Path, b: Path) -> int:
+    """Print, per run and round both folders hold, whether every request's tokens (``TOKEN_KEYS``) are the
+    same; 0 when they all are, 1 otherwise."""
+    ra, rb = _rounds(a), _rounds(b)
+    differ = 0
+    for name in sorted(set(ra) & set(rb)):
+        for k, (x, y) in enumerate(zip(ra[name], rb[name])):
+            bad = [i for i, (p, q) in enumerate(zip(x, y)) if p != q] + ([len(x)] if len(x) != len(y) else [])
+            differ += bool(bad)
+            print(f"{name:20s} round {k + 1}: {len(x)} / {len(y)} requests, "
+                  + ("identical" if not bad else f"differ at requests {bad[:10]}"))
+    for name in sorted(set(ra) ^ set(rb)):
+        print(f"{name:20s} in {'the first' if name in ra else 'the second'} folder only")
+    print("every request's tokens identical" if not differ else f"{differ} rounds differ")
+    return 1 if differ else 0
