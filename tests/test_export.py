@@ -332,7 +332,7 @@ def test_without_the_secret_no_file_passes_verification_and_nothing_is_written(e
     export_store(tmp_path / "evil", evil)
     prefix, frames = _frames(signed)
     _, theirs = _frames(evil)
-    from kvstore.admin.transfer import _digest
+    from kvstore.admin.export_file import frame_digest
     import xxhash
 
     i = 4
@@ -340,7 +340,7 @@ def test_without_the_secret_no_file_passes_verification_and_nothing_is_written(e
     frames[i] = theirs[i][:5] + [frames[i][5]]
     chain = xxhash.xxh3_128(frames[0][2])
     for f in frames[1:-1]:
-        assert _digest(*f[1:4]) == f[4]
+        assert frame_digest(*f[1:4]) == f[4]
         chain.update(f[4])
     frames[-1][2] = chain.digest()
     forged = _written(prefix, frames, tmp_path / "forged.kvx")
@@ -362,3 +362,25 @@ def test_sign_and_verify_take_the_secret_from_the_environment_only(exported, tmp
         res = kvstore(*args, env=env)
         assert res.returncode == 2 and "KVSTORE_EXPORT_SECRET" in res.stderr and "Traceback" not in res.stderr
     assert not (tmp_path / "x.kvx").exists() and blocks_in(tmp_path / "dst") == 0
+
+
+def test_an_import_past_the_stores_disk_budget_evicts_least_recently_used_blocks_as_an_engine_would(exported,
+                                                                                                     tmp_path):
+    """Blocks keep their use times through an export; an import that takes a store past its disk budget
+    deletes least recently used leaves until it is under again (an engine's rule after a write), and what
+    stays serves bit-exact."""
+    src, file = exported
+    dst = tmp_path / "dst"
+    budget = file.stat().st_size // 2  # about half of what the file holds
+    with PrefixStore(budget_gb=0.1, ssd_path=dst, block_size=BS, disk_budget_gb=budget / (1 << 30)):
+        pass  # (the budget an engine sets is the store's: an import keeps it)
+    report = import_store(dst, file)
+    assert report.blocks == 9 and report.evicted > 0
+    with PrefixStore(budget_gb=0.1, ssd_path=dst, disk_budget_gb=budget / (1 << 30)) as store:
+        st = store.stats()
+        assert st["ssd_bytes"] <= st["ssd_budget"] == budget
+        for p in PROMPTS:
+            hit = store.fetch(MODEL, p)
+            if hit.length:
+                assert_hit_is(hit, p, hit.length)
+    assert kvstore("verify", dst).returncode == 0

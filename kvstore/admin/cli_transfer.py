@@ -14,7 +14,8 @@ import typer
 from rich.progress import DownloadColumn, Progress
 
 from ..errors import TransferError
-from .transfer import SECRET_ENV, export_store, import_store
+from .export_file import SECRET_ENV
+from .transfer import export_store, import_store
 from .ui import err, out, size as _size
 
 QuietOpt = typer.Option(False, "--quiet", "-q", help="No progress bar (there is none when stderr is not a terminal).")
@@ -86,5 +87,6 @@ def import_(
               f"{r.present} already there"
               + (f"; {r.skipped} not written: their parent was removed meanwhile (a `kvstore clear`)"
                  if r.skipped else "")
+              + (f"; {r.evicted} least recently used blocks evicted to stay under the disk budget" if r.evicted else "")
               + ("; signed, verified" if r.verified else "; signed, not verified (--verify checks it)"
                  if r.signed else ""))

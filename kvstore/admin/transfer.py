@@ -19,7 +19,8 @@ not written, and the import stops. Writes go through the tier's own commit
 (``LmdbTier.store``: a block and its record in one transaction, only with
 its parent on disk, a block already there left as it is), so engines that
 have the store open find the blocks as they find any other process's, at
-their next lookup that reaches them.
+their next lookup that reaches them. An import that takes the store past its
+disk budget then evicts least recently used leaves, as an engine would.
 
 The checks catch damage, not forgery: whoever can write the file can write
 KV that is consistent and wrong. A signed export (``secret=``: format 2)
@@ -31,36 +32,33 @@ file only a keyholder could have written.
 
 from __future__ import annotations
 
+import logging
 import os
-import struct
 import time
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import BinaryIO, Callable, Iterator, Optional, Union
-
-import hmac
+from typing import BinaryIO, Callable, Optional, Union
 
 import msgpack
 import xxhash
 
 from .. import __version__
-from .catalog import check_bytes
+from ..blocks.hashing import root_key
+from ..blocks.record import Entry
+from ..config import store_config
+from ..counters import Counters
 from ..errors import StoreOpenError, TransferError
-from ..blocks.hashing import chain_key, root_key
-from ..blocks.record import BlockRecord, Entry
+from ..flow.disk import Disk
+from ..state.table import BlockTable
 from ..tiers.disk.lmdb import LmdbTier
 from ..tiers.remote.auth import Signer
+from .catalog import check_bytes
+from .export_file import FORMAT_VERSION, MAGIC, PREFIX, SIGNED_VERSION, Frames, frame_digest, signer_of
 
-MAGIC = b"\x89KVX\r\n\x1a\n"  # as PNG's: a file mangled by a text-mode copy fails here
-FORMAT_VERSION = 1  # unsigned
-SIGNED_VERSION = 2  # every frame carries a tag (HMAC-SHA256 under the exporter's secret) after its digest
-SECRET_ENV = "KVSTORE_EXPORT_SECRET"  # where `kvstore export --sign` and `kvstore import --verify` read the secret
-_DOMAIN = b"kvstore-export-v2"  # tags of export frames, never taken for another layout's under the same secret
-PREFIX = struct.Struct("<8sH")  # magic, format version
-_MAX_FRAME = 1 << 31  # the largest frame read (a block of a large model at a large block size is ~100 MiB)
 _BATCH_BYTES = 64 << 20  # block bytes per write transaction of an import
 _READ_BATCH = 256  # blocks per read transaction of an export
 
+log = logging.getLogger("kvstore")
 Progress = Callable[[int, int], None]  # (bytes done, bytes in all)
 PathLike = Union[str, os.PathLike]
 
@@ -76,21 +74,12 @@ class Report:
     #                   whose parent a `kvstore clear` removed while the import ran
     models: list[str] = field(default_factory=list)
     block_size: int = 0
+    evicted: int = 0  # import: least recently used blocks deleted to bring the store under its disk budget
     signed: bool = False  # the file carries tags (format 2)
     verified: bool = False  # ... and every one was checked under the secret given
 
 
 # ------------------------------------------------------------------ export
-
-
-def _signer(secret: Union[str, bytes, None]) -> Optional[Signer]:
-    if secret is None:
-        return None
-    if isinstance(secret, str):
-        secret = secret.encode()
-    if not isinstance(secret, bytes) or not secret:
-        raise TransferError("the export secret must be a non-empty str or bytes")
-    return Signer(secret, _DOMAIN)
 
 
 def export_store(ssd_path: PathLike, file: PathLike, model_key: Optional[str] = None,
@@ -102,7 +91,7 @@ def export_store(ssd_path: PathLike, file: PathLike, model_key: Optional[str] = 
     the store read-only: safe beside engines writing it. Every block is
     checked as it is read; a damaged one is left out with the blocks below
     it (``Report.skipped``)."""
-    signer = _signer(secret)
+    signer = signer_of(secret)
     tier = LmdbTier.open(ssd_path, readonly=True)
     try:
         size = _block_size(tier)
@@ -151,7 +140,7 @@ def _write(tier: LmdbTier, f: BinaryIO, header: dict, order: list, progress: Opt
     tags = (lambda *parts: [signer.tag(*parts)]) if signer is not None else (lambda *parts: [])
     f.write(PREFIX.pack(MAGIC, FORMAT_VERSION if signer is None else SIGNED_VERSION))
     raw = msgpack.packb(header, use_bin_type=True)
-    digest = _digest(b"header", raw)
+    digest = frame_digest(b"header", raw)
     chain = xxhash.xxh3_128(digest)
     f.write(msgpack.packb(["header", raw, digest, *tags(b"header", raw)], use_bin_type=True))
     roots = {r for r, _ in header["models"]}
@@ -166,7 +155,7 @@ def _write(tier: LmdbTier, f: BinaryIO, header: dict, order: list, progress: Opt
                     report.skipped += 1  # (removed meanwhile, damaged, or below such a block)
                     continue
                 rec_raw = replace(rec, offset=-1).pack()
-                digest = _digest(key, rec_raw, buf)
+                digest = frame_digest(key, rec_raw, buf)
                 chain.update(digest)
                 f.write(msgpack.packb(["block", key, rec_raw, buf, digest, *tags(key, rec_raw, buf)],
                                       use_bin_type=True))
@@ -181,15 +170,6 @@ def _write(tier: LmdbTier, f: BinaryIO, header: dict, order: list, progress: Opt
     return report
 
 
-def _digest(*parts) -> bytes:
-    """xxh3-128 over the parts, each preceded by its length (no two splits of the same bytes agree)."""
-    h = xxhash.xxh3_128()
-    for p in parts:
-        h.update(len(p).to_bytes(8, "little"))
-        h.update(p)
-    return h.digest()
-
-
 # ------------------------------------------------------------------ import
 
 
@@ -202,7 +182,7 @@ def import_store(ssd_path: PathLike, file: PathLike, progress: Optional[Progress
     store, and, with ``secret``, for a file not signed under it: then nothing
     was written. Safe beside engines that have the store open (see the
     module docstring)."""
-    signer = _signer(secret)
+    signer = signer_of(secret)
     total = _file_size(file)
     header = _check(file, lambda n: progress(n, 2 * total) if progress else None, signer)
     path = Path(ssd_path).expanduser()
@@ -225,7 +205,7 @@ def import_store(ssd_path: PathLike, file: PathLike, progress: Optional[Progress
         batch: list[Entry] = []
         held = 0
         with open(file, "rb") as f:
-            frames = _Frames(f, file, signer)
+            frames = Frames(f, file, signer)
             try:
                 for entry in frames.blocks(frames.header()):
                     batch.append(entry)
@@ -241,15 +221,33 @@ def import_store(ssd_path: PathLike, file: PathLike, progress: Optional[Progress
             _commit(tier, batch, report)
             if progress is not None:
                 progress(2 * total, 2 * total)
+        if tier.usage() > tier.budget:
+            report.evicted = _evict_to_budget(tier)
     finally:
         tier.close()
     return report
 
 
+def _evict_to_budget(tier: LmdbTier) -> int:
+    """Delete least recently used leaves (blocks keep their use times through an export) until the store
+    is under its disk budget again, as its engines evict after a write (``Disk.evict_to`` over the store's
+    index): an import never leaves a store over budget. Best effort: the blocks are written either way."""
+    cfg = store_config()
+    table = BlockTable(0, Counters(), has_disk=True, writable=True)
+    disk = Disk(tier, table, Counters(), cfg, lambda what, msg: log.warning(msg))
+    try:
+        disk.load_index()
+        return disk.evict_to(int(tier.budget * cfg.tuning.evict_to))
+    except Exception as e:
+        log.warning("kvstore: %s is over its disk budget after the import and evicting failed (%s); an engine "
+                    "evicts at its next write", tier.path, e)
+        return 0
+
+
 def _check(file: PathLike, progress: Callable[[int], None], signer: Optional[Signer]) -> dict:
     """The header of ``file`` once every frame of it checked out (``TransferError`` otherwise)."""
     with _opened(file, "rb") as f:
-        frames = _Frames(f, file, signer)
+        frames = Frames(f, file, signer)
         header = frames.header()
         for _ in frames.blocks(header):
             progress(frames.offset)
@@ -265,126 +263,6 @@ def _commit(tier: LmdbTier, batch: list[Entry], report: Report) -> None:
     report.present += len(written.present)
     report.skipped += len(written.parentless)
     batch.clear()
-
-
-class _Frames:
-    """The frames of an export file, each checked before it is handed on
-    (with a ``signer``: its tag too, and only a signed file is read)."""
-
-    def __init__(self, f: BinaryIO, name: PathLike, signer: Optional[Signer] = None):
-        self.name = name
-        prefix = f.read(PREFIX.size)
-        if len(prefix) < PREFIX.size or prefix[:8] != MAGIC:
-            raise TransferError(f"{name} is not a kvstore export file (no export header): nothing was imported.")
-        version = PREFIX.unpack(prefix)[1]
-        if version not in (FORMAT_VERSION, SIGNED_VERSION):
-            raise TransferError(f"{name} is an export file of format {version}; this kvstore reads formats "
-                                f"{FORMAT_VERSION} and {SIGNED_VERSION}. Import it with the kvstore that wrote it; "
-                                f"nothing was imported.")
-        if signer is not None and version != SIGNED_VERSION:
-            raise TransferError(f"{name} is not signed, and a signed file was asked for (a secret given): "
-                                f"nothing was imported. Export it again with the secret (kvstore export --sign).")
-        self.signed = version == SIGNED_VERSION
-        self._signer = signer
-        # frames are short arrays of bytes, ints and a tag: a length field claiming more is refused at once
-        self._frames = msgpack.Unpacker(f, raw=False, use_list=True, max_buffer_size=_MAX_FRAME, max_str_len=16,
-                                        max_array_len=8, max_map_len=0, max_ext_len=0)
-        self.chain = xxhash.xxh3_128()
-
-    @property
-    def offset(self) -> int:
-        return PREFIX.size + self._frames.tell()
-
-    def _bad(self, why: str) -> TransferError:
-        return TransferError(f"{self.name} is damaged ({why}, at byte {self.offset}): nothing was imported.")
-
-    def _fields(self, frame: list, n: int, what: str) -> list:
-        """A frame's ``n`` fields (after its kind), its tag checked where a secret was given."""
-        if len(frame) != 1 + n + self.signed or not all(isinstance(x, bytes) for x in frame[1 + n:]):
-            raise self._bad(f"not a {what} frame")
-        fields = frame[1 : 1 + n]
-        if self._signer is not None:
-            parts = [b"end", fields[0].to_bytes(8, "little"), fields[1]] if what == "end" else \
-                [b"header", fields[0]] if what == "header" else fields[:3]
-            if not all(isinstance(p, bytes) for p in parts) or not hmac.compare_digest(self._signer.tag(*parts),
-                                                                                        frame[-1]):
-                raise TransferError(f"{self.name}: its {what} frame at byte {self.offset} is not signed under "
-                                    f"this secret (a file written without it, or changed since): nothing was "
-                                    f"imported.")
-        return fields
-
-    def _next(self) -> list:
-        try:
-            frame = next(self._frames)
-        except StopIteration:
-            raise TransferError(f"{self.name} is truncated (it ends at byte {self.offset} without its end "
-                                f"frame): nothing was imported. Copy or export it again.") from None
-        except Exception as e:  # msgpack's errors of malformed bytes
-            raise self._bad(f"unreadable frame: {e}") from None
-        if not isinstance(frame, list) or not frame or frame[0] not in ("header", "block", "end"):
-            raise self._bad("not a frame")
-        return frame
-
-    def header(self) -> dict:
-        frame = self._next()
-        if frame[0] != "header" or len(frame) < 3 or not all(isinstance(x, bytes) for x in frame[1:3]) \
-                or _digest(b"header", frame[1]) != frame[2]:
-            raise self._bad("header checksum mismatch")
-        raw, digest = self._fields(frame, 2, "header")
-        self.chain.update(digest)
-        try:
-            h = msgpack.unpackb(raw, raw=False, strict_map_key=False)
-            size, models = h["block_size"], [(bytes(r), dict(i)) for r, i in h["models"]]
-        except Exception:
-            raise self._bad("header unreadable") from None
-        if not isinstance(size, int) or size < 1:
-            raise self._bad("header unreadable")
-        return dict(h, block_size=size, models=models, signed=self.signed)
-
-    def blocks(self, header: dict) -> Iterator[Entry]:
-        """Every block, checked: its frame's checksum, its record, its key
-        against its parent and tokens, its parent before it, its bytes
-        (header bound to its key, payload checksum, tokens); then the end
-        frame's count and digest chain (a frame dropped or reordered)."""
-        roots = {r for r, _ in header["models"]}
-        size = header["block_size"]
-        ends: dict[bytes, int] = {}  # blocks so far: where each ends
-        while True:
-            frame = self._next()
-            if frame[0] == "end":
-                if len(frame) < 3 or frame[1] != len(ends) or frame[2] != self.chain.digest():
-                    raise self._bad("its end frame does not match its blocks")
-                self._fields(frame, 2, "end")
-                if next(self._frames, None) is not None:
-                    raise self._bad("bytes after the end frame")
-                return
-            if frame[0] != "block" or len(frame) < 5 or not all(isinstance(x, bytes) for x in frame[1:5]):
-                raise self._bad("not a block frame")
-            key, raw, payload, digest = frame[1:5]
-            if _digest(key, raw, payload) != digest:
-                raise self._bad(f"block {len(ends)}: checksum mismatch")
-            self._fields(frame, 4, "block")
-            self.chain.update(digest)
-            rec = BlockRecord.unpack(key, raw)
-            why = self._why(rec, key, payload, roots, ends, size)
-            if why:
-                raise self._bad(f"block {len(ends)}: {why}")
-            ends[key] = rec.end
-            yield Entry(rec, memoryview(payload))
-
-    @staticmethod
-    def _why(rec: Optional[BlockRecord], key: bytes, payload: bytes, roots: set, ends: dict, size: int):
-        if rec is None:
-            return "index record unreadable"
-        if rec.root not in roots:
-            return "of a model the header does not list"
-        if rec.parent != rec.root and ends.get(rec.parent) != rec.start or rec.parent == rec.root and rec.start:
-            return "its parent is not before it"
-        if rec.start % size or not 0 < rec.length <= size or rec.nbytes != len(payload):
-            return "its record does not fit the header's block size"
-        if chain_key(rec.parent, rec.tokens) != key:
-            return "its key is not its parent's and tokens'"
-        return check_bytes(payload, rec)
 
 
 # ----------------------------------------------------------------- helpers
