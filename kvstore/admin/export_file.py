@@ -8,7 +8,7 @@ from __future__ import annotations
 import hmac
 import os
 import struct
-from typing import BinaryIO, Iterator, Optional, Union
+from typing import BinaryIO, Iterator, Optional, Sequence, Union
 
 import msgpack
 import xxhash
@@ -49,6 +49,15 @@ def frame_digest(*parts) -> bytes:
     return h.digest()
 
 
+def tagged(kind: str, fields: Sequence) -> list:
+    """What a signed frame's tag covers (``Signer.tag`` length-prefixes each part): the header's bytes, a
+    block's key, record and block, the end frame's count and chain; each behind its kind, so no tag of one
+    kind of frame is taken for another's."""
+    if kind == "end":
+        return [b"end", fields[0].to_bytes(8, "little"), fields[1]]
+    return [b"header", fields[0]] if kind == "header" else list(fields[:3])
+
+
 class Frames:
     """The frames of an export file, each checked before it is handed on
     (with a ``signer``: its tag too, and only a signed file is read)."""
@@ -86,8 +95,7 @@ class Frames:
             raise self._bad(f"not a {what} frame")
         fields = frame[1 : 1 + n]
         if self._signer is not None:
-            parts = [b"end", fields[0].to_bytes(8, "little"), fields[1]] if what == "end" else \
-                [b"header", fields[0]] if what == "header" else fields[:3]
+            parts = tagged(what, fields)
             if not all(isinstance(p, bytes) for p in parts) or not hmac.compare_digest(self._signer.tag(*parts),
                                                                                         frame[-1]):
                 raise TransferError(f"{self.name}: its {what} frame at byte {self.offset} is not signed under "

@@ -53,7 +53,7 @@ from ..state.table import BlockTable
 from ..tiers.disk.lmdb import LmdbTier
 from ..tiers.remote.auth import Signer
 from .catalog import check_bytes
-from .export_file import FORMAT_VERSION, MAGIC, PREFIX, SIGNED_VERSION, Frames, frame_digest, signer_of
+from .export_file import FORMAT_VERSION, MAGIC, PREFIX, SIGNED_VERSION, Frames, frame_digest, signer_of, tagged
 
 _BATCH_BYTES = 64 << 20  # block bytes per write transaction of an import
 _READ_BATCH = 256  # blocks per read transaction of an export
@@ -76,7 +76,7 @@ class Report:
     block_size: int = 0
     evicted: int = 0  # import: least recently used blocks deleted to bring the store under its disk budget
     signed: bool = False  # the file carries tags (format 2)
-    verified: bool = False  # ... and every one was checked under the secret given
+    verified: bool = False  # import: ... and every tag was checked under the secret given
 
 
 # ------------------------------------------------------------------ export
@@ -116,7 +116,7 @@ def export_store(ssd_path: PathLike, file: PathLike, model_key: Optional[str] = 
         tier.close()
     report.models = [_name(info, r) for r, info in header["models"]]
     report.block_size = size
-    report.signed = report.verified = signer is not None
+    report.signed = signer is not None
     return report
 
 
@@ -137,12 +137,13 @@ def _write(tier: LmdbTier, f: BinaryIO, header: dict, order: list, progress: Opt
            signer: Optional[Signer]) -> Report:
     report = Report()
     total = sum(o[2] for o in order)
-    tags = (lambda *parts: [signer.tag(*parts)]) if signer is not None else (lambda *parts: [])
+    tags = (lambda kind, *fields: [signer.tag(*tagged(kind, fields))]) if signer is not None else \
+        (lambda kind, *fields: [])
     f.write(PREFIX.pack(MAGIC, FORMAT_VERSION if signer is None else SIGNED_VERSION))
     raw = msgpack.packb(header, use_bin_type=True)
     digest = frame_digest(b"header", raw)
     chain = xxhash.xxh3_128(digest)
-    f.write(msgpack.packb(["header", raw, digest, *tags(b"header", raw)], use_bin_type=True))
+    f.write(msgpack.packb(["header", raw, digest, *tags("header", raw)], use_bin_type=True))
     roots = {r for r, _ in header["models"]}
     done: set[bytes] = set()
     for i in range(0, len(order), _READ_BATCH):  # short read transactions: engines' writes reuse freed pages
@@ -157,7 +158,7 @@ def _write(tier: LmdbTier, f: BinaryIO, header: dict, order: list, progress: Opt
                 rec_raw = replace(rec, offset=-1).pack()
                 digest = frame_digest(key, rec_raw, buf)
                 chain.update(digest)
-                f.write(msgpack.packb(["block", key, rec_raw, buf, digest, *tags(key, rec_raw, buf)],
+                f.write(msgpack.packb(["block", key, rec_raw, buf, digest, *tags("block", key, rec_raw, buf)],
                                       use_bin_type=True))
                 done.add(key)
                 report.blocks += 1
@@ -165,8 +166,7 @@ def _write(tier: LmdbTier, f: BinaryIO, header: dict, order: list, progress: Opt
                 if progress is not None:
                     progress(report.nbytes, total)
     end = chain.digest()
-    f.write(msgpack.packb(["end", report.blocks, end, *tags(b"end", report.blocks.to_bytes(8, "little"), end)],
-                          use_bin_type=True))
+    f.write(msgpack.packb(["end", report.blocks, end, *tags("end", report.blocks, end)], use_bin_type=True))
     return report
 
 
