@@ -12,7 +12,7 @@ import signal
 import sys
 from typing import Callable, Mapping, Sequence
 
-from .server_args import parse_kv_bits
+from .server_args import parse_kv_bits, store_args
 
 __all__ = ["parse_store_options", "run_until_stopped"]
 
@@ -51,11 +51,7 @@ def parse_store_options(prog: str, argv: Sequence[str], refused: Mapping[str, st
         bits = parse_kv_bits(opts.kv_bits)
     except ValueError as e:
         parser.error(f"--kv-bits: {e}")
-    return dict(budget_gb=opts.budget_gb, ssd_path=opts.ssd_path, block_size=opts.block_size, kv_bits=bits,
-                kv_group_size=opts.store_group_size, namespace=opts.namespace,
-                disk_budget_gb=opts.disk_budget_gb, fetch_policy=opts.fetch_policy, remote=opts.remote,
-                remote_timeout=opts.remote_timeout, remote_secret=opts.remote_secret,
-                calibrate_budget_s=opts.calibrate_budget_s, ssd_admit=opts.ssd_admit), rest
+    return store_args(opts, opts.budget_gb, bits), rest
 
 
 def run_until_stopped(main: Callable[[], object], argv: Sequence[str], *closers: Callable[[], object]) -> None:

@@ -46,7 +46,7 @@ def serve(argv: Sequence[str]) -> None:
 
     store = PrefixStore(config)
     installed = install(store)
-    run_until_stopped(ocli.main, ["omlx", "serve", *rest], installed.close, installed.uninstall, store.close)
+    run_until_stopped(ocli.main, ["omlx", "serve", *rest], installed.close, store.close)
     # The store is written. oMLX's server leaves threads of its own behind (it ends by the signal), and tearing
     # the interpreter down under them aborted the process (std::terminate) 2 times in 4 after a clean shutdown.
     logging.shutdown()

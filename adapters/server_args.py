@@ -8,7 +8,7 @@ import argparse
 import sys
 from typing import Optional, Sequence, Union
 
-__all__ = ["parse_args", "parse_kv_bits", "store_parser", "usage"]
+__all__ = ["parse_args", "parse_kv_bits", "store_args", "store_parser", "usage"]
 
 GB = 1 << 30  # PrefixStore's budget unit
 
@@ -119,9 +119,13 @@ def parse_args(argv: Sequence[str]) -> tuple[dict, list[str]]:
         bits = parse_kv_bits(opts.store_kv_bits)
     except ValueError as e:
         parser.error(f"--store-kv-bits: {e}")
-    store_args = dict(budget_gb=budget_gb, ssd_path=opts.ssd_path, block_size=opts.block_size, kv_bits=bits,
-                      kv_group_size=opts.store_group_size, namespace=opts.namespace,
-                      disk_budget_gb=opts.disk_budget_gb, fetch_policy=opts.fetch_policy, remote=opts.remote,
-                      remote_timeout=opts.remote_timeout, remote_secret=opts.remote_secret,
-                      calibrate_budget_s=opts.calibrate_budget_s, ssd_admit=opts.ssd_admit)
-    return store_args, rest
+    return store_args(opts, budget_gb, bits), rest
+
+
+def store_args(opts: argparse.Namespace, budget_gb: float, bits: Union[None, int, tuple[int, int]]) -> dict:
+    """A command line's store options (``kvstore serve``'s, or the engine servers' of ``engine_serve``) as
+    ``PrefixStore`` arguments, the RAM budget and entry bits as read."""
+    return dict(budget_gb=budget_gb, ssd_path=opts.ssd_path, block_size=opts.block_size, kv_bits=bits,
+                kv_group_size=opts.store_group_size, namespace=opts.namespace, disk_budget_gb=opts.disk_budget_gb,
+                fetch_policy=opts.fetch_policy, remote=opts.remote, remote_timeout=opts.remote_timeout,
+                remote_secret=opts.remote_secret, calibrate_budget_s=opts.calibrate_budget_s, ssd_admit=opts.ssd_admit)
