@@ -2,6 +2,7 @@
 checked whole before anything of it is written. Real LMDB stores, real mlx arrays, a real tiny
 mlx-lm model, the CLI as a subprocess, and an engine process beside an import."""
 
+import io
 import json
 import os
 import subprocess
@@ -290,7 +291,7 @@ def _frames(file: Path) -> tuple[bytes, list]:
     import msgpack
 
     data = file.read_bytes()
-    return data[: PREFIX.size], list(msgpack.Unpacker(__import__("io").BytesIO(data[PREFIX.size:]), raw=False))
+    return data[: PREFIX.size], list(msgpack.Unpacker(io.BytesIO(data[PREFIX.size:]), raw=False))
 
 
 def _written(prefix: bytes, frames: list, out: Path) -> Path:

@@ -272,8 +272,9 @@ class RemoteTier:
         """Describe a model (the first host's description stays); the one already there, if any."""
         if self.writes.hsetnx(self.models_name(), root, msgpack.packb(info, use_bin_type=True)):
             return None
+        raw = self.reads.hget(self.models_name(), root)
         try:
-            theirs = msgpack.unpackb(self.reads.hget(self.models_name(), root) or b"\x80", raw=False)
+            theirs = msgpack.unpackb(raw, raw=False) if raw else None
         except Exception:
             return None
         return theirs if isinstance(theirs, dict) else None
