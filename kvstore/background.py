@@ -39,6 +39,9 @@ class Pools:
         self._pid = 0
 
     def get(self, name: str = "") -> ThreadPoolExecutor:
+        pool = self._pools.get(name) if self._pid == os.getpid() else None  # (a dict read: made once, no lock)
+        if pool is not None:
+            return pool
         with self._lock:
             if self._pid != os.getpid():
                 self._pools, self._pid = {}, os.getpid()

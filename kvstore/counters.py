@@ -45,10 +45,14 @@ class Counters:
             self.now[name] += k
             self._unsaved[name] += k
 
-    def used(self, keys: Iterable[bytes], when: float) -> None:
-        """Blocks with a disk copy were served at ``when``."""
+    def record(self, deltas: dict[str, int], used: Iterable[bytes] = (), when: float = 0.0) -> None:
+        """A fetch's counts and the blocks with a disk copy it served at ``when``, at once (one lock)."""
         with self._lock:
-            for key in keys:
+            for name, k in deltas.items():
+                if k:
+                    self.now[name] += k
+                    self._unsaved[name] += k
+            for key in used:
                 old = self._uses.get(key)
                 self._uses[key] = Use(when, 1 + (old.hits if old else 0))
 

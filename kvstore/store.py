@@ -43,21 +43,19 @@ from .blocks.codec import Codec
 from .blocks.hashing import KeyChain, as_tokens, root_key
 from .blocks.layers import Layer
 from .config import DEFAULT_BLOCK, StoreConfig, gib, init_signature, store_config
-from .convert.queued import joined, owned, rows_of_queued
 from .cost.model import CostModel
 from .cost.planner import Planner
 from .counters import Counters
 from .errors import InputError, ReadOnlyError, StoreClosedError
-from .flow.discovery import Discovery, Found
+from .flow.discovery import Discovery
 from .flow.disk import Disk
-from .flow.find import find
+from .flow.fetch import FetchPath
 from .flow.priority import EngineFirst
 from .flow.put import index_put, warm_put
 from .flow.reader import Reader
 from .flow.writer import Writer
 from .gpu import buffers
 from .hit import Hit
-from .state.plans import Reused
 from .state.table import BlockTable
 from .tiers.disk.lmdb import LmdbTier
 from .tiers.remote.sync import Remote
@@ -118,6 +116,10 @@ class PrefixStore:
             self._disk.load_index()
             self.block_size = self._disk.block_size(cfg.block_size)
         self.config = cfg = replace(cfg, block_size=self.block_size)
+        self._fetch = FetchPath(self._table, self._disk, self._discovery, self._planner, self._reader, self._writer,
+                                self._counters, self.codec, self._engine, block_size=self.block_size,
+                                from_queued=self._from_queued,
+                                reuse=self._admit_reused if cfg.ssd_admit == "reuse" and not cfg.readonly else None)
         self._planner.start()  # measured rates saved earlier, else priors (``probe``)
         warm_device(cfg, type(self))  # on CUDA, what a process's first hits would pay (``warmup``), once
         if not cfg.readonly:
@@ -161,76 +163,7 @@ class PrefixStore:
         if limit is not None:
             _count(limit, "limit")
         n = len(toks) if limit is None else min(len(toks), int(limit))
-        root = self._root(model_key, register=False)
-        chain = KeyChain(root, toks, self.block_size)
-        match = find(self._table, self._disk, self._reader.tokens_of, root, chain, n)
-        found = Found()  # blocks just read from the remote, served as they are
-        copies: list = []  # ... and their disk copies, queued once the hit is served
-        if self._discovery is not None and match.matched < n:
-            found = self._discovery.find(root, chain, n, match, copies, quantized)
-            if found.blocks:
-                match = find(self._table, self._disk, self._reader.tokens_of, root, chain, n)
-        blocks = self._table.plan_fetch(match.path, match.matched, skip=found.blocks.keys())
-        pinned, length, jobs = blocks.path, blocks.length, blocks.jobs
-        tail = None  # rows [cut, length) taken from a put the writer has not stored yet: no wait for it
-        try:
-            if jobs and self._from_queued and quantized is None and not found.blocks:
-                with self._engine.engine():
-                    tail = rows_of_queued(jobs, toks, blocks.queued_from, length, self.codec)
-                    if tail is not None and blocks.queued_from == 0:
-                        return self._queued_hit(len(toks), length, owned(tail))
-            cut = length if tail is None else blocks.queued_from
-            if jobs and tail is None:
-                waited = time.perf_counter()
-                for job in jobs:
-                    job.done.wait()
-                self._counters.count("fetch_waited_us", int((time.perf_counter() - waited) * 1e6))
-            with self._engine.engine():  # (not around the wait above: the writer would wait for it)
-                # a queued put's rows (from ``cut`` on) are in hand: the plan weighs them, at no cost, with the rest
-                plan = self._planner.plan(root, len(toks), pinned, length, found.blocks,
-                                          frozenset(p.key for p in pinned if p.start >= cut))
-                read_to = min(plan.length, cut)
-                path = [p for p in pinned if p.start < read_to]
-                t0 = time.perf_counter()
-                got = self._reader.read(path, toks, read_to, quantized, plan.cold, found.blocks, found.fill)
-                t_load = time.perf_counter() - t0
-                if tail is not None and plan.length > cut and got.length == cut:  # stored rows as stored, the put's
-                    got = replace(got, layers=joined(got.layers, tail), length=length)
-                else:
-                    tail = None
-        finally:
-            self._table.release(blocks)
-            for job in copies:
-                self._writer.submit(job)
-        self._counters.count("tokens_requested", len(toks))
-        self._counters.count("tokens_skipped_cost", plan.skipped)
-        length, layers, from_ram = got.length, got.layers, got.from_ram
-        if length == 0:
-            self._counters.count("misses")
-            return Hit(skipped_tokens=plan.skipped, skip_reason=plan.reason)
-        served = [(p, r) for p, r in zip(path, from_ram) if p.start < length]
-        if self.config.ssd_admit == "reuse" and not self.readonly:  # asked for again: its chain may go to disk
-            self._table.apply(Reused(served[-1][0]))
-            self._admit_reused()
-        remote_tokens = sum(min(p.end, length) - p.start for p, _ in served if p.key in found.blocks)
-        ram_tokens = sum(min(p.end, length) - p.start for p, r in served if r and p.key not in found.blocks)
-        ram_tokens += 0 if tail is None else length - cut  # (a queued put's rows count as RAM's)
-        hit = Hit(length, layers, ram_tokens=ram_tokens, ssd_tokens=length - ram_tokens - remote_tokens,
-                  skipped_tokens=plan.skipped, skip_reason=plan.reason,
-                  predicted_s=plan.load_s if length == plan.length else 0.0, remote_tokens=remote_tokens)
-        hit.source_bytes = self._planner.observe(path, got.nbytes, from_ram, min(length, cut), plan, t_load)
-        self._counters.count("tokens_queued", 0 if tail is None else length - cut)
-        self._counters.count("hits")
-        self._counters.count("tokens_ram", hit.ram_tokens)
-        self._counters.count("tokens_ssd", hit.ssd_tokens)
-        self._counters.count("tokens_remote", hit.remote_tokens)
-        return hit
-
-    def _queued_hit(self, n: int, length: int, layers: list) -> Hit:
-        """A hit copied from a put the writer has not stored yet (``queued``)."""
-        for name, value in (("tokens_requested", n), ("hits", 1), ("tokens_ram", length), ("tokens_queued", length)):
-            self._counters.count(name, value)
-        return Hit(length, layers, ram_tokens=length)
+        return self._fetch.fetch(self._root(model_key, register=False), toks, n, quantized)
 
     def knows_prefill(self, model_key: Union[str, bytes]) -> bool:
         """Whether prefills of this model have been observed (here or by an earlier run on this machine)."""
@@ -259,8 +192,7 @@ class PrefixStore:
         self._check_open()
         toks = as_tokens(tokens)
         root = self._root(model_key, register=False)
-        match = find(self._table, self._disk, self._reader.tokens_of, root,
-                      KeyChain(root, toks, self.block_size), len(toks))
+        match = self._fetch.match(root, KeyChain(root, toks, self.block_size), len(toks))
         return self._table.servable(match.path, match.matched)
 
     def register_model(self, model_key: Union[str, bytes], info: dict) -> None:

@@ -56,6 +56,9 @@ def pool(name: str = "spread") -> ThreadPoolExecutor:
     """The process-wide pool of ``workers()`` threads called ``name``. Work
     that may block on what another pool's work holds gets a pool of its own
     (LMDB read-ahead waits on the map's gate, which a gather holds)."""
+    p = _pools.get(name)  # (a dict read: made once, then no lock per submit)
+    if p is not None:
+        return p
     with _lock:
         p = _pools.get(name)
         if p is None:

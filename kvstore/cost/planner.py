@@ -19,6 +19,8 @@ from .model import STATES, CostModel, Plan, machine_id
 from ..counters import Counters
 from ..flow.disk import Disk
 from ..state.index import BlockRef
+from ..state.lookup import servable as servable_length
+from ..state.plans import Pinned
 from ..state.table import BlockTable
 
 
@@ -32,30 +34,30 @@ class Planner:
         self.cfg = cfg
         self.cached_share = cfg.tuning.cached_share  # a disk block with this share of its pages cached reads as cached
 
-    def plan(self, root: bytes, n_prompt: int, path: list[BlockRef], servable: int, found: Mapping = {},
+    def plan(self, root: bytes, n_prompt: int, pinned: Pinned, found: Mapping = {},
              in_hand: frozenset = frozenset()) -> Plan:
-        """How much of the servable prefix to load: per block its tier and, on
-        disk, whether its pages are cached (``found``: blocks in hand, read
-        from the remote, that load as RAM does; ``in_hand``: keys of blocks
+        """How much of the pinned, servable prefix to load: per block its tier
+        and, on disk, whether its pages are cached (``found``: blocks in hand,
+        read from the remote, that load as RAM does; ``in_hand``: keys of blocks
         whose rows the fetch holds already, a queued put's, that cost nothing
         more to serve)."""
+        path, servable = pinned.path, pinned.length
         if not path:
             return Plan(servable, servable)
-        view = self.table.plan_view(path, found)
-        on_disk = {k: v for k, v in view.on_disk.items() if k not in in_hand}
+        on_disk = {k: v for k, v in pinned.on_disk.items() if k not in in_hand}
         resident: dict = {}
         if on_disk and self.disk is not None:
             try:
                 resident = self.disk.resident(on_disk)
             except Exception:
                 resident = {}
-        states = ["ram" if r or p.key in in_hand else
+        states = ["ram" if b is not None or p.key in found or p.key in in_hand else
                   "ssd_cached" if (resident.get(p.key) or 0) >= self.cached_share else "ssd_cold"
-                  for p, r in zip(path, view.in_ram)]
-        sizes = [0 if p.key in in_hand else n for p, n in zip(path, view.sizes)]
+                  for p, b in zip(path, pinned.items)]
+        sizes = [0 if p.key in in_hand else n for p, n in zip(path, pinned.sizes)]
         if self.cost.policy == "auto":
             self.assume(states)
-        limit_to = (lambda n: self.table.servable([p for p in path if p.start < n], n)) if view.constrained else None
+        limit_to = (lambda n: servable_length([p for p in path if p.start < n], n)) if pinned.constrained else None
         plan = self.cost.plan(root.hex(), n_prompt, [p.start for p in path], [p.end for p in path], sizes,
                               states, servable, limit_to)
         plan.states = dict(zip((p.key for p in path), states))
@@ -63,11 +65,12 @@ class Planner:
         return plan
 
     def observe(self, path: list[BlockRef], sizes: list[int], from_ram: list[bool], length: int, plan: Plan,
-                seconds: float) -> dict[str, int]:
+                seconds: float, counts: dict[str, int]) -> dict[str, int]:
         """Rates of a served fetch, per source, each charged its share of the
-        time by bytes (blocks are read and assembled in one pass). A fetch
-        with a disk block of unknown residency teaches nothing: its time
-        would be charged to a rate it may not belong to."""
+        time by bytes (blocks are read and assembled in one pass); its
+        predicted and measured times go to ``counts``. A fetch with a disk
+        block of unknown residency teaches nothing: its time would be charged
+        to a rate it may not belong to."""
         by_state: dict[str, int] = {}
         for p, nbytes, r in zip(path, sizes, from_ram):
             if p.start >= length:
@@ -80,8 +83,8 @@ class Planner:
         for state, nbytes in by_state.items():
             self.cost.observe_load(state, nbytes, seconds * nbytes / max(1, total))
         if plan.load_s:
-            self.counters.count("predicted_us", int(plan.load_s * 1e6))
-            self.counters.count("actual_us", int(seconds * 1e6))
+            counts["predicted_us"] = int(plan.load_s * 1e6)
+            counts["actual_us"] = int(seconds * 1e6)
         return by_state
 
     def observe_request(self, model: str, n_prompt: int, cached: int, source_bytes: dict[str, int],
@@ -103,6 +106,8 @@ class Planner:
     def assume(self, states) -> None:
         """Priors for those of ``states`` with neither a rate nor a prior: the
         configured ones, else probed (``probe``; tens of ms, once)."""
+        if all(s in self.cost.rates for s in states):  # (dict reads: rates are only ever added)
+            return
         unknown = self.cost.unknown(states)
         if not unknown:
             return

@@ -31,7 +31,7 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import replace
-from typing import Callable, NamedTuple, Optional
+from typing import TYPE_CHECKING, Callable, NamedTuple, Optional
 
 import numpy as np
 
@@ -42,11 +42,14 @@ from ..errors import BlockDecodeError
 from ..convert.gather import HostFill, start
 from ..blocks.hashing import KeyChain, chain_key
 from ..state.index import BlockRef
-from ..state.lookup import Match, shared_prefix
+from ..state.lookup import shared_prefix
 from ..blocks.record import BlockRecord, Entry
 from ..tiers.remote.sync import Remote
 from ..state.table import BlockTable
 from .writer import Job
+
+if TYPE_CHECKING:
+    from .fetch import Match
 
 log = logging.getLogger("kvstore")
 
@@ -68,7 +71,7 @@ class Discovery:
         self.keep_on_disk = keep_on_disk
         self._warned = False
 
-    def find(self, root: bytes, chain: KeyChain, n: int, match: Match, copies: list,
+    def find(self, root: bytes, chain: KeyChain, n: int, match: "Match", copies: list,
              quantized: Optional[tuple[int, int]] = None) -> Found:
         """Index the blocks of ``chain.tokens[:n]`` the remote holds beyond
         ``match``; returns them by key, checked, for the read path to serve
@@ -78,7 +81,7 @@ class Discovery:
         only compete with it). Never raises; a down remote costs at most one
         timeout (then the breaker skips it)."""
         bs = chain.block_size
-        first, full = len(match.full.nodes), n // bs
+        first, full = len(match.full.path), n // bs
         last = min(full, first + self.max_probe)
         keys = [chain.key(i) for i in range(first, last)]
         near = (chain.parent(full), chain.tokens[full * bs : n]) if last == full and n > full * bs else None
@@ -114,7 +117,7 @@ class Discovery:
             return Found()
         self.counters.count("remote_blocks_read", len(got_blocks))
         self.counters.count("remote_bytes_read", sum(len(b) for _, _, b in got_blocks))
-        return Found(self._keep(match.full.last, got_blocks, chain, copies), fill)
+        return Found(self._keep(match.full.stop, got_blocks, chain, copies), fill)
 
     # ---------------------------------------------------------------- steps
 

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import logging
 import threading
-import time
 from concurrent.futures import Future, wait
 from dataclasses import dataclass
 from typing import Optional, Sequence
@@ -27,7 +26,7 @@ from .disk import Disk
 from ..errors import BlockDecodeError
 from ..convert.gather import HostFill, gather
 from ..state.index import BlockRef
-from ..state.plans import Bad, GoneFromDisk, OffsetFound, OnDevice, Promoted, Used
+from ..state.plans import Bad, GoneFromDisk, OffsetFound, Promoted
 from ..state.lookup import servable
 from ..state.table import BlockTable
 
@@ -36,13 +35,16 @@ log = logging.getLogger("kvstore")
 
 @dataclass
 class Served:
-    """What ``read`` served: layers of ``[0, length)``, and per block used,
-    whether it came from RAM and its stored bytes."""
+    """What ``read`` served: layers of ``[0, length)``, and per block used
+    (``used``), whether it came from RAM and its stored bytes; the device
+    copies the gather made (for the device tier)."""
 
     layers: list
     length: int
     from_ram: list[bool]
     nbytes: list[int]
+    used: list[BlockRef]
+    on_device: list
 
 
 class Reader:
@@ -55,27 +57,16 @@ class Reader:
         self._promoting: dict[bytes, Future] = {}
         self._pool = Pools("kvstore-promote")
 
-    def tokens_of(self, ref: BlockRef) -> Optional[np.ndarray]:
-        """A block's stored tokens, from wherever it is."""
-        block, job, on_disk = self.table.sources(ref)
-        if block is not None:
-            return block.tokens
-        if job is not None:
-            return job.tokens[ref.start : ref.end]
-        if on_disk and self.disk is not None:
-            return self.disk.tokens(ref.key)
-        return None
-
-    def read(self, path: list[BlockRef], toks: np.ndarray, length: int, quantized: Optional[tuple[int, int]] = None,
-             cold: frozenset = frozenset(), found: Optional[dict[bytes, Stored]] = None,
-             fill: Optional[HostFill] = None) -> Served:
-        """The layers of ``path``'s blocks for ``[0, length)``. ``cold``: keys
-        of disk blocks the cost plan found out of the page cache (read ahead);
-        ``found``: blocks just read from the remote, served as they are, and
-        ``fill``, the arrays they were placed in as they came. Called with
-        ``path`` pinned."""
-        self.wait_promotions([p.key for p in path])
-        items: list = self.table.in_memory(path)
+    def read(self, path: list[BlockRef], items: list, toks: np.ndarray, length: int,
+             quantized: Optional[tuple[int, int]] = None, cold: frozenset = frozenset(),
+             found: Optional[dict[bytes, Stored]] = None, fill: Optional[HostFill] = None) -> Served:
+        """The layers of ``path``'s blocks for ``[0, length)``. ``items``: per
+        block, its device copy or RAM bytes as pinned, else ``None`` (read from
+        disk here); ``cold``: keys of disk blocks the cost plan found out of the
+        page cache (read ahead); ``found``: blocks just read from the remote,
+        served as they are, and ``fill``, the arrays they were placed in as they
+        came. Called with ``path`` pinned."""
+        items = list(items)
         from_ram = [b is not None for b in items]
         if found:
             items = [it if it is not None else found.get(p.key) for p, it in zip(path, items)]
@@ -114,7 +105,6 @@ class Reader:
         for p in gone:
             self.counters.count("blocks_gone")
             self.table.apply(GoneFromDisk(p))
-        self._promote_later([p for p, r in zip(path, served.from_ram) if not r])
         return served
 
     def _serve(self, path, items, from_ram, toks, length, quantized, bad: list,
@@ -134,23 +124,20 @@ class Reader:
                 path, items, from_ram = path[:good], items[:good], from_ram[:good]
                 length = servable(path, min(length, path[-1].end)) if path else 0
             if length == 0:
-                return Served([], 0, [], [])
+                return Served([], 0, [], [], [], [])
             path_used = [p for p in path if p.start < length]
             k = len(path_used)
             try:
                 got = gather(items[:k], length, quantized, keep_on_device=self.table.device_budget > 0, fill=fill)
             except Exception as e:  # blocks that do not fit together (a reused model key, a bad index record)
                 log.warning("kvstore: stored blocks for this prompt do not fit together (%s); serving a miss", e)
-                return Served([], 0, [], [])
+                return Served([], 0, [], [], [], [])
             if got.bad is None:
                 break
             bad.append((path_used[got.bad], "payload checksum mismatch"))
             good = got.bad
-        now = time.time()
-        if got.on_device:
-            self.table.apply(OnDevice(got.on_device))
-        self.counters.used(self.table.apply(Used(path_used, now)), now)
-        return Served(got.layers, got.length, from_ram[:k], [it.nbytes for it in items[:k]])
+        return Served(got.layers, got.length, from_ram[:k], [it.nbytes for it in items[:k]], path_used,
+                      got.on_device or [])
 
     def _drop_bad(self, node: BlockRef, why: str) -> None:
         self.counters.count("corrupt_blocks")
@@ -162,13 +149,11 @@ class Reader:
 
     # ----------------------------------------------------------- promotion
 
-    def _promote_later(self, nodes: list[BlockRef]) -> None:
-        """Copy blocks just served from disk into RAM on a thread of its own:
-        the hit that read them does not wait for the copies."""
+    def promote_later(self, nodes: list[BlockRef]) -> None:
+        """Copy blocks just served from disk (those ``BlockTable.served`` found
+        worth it) into RAM on a thread of its own: the hit that read them does
+        not wait for the copies."""
         if not nodes or self.disk is None:
-            return
-        nodes = self.table.promotable(nodes)
-        if not nodes:
             return
         with self._lock:
             fut = self._pool.get().submit(self._promote, nodes)
@@ -183,6 +168,8 @@ class Reader:
             f.result()
 
     def wait_promotions(self, keys: Sequence[bytes]) -> None:
+        if not self._promoting:  # (a dict read: none in flight, no lock needed)
+            return
         with self._lock:
             futs = {id(f): f for k in keys if (f := self._promoting.get(k)) is not None}
         for f in futs.values():

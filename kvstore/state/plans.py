@@ -1,39 +1,71 @@
 """What crosses the table's boundary besides single ``BlockRef``s: a fetch's
-plan (``BlockTable.plan_fetch``, handed back to ``release``), what the cost
-plan needs of a path, and the results the paths hand back to
+lookup and its pinned blocks (``BlockTable.lookup``, ``pin``, handed back to
+``served`` or ``release``), and the results the other paths hand back to
 ``BlockTable.apply``."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Iterable, Optional, Sequence
+from dataclasses import dataclass, field
+from typing import Iterable, NamedTuple, Optional, Sequence
+
+import numpy as np
 
 from ..blocks.record import BlockRecord
 from ..blocks.wire import Stored
 from .index import BlockRef
 
 
-@dataclass(frozen=True)
-class FetchPlan:
-    """A fetch's blocks, pinned until ``BlockTable.release``: the path up to
-    the servable ``length`` (each block as its ref says where it was) and the
-    jobs still storing blocks of it that are in no tier yet (the fetch waits
-    for them, or takes their rows from ``queued_from`` on: ``queued``)."""
+class Candidate(NamedTuple):
+    """A stored block the prompt may end or diverge inside of: its ref, its tokens where the table holds them
+    (RAM), else the put still storing it (its tokens are the put's) or ``None`` (read them from disk)."""
 
+    ref: BlockRef
+    tokens: Optional[np.ndarray]
+    pending: object
+
+
+@dataclass(frozen=True)
+class Lookup:
+    """``BlockTable.lookup``: the whole blocks of a prompt found by key (``path``, ending at ``stop``, the root's
+    ref when none) and the blocks below ``stop`` it may end or diverge inside of."""
+
+    stop: BlockRef
     path: list[BlockRef]
-    length: int
-    jobs: list
-    queued_from: int = 0  # where the first block a job still holds (in no tier yet) starts; ``length`` if none
+    candidates: list[Candidate]
+
+    @property
+    def length(self) -> int:
+        return self.path[-1].end if self.path else 0
 
 
 @dataclass
-class PlanView:
-    """What the cost plan needs of a path, read under the lock at once."""
+class Pinned:
+    """A fetch's blocks, pinned until ``BlockTable.served`` or ``release``: the path up to the servable
+    ``length`` and, as of the last look (``pin``, ``view``), where each block is. ``pending``: the puts still
+    storing blocks of it that are in no tier yet (the fetch waits for them, or takes their rows from
+    ``queued_from`` on); ``items``: per block, its device copy or RAM bytes (or the remote's, just read), else
+    ``None``; ``on_disk``: key -> (offset, bytes) of the blocks to read from disk."""
 
-    sizes: list[int]
-    in_ram: list[bool]
-    constrained: bool  # a snapshot or a window limits which lengths are servable
-    on_disk: dict[bytes, tuple[int, int]]  # key -> (offset, bytes) of blocks to read from disk
+    path: list[BlockRef]
+    length: int
+    pending: tuple = ()
+    queued_from: int = 0
+    items: list = field(default_factory=list)
+    sizes: list[int] = field(default_factory=list)
+    constrained: bool = False  # a snapshot or a window limits which lengths are servable
+    on_disk: dict[bytes, tuple[int, int]] = field(default_factory=dict)
+    done: bool = False  # unpinned (``served`` or ``release``): once only
+
+    @property
+    def in_ram(self) -> list[bool]:
+        return [b is not None for b in self.items]
+
+
+class Touched(NamedTuple):
+    """``BlockTable.served``: the keys of the used blocks with a disk copy, and the blocks to promote to RAM."""
+
+    disk_keys: list[bytes]
+    promote: list[BlockRef]
 
 
 # ------------------------------------------------- results, handed back to ``BlockTable.apply``
@@ -113,21 +145,6 @@ class GoneFromDisk(_OneBlock):
 class Bad(_OneBlock):
     """A block failed its check: it leaves the index with its subtree; ``apply`` returns the keys with a disk
     copy (for the caller to delete, unlocked)."""
-
-
-@dataclass(frozen=True)
-class Used:
-    """A hit served ``path`` at ``when``; ``apply`` returns the keys of those with a disk copy."""
-
-    path: Sequence[BlockRef]
-    when: float
-
-
-@dataclass(frozen=True)
-class OnDevice:
-    """Device copies a hit made (``DeviceBlock``s), to keep in the device tier."""
-
-    blocks: Sequence
 
 
 @dataclass(frozen=True)

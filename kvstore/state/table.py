@@ -35,7 +35,9 @@ their LRU, adopting blocks found there) and ``admissions`` (``Admissions``:
 from __future__ import annotations
 
 import threading
-from typing import Callable, Iterable, Mapping, Optional, Sequence
+from typing import Callable, Mapping, Optional, Sequence
+
+import numpy as np
 
 from . import lookup
 from ..blocks.wire import Stored
@@ -43,8 +45,8 @@ from ..counters import Counters
 from .table_admit import Admissions
 from .table_disk import DiskSide
 from ..blocks.hashing import KeyChain
-from .index import BlockRef, Node, RadixIndex, Refs, Walk
-from .plans import Bad, Encoded, FetchPlan, JobDone, JobReleased, OnDevice, PlanView, Promoted, Used
+from .index import BlockRef, Node, RadixIndex, Refs
+from .plans import Bad, Candidate, Encoded, JobDone, JobReleased, Lookup, Pinned, Promoted, Touched
 from ..blocks.layers import KVLayer
 from ..blocks.record import BlockRecord
 from ..tiers.device import DeviceTier
@@ -64,7 +66,7 @@ class BlockTable:
         self.disk = DiskSide(self._index, self._lock, self._forget)
         self.admissions = Admissions(self._index, self._lock, self._ram.get, admit_on_reuse and has_disk and writable)
         self._handlers = {Encoded: self._on_encoded, JobDone: self._on_job_done, JobReleased: self._on_job_released,
-                          Used: self._on_served, OnDevice: self._on_device, Promoted: self._on_promoted,
+                          Promoted: self._on_promoted,
                           Bad: self._on_bad, **self.disk.handlers, **self.admissions.handlers}
 
     # ---------------------------------------------------------------- reads
@@ -79,27 +81,9 @@ class BlockTable:
     def leaves(self) -> int:
         return self._index.leaves
 
-    def walk(self, root: bytes, chain: KeyChain, n: int) -> Walk:
-        """The longest run of the prompt's whole blocks indexed below the root key ``root`` (as refs)."""
-        with self._lock:
-            w = lookup.walk(self._index, self._index.root(root), chain, n)
-            return Walk(w.root.ref(), [p.ref() for p in w.nodes])
-
-    def candidates(self, stop: BlockRef, chain: KeyChain, pos: int, n: int) -> list[BlockRef]:
-        with self._lock:
-            node = self._index.node(stop)
-            return [] if node is None else [c.ref() for c in lookup.partial_candidates(node, chain, pos, n)]
-
     @staticmethod
     def servable(path: Sequence[BlockRef], matched: int) -> int:
         return lookup.servable(path, matched)
-
-    def sources(self, ref: BlockRef) -> tuple[Optional[Stored], object, bool]:
-        """Where a block's tokens can be read: its bytes in RAM, the job still
-        storing it (its put's tokens), and whether it has a disk copy."""
-        with self._lock:
-            node = self._index.node(ref)
-            return self._ram.get(ref.key), None if node is None else node.job, node is not None and node.on_disk
 
     def in_ram(self, refs: Sequence[BlockRef]) -> list[bool]:
         with self._lock:
@@ -113,50 +97,18 @@ class BlockTable:
                 node = node.parent
             return node is not None and node.on_disk
 
-    def promotable(self, refs: Sequence[BlockRef]) -> list[BlockRef]:
-        """Of blocks just served from disk, those to copy into RAM: still on disk, and not over the RAM budget."""
-        with self._lock:
-            return [r for r in refs if (n := self._index.node(r)) is not None and n.on_disk
-                    and n.nbytes <= self._ram.budget]
-
     def held(self, key: bytes) -> Optional[Stored]:
         """A block's bytes in RAM (a dict read: no lock needed)."""
         return self._ram.get(key)
-
-    def in_memory(self, path: Sequence[Node]) -> list:
-        """Per block, its device copy, else its RAM bytes, else ``None``."""
-        with self._lock:
-            return [self._dev.get(p.key) or self._ram.get(p.key) for p in path]
 
     @property
     def device_budget(self) -> int:
         return self._dev.budget
 
-    def _on_device(self, r: OnDevice) -> None:
-        """Keep device copies a hit made (``DeviceBlock``s) of blocks still
-        indexed, the least recently used making room; pinned blocks stay."""
-        def pinned(key: bytes) -> bool:
-            node = self._index.get(key)
-            return node is not None and node.pins > 0
-
-        with self._lock:
-            for b in r.blocks:
-                if b is not None and self._index.get(b.key) is not None:
-                    self._dev.add(b, pinned)
-
     def trim_device(self, keep_bytes: int) -> None:
         """Drop device copies, least recently used first, until at most ``keep_bytes`` are held."""
         with self._lock:
             self._dev.shrink(keep_bytes)
-
-    def plan_view(self, path: Sequence[BlockRef], found: Mapping[bytes, Stored]) -> PlanView:
-        with self._lock:
-            path = [self._index.node(p) or p for p in path]  # (a block dropped meanwhile: as it was)
-            blocks = [self._dev.get(p.key) or (self._ram.get(p.key) if p.in_ram else found.get(p.key)) for p in path]
-            return PlanView(sizes=[b.nbytes if b is not None else p.nbytes for p, b in zip(path, blocks)],
-                            in_ram=[b is not None for b in blocks],
-                            constrained=any(p.snap is not None or p.gap for p in path),
-                            on_disk={p.key: (p.offset, p.nbytes) for p, b in zip(path, blocks) if b is None})
 
     def stats(self) -> dict:
         with self._lock:
@@ -241,47 +193,102 @@ class BlockTable:
                 if node.job is r.job:
                     node.job = None
 
-    # ----------------------------------------------------------------- reads
+    # ---------------------------------------------------------------- fetch
+    # A fetch asks three times: ``lookup`` (what is indexed along the prompt), ``pin`` (the servable path held
+    # in place, and where each block is), then ``served`` (what it used) or ``release`` (nothing served).
 
-    def apply(self, result):
-        """Take back what a path did with a plan's blocks (``plans``: ``Encoded``, ``Written``, ``Used``, ...);
-        returns what that result's handler says (see each result)."""
-        return self._handlers[type(result)](result)
+    def lookup(self, root: bytes, chain: KeyChain, n: int) -> Lookup:
+        """The longest run of the prompt's whole blocks indexed below the root key ``root``, and the blocks
+        below its last one that ``chain.tokens[:n]`` may end or diverge inside of (tokens in RAM handed over)."""
+        with self._lock:
+            w = lookup.walk(self._index, self._index.root(root), chain, n)
+            stop = w.last
+            cands = [Candidate(c.ref(), self._tokens_held(c), c.job)
+                     for c in lookup.partial_candidates(stop, chain, w.length, n)]
+            return Lookup(stop.ref(), [p.ref() for p in w.nodes], cands)
 
-    def plan_fetch(self, path: Sequence[BlockRef], matched: int, skip: Iterable[bytes] = ()) -> FetchPlan:
-        """The blocks of ``path`` that serve a prefix (of at most ``matched``
-        tokens), pinned, with the jobs a fetch of them waits for, leaving out
-        the blocks in ``skip`` (in hand already). Hand it back to ``release``."""
+    def _tokens_held(self, node: Node) -> Optional[np.ndarray]:
+        block = self._ram.get(node.key) if node.in_ram else None
+        return None if block is None else block.tokens
+
+    def pin(self, path: Sequence[BlockRef], matched: int, found: Mapping[bytes, Stored] = {}) -> Pinned:
+        """The blocks of ``path`` that serve a prefix (of at most ``matched`` tokens), pinned, with the
+        pending puts a fetch of them waits for (leaving out blocks in ``found``, in hand already) and where
+        each block is now. Hand it back to ``served`` or ``release``."""
         length = lookup.servable(path, matched)
         refs = [p for p in path if p.start < length]
         with self._lock:
             nodes = self._index.nodes(refs)
             RadixIndex.pin(nodes)
-            held = [p for p in nodes if p.job is not None and not p.in_ram and p.key not in skip]
-        jobs = list({id(p.job): p.job for p in held}.values())
-        return FetchPlan(refs, length, jobs, min((p.start for p in held), default=length))
+            held = [p for p in nodes if p.job is not None and not p.in_ram and p.key not in found]
+            pinned = Pinned(refs, length, tuple({id(p.job): p.job for p in held}.values()),
+                            min((p.start for p in held), default=length))
+            self._look(pinned, found)
+        return pinned
 
-    def release(self, plan: FetchPlan) -> None:
-        """Unpin a fetch's blocks; blocks promoted while pinned may have left RAM over budget."""
+    def view(self, pinned: Pinned, found: Mapping[bytes, Stored] = {}) -> None:
+        """Where ``pinned``'s blocks are now (after waiting for their puts)."""
         with self._lock:
-            RadixIndex.unpin(self._index.nodes(plan.path))
-            self._make_room(0)
+            self._look(pinned, found)
 
-    def _on_served(self, r: Used) -> list[bytes]:
-        """``path``'s blocks were served: ancestors end up more recent than
-        descendants, so eviction takes leaves first. Returns the keys of
-        those with a disk copy (whose use is saved there)."""
-        path = r.path
+    def _look(self, pinned: Pinned, found: Mapping[bytes, Stored]) -> None:
+        items, sizes, on_disk = [], [], {}
+        for ref in pinned.path:
+            p = self._index.node(ref) or ref  # (a block dropped meanwhile: as it was)
+            b = self._dev.get(p.key) or (self._ram.get(p.key) if p.in_ram else None)
+            got = b if b is not None else found.get(p.key)
+            items.append(b)
+            sizes.append(p.nbytes if got is None else got.nbytes)
+            if got is None:
+                on_disk[p.key] = (p.offset, p.nbytes)
+        pinned.items, pinned.sizes, pinned.on_disk = items, sizes, on_disk
+        pinned.constrained = any(p.snap is not None or p.gap for p in pinned.path)
+
+    def served(self, pinned: Pinned, used: Sequence[BlockRef], from_disk: Sequence[BlockRef],
+               on_device: Sequence, when: float) -> Touched:
+        """A fetch served ``used`` (of ``pinned``) at ``when``: ancestors end up more recent than descendants,
+        so eviction takes leaves first; device copies it made (``DeviceBlock``s) join the device tier, the
+        least recently used making room; the pins go. Says which used blocks have a disk copy (their use is
+        saved there) and which of ``from_disk`` to copy into RAM (still on disk, not over the RAM budget)."""
         with self._lock:
-            on_disk = []
-            for p in self._index.nodes(path):
+            for b in on_device:
+                if b is not None and self._index.get(b.key) is not None:
+                    self._dev.add(b, self._pinned)
+            disk_keys = []
+            for p in self._index.nodes(used):
                 if p.on_disk:
-                    on_disk.append(p.key)
+                    disk_keys.append(p.key)
                     if self._has_disk:
-                        self.disk.used(p, r.when)
-            self._ram.touch([p.key for p in reversed(path)])
-            self._dev.touch([p.key for p in path])
-            return on_disk
+                        self.disk.used(p, when)
+            self._ram.touch([p.key for p in reversed(used)])
+            self._dev.touch([p.key for p in used])
+            promote = [r for r in from_disk if (n := self._index.node(r)) is not None and n.on_disk
+                       and n.nbytes <= self._ram.budget]
+            self._release(pinned)
+        return Touched(disk_keys, promote)
+
+    def release(self, pinned: Pinned) -> None:
+        """Unpin a fetch's blocks (nothing served)."""
+        with self._lock:
+            self._release(pinned)
+
+    def _release(self, pinned: Pinned) -> None:
+        if pinned.done:
+            return
+        pinned.done = True
+        RadixIndex.unpin(self._index.nodes(pinned.path))
+        self._make_room(0)  # blocks promoted while pinned may have left RAM over budget
+
+    def _pinned(self, key: bytes) -> bool:
+        node = self._index.get(key)
+        return node is not None and node.pins > 0
+
+    # ------------------------------------------------------------ results
+
+    def apply(self, result):
+        """Take back what a path did with a plan's blocks (``plans``: ``Encoded``, ``Written``, ``Used``, ...);
+        returns what that result's handler says (see each result)."""
+        return self._handlers[type(result)](result)
 
     def _on_promoted(self, r: Promoted) -> None:
         """Keep a block read from disk or the remote in RAM, if it is not there
