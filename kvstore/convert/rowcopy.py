@@ -224,8 +224,8 @@ def _land(items: Sequence, starts: Sequence[int], rows: int, nlines: int, lay: L
 def move_blocks(items: Sequence, queue: Callable[[int, object], None], stage: Callable[[int], None],
                 rt: cuda.Runtime) -> Optional[int]:
     """Host blocks to the GPU: RAM's (page-locked, checked) queued on one
-    stream back to back (``queue(k, stream)``, one task: the copy engine
-    never idles between them), LMDB's pages checked and staged block by block
+    stream of ``rt`` back to back (``queue(k, stream)``, one task: the copy
+    engine never idles between them), LMDB's pages checked and staged block by block
     on the other threads meanwhile (``stage(k)``). The index of the first
     block whose checksum failed, if any."""
     pinned = [it.checked and cuda.is_pinned(it.buf) for it in items]
