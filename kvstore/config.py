@@ -18,7 +18,7 @@ from typing import Optional, Union
 
 from .blocks.codec import ROTATE_AT_OR_BELOW, Codec
 from .errors import ConfigError
-from .gpu import cuda
+from .gpu.backend import Backend, choose
 
 GB = 1 << 30
 DEFAULT_BLOCK = 256  # tokens per block of a new store
@@ -251,14 +251,15 @@ class StoreConfig:
     def ram_bytes(self) -> int:
         return int(self.budget_gb * GB)
 
-    def device_bytes(self) -> int:
-        """The device tier's budget on this machine (0 without CUDA)."""
-        rt = cuda.runtime()
-        if rt is None:
+    def device_bytes(self, backend: Optional[Backend] = None) -> int:
+        """The device tier's budget on ``backend`` (default: this machine's; 0
+        where memory is one: the RAM tier is the device tier there)."""
+        backend = backend or choose()
+        if not backend.apart:
             return 0
         if self.device_budget_gb is not None:
             return int(self.device_budget_gb * GB)
-        return min(8 * GB, rt.total_memory() // 16)
+        return min(8 * GB, backend.device_memory() // 16)
 
     @property
     def disk_bytes(self) -> Optional[int]:

@@ -16,12 +16,13 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import replace
-from typing import Callable, ContextManager
+from typing import Callable, ContextManager, Optional
 
 import mlx.core as mx
 import numpy as np
 
 from .gpu import cuda
+from .gpu.backend import Backend, choose
 from .config import DEFAULT_BLOCK, StoreConfig
 from .blocks.layers import KVLayer
 
@@ -32,14 +33,16 @@ _DTYPES = (mx.float16, mx.bfloat16)
 _SHAPE = (1, 8, 128)  # (batch, kv heads, head dim) of the throwaway KV: most models' head dim
 
 
-def warm_device(config: StoreConfig, open_store: Callable[[StoreConfig], ContextManager]) -> float:
-    """Warm this process for stores of ``config``'s codec on CUDA, through a throwaway store ``open_store``
-    makes (``PrefixStore``: the facade hands itself in); seconds it took (0 where done or no CUDA)."""
-    rt = cuda.runtime()
+def warm_device(config: StoreConfig, open_store: Callable[[StoreConfig], ContextManager],
+                backend: Optional[Backend] = None) -> float:
+    """Warm this process for stores of ``config``'s codec on ``backend`` (default: ``choose()``) where its
+    arrays live apart (CUDA), through a throwaway store ``open_store`` makes (``PrefixStore``: the facade
+    hands itself in); seconds it took (0 where done, or where memory is one)."""
+    backend = backend or choose()
     what = (config.kv_bits, config.kv_group_size, config.rotate_keys, config.rotate_values,
             config.tuning.rotate_keys_at_or_below, config.tuning.rotate_values_at_or_below, config.full_attention_bits,
             config.block_size)
-    if rt is None or what in _done:
+    if not backend.apart or what in _done:
         return 0.0
     _done.add(what)  # (first: the throwaway store below opens without coming here again)
     t0 = time.perf_counter()
@@ -58,5 +61,5 @@ def warm_device(config: StoreConfig, open_store: Callable[[StoreConfig], Context
             hit = s.fetch(f"kvstore-warm-{i}", tokens)
             mx.eval([a for layer in hit.layers or [] for a in (layer.keys, layer.values)])
     seconds = time.perf_counter() - t0
-    log.info("kvstore: warmed this process's GPU path for the first hits in %.2f s", seconds)
+    log.info("kvstore: warmed this process's %s path for the first hits in %.2f s", backend.name, seconds)
     return seconds

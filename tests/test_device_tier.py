@@ -239,3 +239,21 @@ def test_without_cuda_there_is_no_device_tier():
         pytest.skip("a GPU is here")
     with _store(device_budget_gb=1) as s:
         assert s.stats()["device_budget"] == 0
+
+
+def test_the_backend_is_chosen_from_the_runtime_installed_at_each_call(monkeypatch):
+    """``choose()`` asks ``cuda.runtime()`` each time (a test's fake runtime
+    switches it), and the device tier's budget follows the backend handed in."""
+    from kvstore.config import GB, StoreConfig
+    from kvstore.gpu.backend import choose
+
+    rt = PinnedHostRuntime()
+    monkeypatch.setattr(cuda, "runtime", lambda: rt)
+    gpu = choose()
+    assert gpu.apart and gpu.runtime is rt and gpu.name == "cuda" and choose() is gpu
+    monkeypatch.setattr(cuda, "runtime", lambda: None)
+    host = choose()
+    assert not host.apart and host.runtime is None and host.name in ("cpu", "metal")
+    assert host.device_memory() == 0
+    cfg = StoreConfig(device_budget_gb=0.5)
+    assert cfg.device_bytes(host) == 0 and cfg.device_bytes(gpu) == GB // 2

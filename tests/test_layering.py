@@ -247,3 +247,20 @@ def test_each_tier_is_held_by_its_facade_alone():
                if isinstance(n, ast.Attribute) and n.attr in ("tier", "_tier")
                and not (isinstance(n.value, ast.Name) and n.value.id == "self")]
     assert not reached, "a tier reached through its facade:\n" + "\n".join(reached)
+
+
+def test_the_cuda_runtime_is_asked_only_in_the_gpu_package():
+    """The device backend is chosen in one place (``kvstore.gpu.backend.choose``):
+    outside kvstore/gpu/, the core and the adapters are handed a ``Backend``
+    or ask ``choose()``, never ``cuda.runtime`` (called or passed around)."""
+    files = [p for p in CORE.rglob("*.py") if p.parent.name != "gpu"] + sorted(ADAPTERS.rglob("*.py"))
+    asked = []
+    for p in files:
+        for n in ast.walk(ast.parse(p.read_text())):
+            cuda_attr = (isinstance(n, ast.Attribute) and n.attr == "runtime"
+                         and ast.unparse(n.value).split(".")[-1] == "cuda")
+            imported = (isinstance(n, ast.ImportFrom) and (n.module or "").split(".")[-1] == "cuda"
+                        and any(a.name == "runtime" for a in n.names))
+            if cuda_attr or imported:
+                asked.append(f"{p.relative_to(CORE.parent)}:{n.lineno}: {ast.unparse(n)}")
+    assert not asked, "cuda.runtime outside kvstore/gpu/ (take a Backend, or gpu.backend.choose()):\n" + "\n".join(asked)

@@ -277,6 +277,12 @@ def _tensor(t, size: int, rows: int, version: int) -> TensorSpec:
         a = _array(t["a"], size)
         _check(len(a.shape) >= 2 and a.shape[-2] == rows, "rows of a dense tensor")
         return TensorSpec((a,))
+    return _quantized(t, size, rows)
+
+
+def _quantized(t: dict, size: int, rows: int) -> TensorSpec:
+    """A quantized tensor's entry (rotation checked by ``_tensor``): its
+    settings, then its three parts' dtypes and shapes against each other."""
     q = t["q"]
     _check(isinstance(q, list) and len(q) == 2 and _is_int(q[0]) and _is_int(q[1])
            and q[0] in BITS and q[1] in GROUP_SIZES, "bits/group size")

@@ -14,6 +14,7 @@ import numpy as np
 import xxhash
 
 from ..gpu import buffers, cuda
+from ..gpu.backend import Backend, choose
 from .codec import Block, block_arrays
 from ..errors import BlockDecodeError
 from .header import (FORMAT_VERSION, MAGIC, NAME_OF, PREFIX, ArraySpec, Header, KVSpec, LayerSpec, StateSpec,
@@ -95,11 +96,11 @@ class _Layout:
             pieces.append(mx.zeros((n, self.size - pos), mx.uint8))
         return mx.concatenate(pieces, axis=1)
 
-    def fill(self, payload: memoryview) -> int:
+    def fill(self, payload: memoryview, backend: Backend) -> int:
         """Every array into its place in ``payload``, the alignment gaps
         zeroed; returns the payload's checksum, taken on the way (each part
         hashed while its bytes are still in the cache)."""
-        rt = cuda.runtime()
+        rt = backend.runtime
         if rt is not None and 0 < self.size < 1 << 31:
             # on CUDA the arrays live on the device: laid out there in one buffer, then one transfer
             # through the copy engine (page faults, or a copy per array, would cost far more)
@@ -125,17 +126,18 @@ class _Layout:
 _SUM_PLACEHOLDER = 1 << 63  # packed in 9 bytes, like every checksum at or above 2**32
 
 
-def serialize(block: Block, key: bytes = b"") -> memoryview:
+def serialize(block: Block, key: bytes = b"", backend: Optional[Backend] = None) -> memoryview:
     """One buffer holding the whole block, bound to ``key`` (see the module
     docstring). It is numpy memory, which fills faster than a ``bytearray``
-    (numpy asks the kernel for huge pages)."""
-    return _serialize(block, key)[0]
+    (numpy asks the kernel for huge pages). ``backend``: where the block's
+    arrays live (default: ``choose()``)."""
+    return _serialize(block, key, backend or choose())[0]
 
 
-def _serialize(block: Block, key: bytes) -> tuple[memoryview, Header]:
+def _serialize(block: Block, key: bytes, backend: Backend) -> tuple[memoryview, Header]:
     plan = _Plan(block, key)
     arr = plan.buffer()
-    return plan.seal(arr, plan.layout.fill(memoryview(arr)[plan.start :]))
+    return plan.seal(arr, plan.layout.fill(memoryview(arr)[plan.start :], backend))
 
 
 class _Plan:
@@ -187,7 +189,8 @@ class _Plan:
         return _frozen(arr), Header(self.key, self.n, start, checksum, self.tok, self.layers)
 
 
-def serialize_run(whole: Block, first: Block, keys: list[bytes]) -> Iterator[tuple[memoryview, Header]]:
+def serialize_run(whole: Block, first: Block, keys: list[bytes],
+                  backend: Optional[Backend] = None) -> Iterator[tuple[memoryview, Header]]:
     """The blocks of ``whole``'s rows, one per key, each as many rows as
     ``first`` (the first of them, cut from ``whole``: every one is laid out
     as it is, so its plan is theirs under another key), serialized together:
@@ -195,7 +198,7 @@ def serialize_run(whole: Block, first: Block, keys: list[bytes]) -> Iterator[tup
     bytes]`` matrix of their payloads (on the GPU on CUDA, where a copy per
     block per array would cost a kernel each), then each row goes to its
     block's buffer (one download on CUDA), hashed on the way. Yields in
-    order, as each is done."""
+    order, as each is done. ``backend``: where the arrays live (default: ``choose()``)."""
     n = len(keys)
     if len(whole.tokens) != n * len(first.tokens):
         raise ValueError(f"a run of {n} blocks of {len(first.tokens)} rows cannot hold {len(whole.tokens)} rows")
@@ -209,7 +212,7 @@ def serialize_run(whole: Block, first: Block, keys: list[bytes]) -> Iterator[tup
     mx.eval(packed)
     del whole, first, big  # the run's arrays go now: only its payloads are held
     layout.parts.clear()
-    rt = cuda.runtime()
+    rt = (backend or choose()).runtime
     if rt is not None:
         mx.synchronize()
         base = cuda.address(packed)  # (mlx's buffer cache hands the next run this one's moved buffer)
@@ -310,16 +313,17 @@ class Stored:
     checked: bool = False
 
     @classmethod
-    def pack(cls, block: Block, key: bytes, start: int) -> "Stored":
+    def pack(cls, block: Block, key: bytes, start: int, backend: Optional[Backend] = None) -> "Stored":
         """``block`` serialized (its header is the one just written: no
-        second parse)."""
-        buf, header = _serialize(block, key)
+        second parse); ``backend``: where its arrays live (default: ``choose()``)."""
+        buf, header = _serialize(block, key, backend or choose())
         return cls(key, start, buf, header, True)
 
     @classmethod
-    def pack_run(cls, whole: Block, first: Block, keys: list[bytes], starts: list[int]) -> Iterator["Stored"]:
+    def pack_run(cls, whole: Block, first: Block, keys: list[bytes], starts: list[int],
+                 backend: Optional[Backend] = None) -> Iterator["Stored"]:
         """The blocks of ``whole``'s rows laid out as ``first``, serialized together (``serialize_run``)."""
-        for (buf, header), key, start in zip(serialize_run(whole, first, keys), keys, starts):
+        for (buf, header), key, start in zip(serialize_run(whole, first, keys, backend), keys, starts):
             yield cls(key, start, buf, header, True)
 
     @classmethod

@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Callable, Iterator, Optional
 import mlx.core as mx
 import numpy as np
 
-from ..gpu import cuda
+from ..gpu.backend import Backend, choose
 from ..blocks.codec import Block, Codec, block_arrays
 from ..blocks.hashing import narrowest
 from ..blocks.layers import KVLayer, Layer, StateLayer, Tensor, take_rows
@@ -32,26 +32,29 @@ class Rows:
 
 
 def encoded(job, codec: Codec, compress_rows: int, wanted: Callable[[BlockRef], bool],
-            together: Optional[bool] = None) -> Iterator[tuple[BlockRef, Stored, "About"]]:
+            together: Optional[bool] = None, backend: Optional[Backend] = None
+            ) -> Iterator[tuple[BlockRef, Stored, "About"]]:
     """The job's blocks that ``wanted`` still wants (asked once each, once the
     blocks before it that cannot share its run are handed over), in order,
     each as its bytes and what its record says of it. ``together`` (default:
     on CUDA) encodes runs of consecutive blocks laid out alike, up to
     ``compress_rows`` rows, in one go: each layer's rows compressed at once,
-    every array copied once into the run's payloads, one download per block."""
+    every array copied once into the run's payloads, one download per block.
+    ``backend``: where the job's arrays live (default: ``choose()``)."""
+    backend = backend or choose()
     if together is None:
-        together = cuda.runtime() is not None
+        together = backend.apart
     run: list[BlockRef] = []
     for node in job.nodes:
         if run and not (together and _extends(job, run, node, compress_rows)):
-            yield from _encoded_run(job, run, codec, compress_rows)
+            yield from _encoded_run(job, run, codec, compress_rows, backend)
             run = []
         if wanted(node):
             run.append(node)
         elif run:
-            yield from _encoded_run(job, run, codec, compress_rows)
+            yield from _encoded_run(job, run, codec, compress_rows, backend)
             run = []
-    yield from _encoded_run(job, run, codec, compress_rows)
+    yield from _encoded_run(job, run, codec, compress_rows, backend)
 
 
 @dataclass(frozen=True)
@@ -86,18 +89,19 @@ def _plain(job, node: BlockRef) -> bool:
             and narrowest(job.tokens[node.start : node.end]).dtype == np.int32)
 
 
-def _encoded_run(job, run: list[BlockRef], codec: Codec, compress_rows: int) -> Iterator[tuple[BlockRef, Stored, About]]:
+def _encoded_run(job, run: list[BlockRef], codec: Codec, compress_rows: int,
+                 backend: Backend) -> Iterator[tuple[BlockRef, Stored, About]]:
     if len(run) == 1:
-        block = encode(job, run[0], codec, compress_rows)
-        held, about = Stored.pack(block, run[0].key, run[0].start), About.of(block)
+        block = encode(job, run[0], codec, compress_rows, backend)
+        held, about = Stored.pack(block, run[0].key, run[0].start, backend), About.of(block)
         del block
         yield run[0], held, about
     elif run:
         s = run[0].start
-        whole = _encode_rows(job, s, run[-1].end, codec, compress_rows)
+        whole = _encode_rows(job, s, run[-1].end, codec, compress_rows, backend)
         first = _cut(whole, 0, run[0].length)  # (laid out as every block of the run: one plan, one About)
         about = About.of(first)
-        held = Stored.pack_run(whole, first, [n.key for n in run], [n.start for n in run])
+        held = Stored.pack_run(whole, first, [n.key for n in run], [n.start for n in run], backend)
         del whole, first  # (the run's arrays go once its payloads are made)
         for node in run:
             yield node, next(held), about
@@ -110,15 +114,15 @@ def _cut(whole: Block, a: int, b: int) -> Block:
                                                   l.window) for l in whole.layers])
 
 
-def encode(job, node: BlockRef, codec: Codec, compress_rows: int) -> Block:
+def encode(job, node: BlockRef, codec: Codec, compress_rows: int, backend: Optional[Backend] = None) -> Block:
     """The block's rows of every layer, compressed. Uncompressed rows stay
     views of the engine's buffers (the job holds those, so mlx never writes
     them in place): ``Stored.pack`` copies them once, straight into the
     block's bytes, and the views go with the ``Block`` right after."""
-    return _encode_rows(job, node.start, node.end, codec, compress_rows)
+    return _encode_rows(job, node.start, node.end, codec, compress_rows, backend or choose())
 
 
-def _encode_rows(job, s: int, e: int, codec: Codec, compress_rows: int) -> Block:
+def _encode_rows(job, s: int, e: int, codec: Codec, compress_rows: int, backend: Backend) -> Block:
     out: list[Optional[Layer]] = []
     windowed = any(isinstance(l, KVLayer) and l.window is not None for l in job.layers)
     for li, l in enumerate(job.layers):
@@ -128,7 +132,8 @@ def _encode_rows(job, s: int, e: int, codec: Codec, compress_rows: int) -> Block
             if first is None:
                 out.append(None)
                 continue
-            k, v = _compressed_rows(job, li, l, first, e, codec.for_layer(l.window, windowed), compress_rows)
+            k, v = _compressed_rows(job, li, l, first, e, codec.for_layer(l.window, windowed), compress_rows,
+                                    backend.apart)
             out.append(KVLayer(k, v, first, l.window))
         else:
             out.append(StateLayer([None if a is None else mx.contiguous(a) for a in l.arrays])
@@ -138,18 +143,19 @@ def _encode_rows(job, s: int, e: int, codec: Codec, compress_rows: int) -> Block
     return block
 
 
-def _compressed_rows(job, li: int, l: KVLayer, first: int, e: int, codec: Codec, compress_rows: int
-                     ) -> tuple[Tensor, Tensor]:
+def _compressed_rows(job, li: int, l: KVLayer, first: int, e: int, codec: Codec, compress_rows: int,
+                     apart: bool) -> tuple[Tensor, Tensor]:
     """Rows ``[first, e)`` of layer ``li``, compressed. Quantizing (and
     rotating) works row by row, so on the host up to ``compress_rows`` rows
-    are done in one go and later blocks are cut from them. Not on CUDA: there
-    a block is laid out on the device from contiguous arrays, and each slice
-    of a shared chunk would take a copy kernel of its own."""
+    are done in one go and later blocks are cut from them. Not where arrays
+    live ``apart`` from the host (CUDA): there a block is laid out on the
+    device from contiguous arrays, and each slice of a shared chunk would
+    take a copy kernel of its own."""
     def compressed(a: int, b: int) -> tuple[Tensor, Tensor]:
         return (codec.compress_keys(take_rows(l.keys, a - l.start, b - l.start)),
                 codec.compress_values(take_rows(l.values, a - l.start, b - l.start)))
 
-    if (codec.key_bits is None and codec.value_bits is None) or cuda.runtime() is not None:
+    if (codec.key_bits is None and codec.value_bits is None) or apart:
         return compressed(first, e)
     got = job.compressed.get(li)
     if got is None or not (got.start <= first and e <= got.stop):

@@ -35,7 +35,7 @@ import mlx.core as mx
 import numpy as np
 import xxhash
 
-from ..gpu import cuda
+from ..gpu.backend import Backend, choose
 from . import landing, rowcopy
 from .landing import stored_arrays
 from .assemble import assemble
@@ -105,12 +105,13 @@ def _fast_spec(items: Sequence[Stored], quantized: Optional[tuple[int, int]]) ->
 
 
 def gather(items: Sequence, length: int, quantized: Optional[tuple[int, int]] = None,
-           keep_on_device: bool = False, fill: Optional[HostFill] = None) -> Gathered:
+           keep_on_device: bool = False, fill: Optional[HostFill] = None,
+           backend: Optional[Backend] = None) -> Gathered:
     """One tensor per layer (``Quantized`` when the engine asks for the stored
     settings) for rows ``[0, length)`` of consecutive blocks from position 0
     (``Stored`` bytes, or ``DeviceBlock``s already in GPU memory). ``fill``:
     destinations some of these blocks were placed in already (used when
-    they are this hit's)."""
+    they are this hit's). ``backend``: where the arrays go (default: ``choose()``)."""
     spans = []  # per block used: (first row, rows used)
     pos = 0
     for it in items:
@@ -124,17 +125,17 @@ def gather(items: Sequence, length: int, quantized: Optional[tuple[int, int]] = 
     if spec is None:
         return _slow(items, length, quantized)
     kept: list = []
-    on_gpu = cuda.runtime() is not None
-    lay = rowcopy.lines(items, spec) if on_gpu else None
+    backend = backend or choose()
+    lay = rowcopy.lines(items, spec) if backend.apart else None
     if lay is not None:
-        hit, bad, kept = rowcopy.gather(items, spans, lay, length, keep_on_device)
+        hit, bad, kept = rowcopy.gather(items, spans, lay, length, keep_on_device, backend.runtime)
         if bad is not None:
             return Gathered([], 0, bad)
         return Gathered(rowcopy.layers(hit, lay, length, quantized is not None), length, on_device=kept)
     if any(isinstance(it, DeviceBlock) and it.arrays is not None for it in items):
         return _slow(items, length, quantized)  # (a host block laid out otherwise beside them)
-    elif on_gpu:
-        parts, bad, kept = landing.fill(items, spans, spec, length, keep_on_device)
+    elif backend.apart:
+        parts, bad, kept = landing.fill(items, spans, spec, length, keep_on_device, backend)
     else:
         parts, bad = _fill_host(items, spans, spec, length, fill)
     if bad is not None:
@@ -238,10 +239,12 @@ class HostFill:
         return True
 
 
-def start(first: Stored, length: int, quantized: Optional[tuple[int, int]]) -> Optional[HostFill]:
+def start(first: Stored, length: int, quantized: Optional[tuple[int, int]],
+          backend: Optional[Backend] = None) -> Optional[HostFill]:
     """A fill for a hit of ``length`` rows of blocks laid out like ``first``
-    (``None`` where ``gather`` would not fill host arrays: CUDA, other layouts)."""
-    spec = None if cuda.runtime() is not None else _fast_spec([first], quantized)
+    (``None`` where ``gather`` would not fill host arrays: a device apart
+    (CUDA), other layouts). ``backend``: default ``choose()``."""
+    spec = None if (backend or choose()).apart else _fast_spec([first], quantized)
     return None if spec is None else HostFill(spec, length)
 
 

@@ -15,6 +15,7 @@ from ..blocks.header import MX_OF, ArraySpec
 from ..blocks.ondevice import DeviceBlock
 from ..blocks.wire import Stored
 from ..gpu import cuda
+from ..gpu.backend import Backend
 from . import rowcopy
 
 
@@ -23,58 +24,79 @@ def stored_arrays(item) -> list[list[tuple[ArraySpec, ...]]]:
     return [[e.keys.arrays, e.values.arrays] for e in item.header.layers]
 
 
-def fill(items: Sequence, spans: Sequence[tuple[int, int]], spec: tuple, length: int,
-         keep_on_device: bool = False) -> tuple[list, Optional[int], list]:
+def fill(items: Sequence, spans: Sequence[tuple[int, int]], spec: tuple, length: int, keep_on_device: bool,
+         backend: Backend) -> tuple[list, Optional[int], list]:
     """Blocks of other layouts (quantized) to per-layer GPU arrays: host
     blocks land as many at a time as a landing buffer holds (``cuda.landing``:
     an array mlx made fresh would be moved into managed memory, with a copy,
-    the first time its address is taken), and each run of blocks is cut into
-    its layers there, on the GPU; blocks in the device tier are cut from its
-    buffers. The device tier keeps a device copy of what landed."""
+    the first time its address is taken), on ``backend``'s copy engine, and
+    each run of blocks is cut into its layers there, on the GPU; blocks in
+    the device tier are cut from its buffers. The device tier keeps a device
+    copy of what landed."""
     pieces: list[list[list[list[mx.array]]]] = [[[[] for _ in t[2]] for t in layer] for layer in spec]
     kept: list = [None] * len(items)
     i = 0
     while i < len(items):
-        j = i + 1
         if isinstance(items[i], DeviceBlock):
-            while j < len(items) and isinstance(items[j], DeviceBlock) and items[j].data is items[i].data:
-                j += 1
+            j = rowcopy.device_run(items, i, lambda it: it.data)
             _cut(items[i:j], spans[i:j], items[i].data, [it.offset for it in items[i:j]], pieces, False)
-            i = j
-            continue
-        offsets, size = [0], -(-len(items[i].payload) // 64) * 64
-        while j < len(items) and not isinstance(items[j], DeviceBlock):
-            n = -(-len(items[j].payload) // 64) * 64
-            if size + n > cuda.LANDING:
-                break
-            offsets.append(size)
-            size += n
-            j += 1
-        with cuda.landing(size) as (buf, base):
-            bad = _land(items[i:j], offsets, base)
+        else:
+            j, offsets, size = _host_run(items, i)
+            bad, kept[i:j] = _landed(items[i:j], spans[i:j], offsets, size, pieces, keep_on_device,
+                                     backend.runtime)
             if bad is not None:
                 return [], i + bad, []
-            data = mx.array(buf[:size]) if keep_on_device else buf[:size]  # the device tier's: a copy of its own
-            new = _cut(items[i:j], spans[i:j], data, offsets, pieces, not keep_on_device)
-            mx.eval(new + [data])  # done with the landing buffer before it is used again
-        if keep_on_device:
-            kept[i:j] = [DeviceBlock.kept(it, data=data, offset=o) for it, o in zip(items[i:j], offsets)]
         i = j
     out = [[[p[0] if len(p) == 1 else mx.concatenate(p, axis=2) for p in tp] for tp in lp] for lp in pieces]
     mx.eval([a for lp in out for tp in lp for a in tp])
     return out, None, kept
 
 
-def _land(items: Sequence[Stored], offsets: Sequence[int], base: int) -> Optional[int]:
-    """Host blocks to GPU address ``base`` + their offsets (``rowcopy.move_blocks``);
-    the index of the first block whose checksum failed, if any."""
-    rt = cuda.runtime()
+def _host_run(items: Sequence, i: int) -> tuple[int, list[int], int]:
+    """The end of the run of host blocks from ``i`` that one landing buffer
+    holds (``cuda.LANDING``), where each lies in it (64-byte aligned) and
+    the bytes they take."""
+    offsets, size = [0], _padded(items[i])
+    j = i + 1
+    while j < len(items) and not isinstance(items[j], DeviceBlock) and size + _padded(items[j]) <= cuda.LANDING:
+        offsets.append(size)
+        size += _padded(items[j])
+        j += 1
+    return j, offsets, size
+
+
+def _padded(item: Stored) -> int:
+    return -(-len(item.payload) // 64) * 64
+
+
+def _landed(items: Sequence[Stored], spans: Sequence[tuple[int, int]], offsets: list[int], size: int,
+            pieces: list, keep_on_device: bool, rt: cuda.Runtime) -> tuple[Optional[int], list]:
+    """Host blocks landed in a landing buffer at ``offsets`` (``size`` bytes
+    in all) and cut into ``pieces``: the index of the first block whose
+    checksum failed, if any (nothing cut then), and with ``keep_on_device``
+    per block its ``DeviceBlock`` in a device copy of the buffer."""
+    with cuda.landing(size) as (buf, base):
+        bad = _land(items, offsets, base, rt)
+        if bad is not None:
+            return bad, []
+        data = mx.array(buf[:size]) if keep_on_device else buf[:size]  # the device tier's: a copy of its own
+        new = _cut(items, spans, data, offsets, pieces, not keep_on_device)
+        mx.eval(new + [data])  # done with the landing buffer before it is used again
+    if not keep_on_device:
+        return None, [None] * len(items)
+    return None, [DeviceBlock.kept(it, data=data, offset=o) for it, o in zip(items, offsets)]
+
+
+def _land(items: Sequence[Stored], offsets: Sequence[int], base: int, rt: cuda.Runtime) -> Optional[int]:
+    """Host blocks to GPU address ``base`` + their offsets on ``rt``'s copy
+    engine (``rowcopy.move_blocks``); the index of the first block whose
+    checksum failed, if any."""
 
     def queue(k: int, stream) -> None:
         a = np.frombuffer(items[k].payload, np.uint8)
         rt.copy(base + offsets[k], a.ctypes.data, len(a), stream)
 
-    return rowcopy.move_blocks(items, queue, lambda k: cuda.upload(rt, base + offsets[k], items[k].payload))
+    return rowcopy.move_blocks(items, queue, lambda k: cuda.upload(rt, base + offsets[k], items[k].payload), rt)
 
 
 def _cut(items: Sequence, spans: Sequence[tuple[int, int]], data: mx.array, offsets: Sequence[int], pieces: list,

@@ -97,32 +97,25 @@ def _runs(item, c: int, n: int, width: int) -> list[tuple[int, int, int]]:
 
 
 def gather(items: Sequence, spans: Sequence[tuple[int, int]], lay: Lines, length: int,
-           keep: bool) -> tuple[Optional[HitArrays], Optional[int], list]:
+           keep: bool, rt: cuda.Runtime) -> tuple[Optional[HitArrays], Optional[int], list]:
     """The hit's ``HitArrays``; the index of the first block whose checksum
     failed (``None``: all good); and with ``keep``, per block a
-    ``DeviceBlock`` of its rows in those arrays."""
-    nlines = 2 * len(items[0].header.layers) * lay.heads
+    ``DeviceBlock`` of its rows in those arrays. ``rt``: the copy engine."""
     on = items[0].arrays if isinstance(items[0], DeviceBlock) else None
     if on is not None and all(isinstance(it, DeviceBlock) and it.arrays is on for it in items):
         return on, None, [None] * len(items)  # kept as they are: no copy
-    row_bytes = nlines * sum(lay.line(c) for c in range(len(lay.kinds)))
+    nlines = 2 * len(items[0].header.layers) * lay.heads
     pieces: list[list[mx.array]] = [[] for _ in lay.kinds]
     i = 0
     while i < len(items):
-        j = i + 1
         if isinstance(items[i], DeviceBlock):  # rows already in GPU memory: sliced there
-            while j < len(items) and isinstance(items[j], DeviceBlock) and items[j].arrays is items[i].arrays:
-                j += 1  # (a block's row there is its place in the prompt: consecutive blocks, consecutive rows)
+            j = device_run(items, i, lambda it: it.arrays)
             a, b = items[i].row, items[j - 1].row + items[j - 1].header.ntokens
             for p, x in zip(pieces, items[i].arrays.kinds):
                 p.append(x[:, a:b])
         else:  # host blocks, as many as the landing buffer holds
-            rows = items[i].header.ntokens
-            while (j < len(items) and not isinstance(items[j], DeviceBlock)
-                   and (rows + items[j].header.ntokens) * row_bytes + _ALIGN * len(lay.kinds) <= cuda.LANDING):
-                rows += items[j].header.ntokens
-                j += 1
-            bad = _land(items[i:j], [s - spans[i][0] for s, _ in spans[i:j]], rows, nlines, lay, pieces)
+            j, rows = _host_run(items, i, nlines, lay)
+            bad = _land(items[i:j], [s - spans[i][0] for s, _ in spans[i:j]], rows, nlines, lay, pieces, rt)
             if bad is not None:
                 return None, i + bad, []
         i = j
@@ -132,6 +125,30 @@ def gather(items: Sequence, spans: Sequence[tuple[int, int]], lay: Lines, length
     if keep:  # the next hit of these blocks gets views of these arrays
         kept = [DeviceBlock.kept(it, arrays=out, row=s) for it, (s, _) in zip(items, spans)]
     return out, None, kept
+
+
+def device_run(items: Sequence, i: int, held_in: Callable[[DeviceBlock], object]) -> int:
+    """The end of the run of device-tier blocks from ``i`` held in the same
+    buffer (``held_in``): a block's place there is its place in the prompt,
+    so consecutive blocks are consecutive rows there, cut at once."""
+    on = held_in(items[i])
+    j = i + 1
+    while j < len(items) and isinstance(items[j], DeviceBlock) and held_in(items[j]) is on:
+        j += 1
+    return j
+
+
+def _host_run(items: Sequence, i: int, nlines: int, lay: Lines) -> tuple[int, int]:
+    """The end of the run of host blocks from ``i`` that one landing buffer
+    holds (``cuda.LANDING``), and their rows."""
+    row_bytes = nlines * sum(lay.line(c) for c in range(len(lay.kinds)))
+    rows = items[i].header.ntokens
+    j = i + 1
+    while (j < len(items) and not isinstance(items[j], DeviceBlock)
+           and (rows + items[j].header.ntokens) * row_bytes + _ALIGN * len(lay.kinds) <= cuda.LANDING):
+        rows += items[j].header.ntokens
+        j += 1
+    return j, rows
 
 
 def layers(hit: HitArrays, lay: Lines, length: int, quantized: bool) -> list[KVLayer]:
@@ -149,13 +166,12 @@ def layers(hit: HitArrays, lay: Lines, length: int, quantized: bool) -> list[KVL
     return [KVLayer(tensors[i], tensors[i + 1], 0, None) for i in range(0, len(tensors), 2)]
 
 
-def _land(items: Sequence, starts: Sequence[int], rows: int, nlines: int, lay: Lines,
-          pieces: list) -> Optional[int]:
+def _land(items: Sequence, starts: Sequence[int], rows: int, nlines: int, lay: Lines, pieces: list,
+          rt: cuda.Runtime) -> Optional[int]:
     """Host blocks to a landing buffer by strided copies (one per kind of
-    array), then copied out on the GPU, one new ``[lines, rows, width]``
-    array per kind appended to ``pieces``; the index of a block whose
-    checksum failed, if any (nothing appended then)."""
-    rt = cuda.runtime()
+    array) on ``rt``'s copy engine, then copied out on the GPU, one new
+    ``[lines, rows, width]`` array per kind appended to ``pieces``; the index
+    of a block whose checksum failed, if any (nothing appended then)."""
     n = len(lay.kinds)
     line = [lay.line(c) for c in range(n)]
     pitch = [rows * b for b in line]
@@ -194,7 +210,7 @@ def _land(items: Sequence, starts: Sequence[int], rows: int, nlines: int, lay: L
                                   lambda at, f, m, stream, c=c, w=w, first=first: send(c, at, w, first + f, m,
                                                                                         starts[k], stream))
 
-        bad = move_blocks(items, queue, stage)
+        bad = move_blocks(items, queue, stage, rt)
         if bad is not None:
             return bad
         new = [mx.array(buf[region[c] : region[c] + nlines * pitch[c]].view(MX_OF[name])
@@ -205,10 +221,11 @@ def _land(items: Sequence, starts: Sequence[int], rows: int, nlines: int, lay: L
     return None
 
 
-def move_blocks(items: Sequence, queue: Callable[[int, object], None], stage: Callable[[int], None]) -> Optional[int]:
+def move_blocks(items: Sequence, queue: Callable[[int, object], None], stage: Callable[[int], None],
+                rt: cuda.Runtime) -> Optional[int]:
     """Host blocks to the GPU: RAM's (page-locked, checked) queued on one
-    stream back to back (``queue(k, stream)``, one task: the copy engine
-    never idles between them), LMDB's pages checked and staged block by block
+    stream of ``rt`` back to back (``queue(k, stream)``, one task: the copy
+    engine never idles between them), LMDB's pages checked and staged block by block
     on the other threads meanwhile (``stage(k)``). The index of the first
     block whose checksum failed, if any."""
     pinned = [it.checked and cuda.is_pinned(it.buf) for it in items]
@@ -216,7 +233,7 @@ def move_blocks(items: Sequence, queue: Callable[[int, object], None], stage: Ca
 
     def move(task: int) -> bool:
         if task == 0:
-            with cuda.one_stream(cuda.runtime()) as stream:
+            with cuda.one_stream(rt) as stream:
                 for k in (k for k, p in enumerate(pinned) if p):
                     queue(k, stream)
             return True

@@ -28,9 +28,12 @@ import mmap
 import os
 import time
 from pathlib import Path
-from typing import Callable, Optional
+from typing import TYPE_CHECKING, Callable, Optional
 
 import numpy as np
+
+if TYPE_CHECKING:
+    from ..gpu.backend import Backend
 
 _CHUNK = 4 << 20  # bytes per direct read: a request size the store's own cold reads reach
 
@@ -46,14 +49,16 @@ def _slower_of_two(run: Callable[[], None]) -> float:
     return max(times)
 
 
-def array_rate(nbytes: int) -> float:
-    """Bytes/s from host memory to an mlx array evaluated on the default
-    device: on CUDA the route a RAM hit takes (page-locked bytes into a
-    device buffer on the copy engine), elsewhere a host array into mlx."""
+def array_rate(nbytes: int, backend: Optional[Backend] = None) -> float:
+    """Bytes/s from host memory to an mlx array evaluated on ``backend``
+    (default: ``choose()``): where arrays live apart (CUDA) the route a RAM
+    hit takes (page-locked bytes into a device buffer on the copy engine),
+    elsewhere a host array into mlx."""
     import mlx.core as mx
 
     from ..gpu import cuda
-    rt = cuda.runtime()
+    from ..gpu.backend import choose
+    rt = (backend or choose()).runtime
     if rt is not None:
         pinned = rt.pinned(nbytes)
         pinned[:] = 1
