@@ -214,6 +214,19 @@ class StoreConfig:
         raise AttributeError(f"'StoreConfig' object has no attribute {name!r}")
 
     def __post_init__(self):
+        """Each setting checked, in this order: ``ConfigError`` names the first out of range."""
+        self._check_layout()
+        gib(self.budget_gb, "budget_gb")
+        for name in ("device_budget_gb", "disk_budget_gb"):
+            if getattr(self, name) is not None:
+                gib(getattr(self, name), name)
+        self._check_choices()
+        self._check_remote()
+        if not isinstance(self.tuning, Tuning):
+            raise ConfigError(f"tuning must be a kvstore.config.Tuning, got {self.tuning!r}")
+
+    def _check_layout(self) -> None:
+        """What the store is and where: block size, namespace, the flags, the SSD path."""
         bs = self.block_size
         if bs is not None and (isinstance(bs, bool) or not isinstance(bs, int) or not 1 <= bs <= MAX_BLOCK):
             raise ConfigError(f"block_size must be an int in [1, {MAX_BLOCK}] (tokens per block) or None, "
@@ -227,25 +240,24 @@ class StoreConfig:
         if p is not None and (not isinstance(p, (str, os.PathLike)) or not str(p).strip()):
             # "" would be the working directory: a store is made only where it is named
             raise ConfigError(f"ssd_path must name a directory (or be None for a RAM-only store), got {p!r}")
-        gib(self.budget_gb, "budget_gb")
-        if self.device_budget_gb is not None:
-            gib(self.device_budget_gb, "device_budget_gb")
-        if self.disk_budget_gb is not None:
-            gib(self.disk_budget_gb, "disk_budget_gb")
+
+    def _check_choices(self) -> None:
+        """The policies: fetch, SSD admission, calibration's budget."""
         check_policy(self.fetch_policy)
         if self.ssd_admit not in ADMISSIONS:
             raise ConfigError(f"ssd_admit must be one of {ADMISSIONS}, got {self.ssd_admit!r}")
         c = self.calibrate_budget_s
-        if isinstance(c, bool) or not isinstance(c, (int, float)) or not math.isfinite(c) or c < 0:
+        if not _finite(c) or c < 0:
             raise ConfigError(f"calibrate_budget_s must be a number of seconds >= 0 (0: no calibration), got {c!r}")
+
+    def _check_remote(self) -> None:
+        """The remote tier's secret and timeout (its URL is checked where it is parsed)."""
         if self.remote_secret is not None and (not isinstance(self.remote_secret, str) or not self.remote_secret):
             raise ConfigError("remote_secret must be a non-empty str or None (None: $KVSTORE_REMOTE_SECRET, "
                               f"else none), got a {type(self.remote_secret).__name__}")
         t = self.remote_timeout
-        if isinstance(t, bool) or not isinstance(t, (int, float)) or not math.isfinite(t) or t <= 0:
+        if not _finite(t) or t <= 0:
             raise ConfigError(f"remote_timeout must be a number of seconds > 0, got {t!r}")
-        if not isinstance(self.tuning, Tuning):
-            raise ConfigError(f"tuning must be a kvstore.config.Tuning, got {self.tuning!r}")
 
     @property
     def ram_bytes(self) -> int:
@@ -277,9 +289,14 @@ def check_policy(policy: str) -> None:
 
 def gib(gb: float, name: str) -> int:
     """``gb`` GiB in bytes; ``ConfigError`` unless a finite number >= 0."""
-    if isinstance(gb, bool) or not isinstance(gb, (int, float)) or not math.isfinite(gb) or gb < 0:
+    if not _finite(gb) or gb < 0:
         raise ConfigError(f"{name} must be a finite number of GiB >= 0, got {gb!r}")
     return int(gb * GB)
+
+
+def _finite(x) -> bool:
+    """A finite int or float (a bool is not a number here)."""
+    return not isinstance(x, bool) and isinstance(x, (int, float)) and math.isfinite(x)
 
 
 def store_config(config: Optional[StoreConfig] = None, **settings) -> StoreConfig:

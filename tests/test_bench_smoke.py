@@ -220,3 +220,50 @@ def test_live_replay_serve_replays_sessions_in_order_through_both_servers(tmp_pa
         for turns in by_session.values():  # trace order within a session, one at a time
             assert all(a["end_s"] <= b["start_s"] for a, b in zip(turns, turns[1:]))
     assert res["servers"]["kvstore_serve"]["cached_tokens"] > 0
+
+
+def test_fetch_path_traces_a_ram_hit_and_a_disk_hit_and_reports_its_figures(tmp_path):
+    """``kvstore bench fetch-path`` (issue 52's figures) at a small size: both fetches traced, every figure in
+    its place and consistent with the others (the limits are the fetch pipeline's tests', not this one's)."""
+    proc = subprocess.run([sys.executable, "-m", "kvstore.tools.bench", "fetch-path", "--tokens", "512", "--layers",
+                           "2", "--warmup", "1", "--json", "--out", str(tmp_path / "fp.json")],
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    got = json.loads(proc.stdout)
+    assert got == json.loads((tmp_path / "fp.json").read_text())
+    assert got["setup"]["tokens"] == 512 and got["setup"]["layers"] == 2
+    for name, source in (("ram_hit", "ram_tokens"), ("disk_hit", "ssd_tokens")):
+        rep = got[name]
+        assert rep["hit"]["length"] == rep["hit"][source] == 512, (name, rep["hit"])
+        assert rep["modules"] == sorted(set(rep["modules"])) and rep["module_count"] == len(rep["modules"])
+        assert "kvstore.store" in rep["modules"]
+        assert all(m.startswith("kvstore.") and not m.startswith(("kvstore.adapters", "kvstore.tools"))
+                   for m in rep["modules"])
+        assert isinstance(rep["transitions"], int) and rep["transitions"] >= rep["module_count"] - 1
+        assert rep["lock_acquisitions"] == sum(rep["locks_by_caller"].values()) == sum(rep["locks_by_kind"].values())
+        assert all(site.split(":")[0] in rep["modules"] for site in rep["locks_by_caller"])
+    assert "kvstore.tiers.disk.lmdb" in got["disk_hit"]["modules"]
+    assert "kvstore.tiers.disk.lmdb" not in got["ram_hit"]["modules"]
+
+
+def test_fetch_path_counts_each_lock_taken_by_the_store_once():
+    """The tracer's lock rule on a real lock: a ``with`` on a C lock (whose enter raises no profile event),
+    an explicit acquire, and a lock the standard library takes on the store's behalf (not counted)."""
+    import threading
+
+    from kvstore.counters import Counters
+    from kvstore.tools.bench.fetch_path import trace
+
+    c = Counters()
+    done = threading.Event()
+    done.set()
+
+    def three_counts():
+        for _ in range(3):
+            c.count("hits")
+        done.wait()  # called from here, not from the store: not the package's
+
+    _, rep = trace(three_counts)
+    assert rep["locks_by_caller"] == {"kvstore.counters:Counters.count": 3} and rep["lock_acquisitions"] == 3
+    assert rep["modules"] == ["kvstore.counters"] and rep["transitions"] == 0
+    assert c.snapshot()["hits"] == 3

@@ -57,27 +57,43 @@ def as_tokens(tokens: Union[Sequence[int], np.ndarray]) -> np.ndarray:
     if isinstance(tokens, np.ndarray) and tokens.dtype == np.int32 and tokens.ndim == 1:
         return np.ascontiguousarray(tokens, dtype="<i4")
     if type(tokens) is list and tokens and not isinstance(tokens[0], bool) and _INT_IS_32:
-        # a prompt as engines hand it over: a list of ints, read at C speed (numpy would go through int64,
-        # then check the range and narrow); floats, nested lists and wider ids raise, and take the path below
-        try:
-            return np.frombuffer(array("i", tokens), dtype="=i4").astype("<i4", copy=False)
-        except (TypeError, OverflowError):
-            pass
+        fast = _int32_list(tokens)
+        if fast is not None:
+            return fast
+    if not isinstance(tokens, np.ndarray):
+        tokens = _array_of(tokens)
+    return _flat_ids(tokens)
+
+
+def _int32_list(tokens: list) -> Optional[np.ndarray]:
+    """A prompt as engines hand it over, a list of ints, read at C speed (numpy would go through int64,
+    then check the range and narrow); None for floats, nested lists and wider ids (the general path's)."""
+    try:
+        return np.frombuffer(array("i", tokens), dtype="=i4").astype("<i4", copy=False)
+    except (TypeError, OverflowError):
+        return None
+
+
+def _array_of(tokens) -> np.ndarray:
+    """``tokens`` (not an array) as one; ``InputError`` naming what is wrong with a non-integer sequence."""
     if isinstance(tokens, (str, bytes)) or not (isinstance(tokens, Sequence) or hasattr(tokens, "__array__")):
         raise InputError(f"tokens must be a flat sequence of ints, got {type(tokens).__name__}")
-    if not isinstance(tokens, np.ndarray):
-        given = tokens if isinstance(tokens, Sequence) else ()
-        try:
-            tokens = np.asarray(tokens)
-        except (ValueError, TypeError, OverflowError):  # a ragged list, ids past 64 bits
-            tokens = np.asarray(tokens, dtype=object)
-        if tokens.dtype.kind not in "iu" and tokens.size:
-            # numpy turns [2**63, 0] into floats and ids past 64 bits into objects: name what is wrong
-            if all(isinstance(t, int) and not isinstance(t, bool) for t in given):
-                raise InputError("token ids must fit in signed 64 bits")
-            raise InputError(f"tokens must be a flat sequence of ints (no floats, bools, strings or nested "
-                             f"lists), got {tokens.dtype} values")
-    arr = tokens
+    given = tokens if isinstance(tokens, Sequence) else ()
+    try:
+        arr = np.asarray(tokens)
+    except (ValueError, TypeError, OverflowError):  # a ragged list, ids past 64 bits
+        arr = np.asarray(tokens, dtype=object)
+    if arr.dtype.kind not in "iu" and arr.size:
+        # numpy turns [2**63, 0] into floats and ids past 64 bits into objects: name what is wrong
+        if all(isinstance(t, int) and not isinstance(t, bool) for t in given):
+            raise InputError("token ids must fit in signed 64 bits")
+        raise InputError(f"tokens must be a flat sequence of ints (no floats, bools, strings or nested "
+                         f"lists), got {arr.dtype} values")
+    return arr
+
+
+def _flat_ids(arr: np.ndarray) -> np.ndarray:
+    """An array of token ids checked (integers, flat, within int64) and in its narrowest width."""
     if arr.dtype.kind not in "iu" and arr.size:
         raise InputError(f"tokens must be integers, got an array of {arr.dtype}")
     if arr.ndim != 1:

@@ -228,33 +228,41 @@ class CostModel:
         each block on the path, in order; ``servable``: the longest length the
         store can serve; ``limit_to(L)``: the longest servable length <= L,
         where not every length is (state snapshots, sliding windows)."""
-        if self.policy == "always" or servable == 0:
-            return Plan(servable, servable, reason="policy always" if servable else "")
-        if self.policy == "never":
-            return Plan(0, servable, reason="policy never")
+        decided = self._by_policy(servable)
+        if decided is not None:
+            return decided
         pm = self.prefill_model(model)
-        with self._lock:
-            rates = {s: r.bytes_per_s for s, r in self.rates.items()}
-            priors = sorted({s for s in states if s in rates and not self.rates[s].observed})
+        rates, priors = self._rates_for(states)
         unknown = {s for s in states if s not in rates}
         if pm is None or unknown:
             why = "prefill rate not measured yet" if pm is None else f"no rate for {', '.join(sorted(unknown))} yet"
             return Plan(servable, servable, reason=f"serving all: {why}")
-        starts_a, ends_a = np.asarray(starts, dtype=np.float64), np.asarray(ends, dtype=np.float64)
         secs = np.array([b / rates[s] for b, s in zip(nbytes, states)])  # each whole block
-        done = np.concatenate([[0.0], np.cumsum(secs)])
-        cuts = {0, servable} | {min(int(e), servable) for e in ends}
-        if limit_to is not None:
-            cuts = {limit_to(c) if c else 0 for c in cuts}
-        # every cut at once: a 32K prompt has 129, and a Python loop over them was most of a plan's time
-        n = np.array(sorted(cuts, reverse=True), dtype=np.float64)
-        i = np.minimum(np.searchsorted(ends_a, n, side="left"), len(secs) - 1)  # block holding token n-1
-        part = np.minimum(1.0, (n - starts_a[i]) / np.maximum(1.0, ends_a[i] - starts_a[i]))
-        load = np.where(n > 0, self.fixed_s + done[i] + secs[i] * part, 0.0)
+        n = _cuts(ends, servable, limit_to)
+        load = _load_seconds(n, starts, ends, secs, self.fixed_s)
         prefill = pm.seconds_from(n, n_prompt)
         k = int(np.argmin(load + prefill))  # (the first of equals: the longer prefix)
         best = Plan(int(n[k]), servable, float(load[k]), float(prefill[k]))
         none = Plan(int(n[-1]), servable, float(load[-1]), float(prefill[-1]))  # recompute it all
+        return self._weighed(best, none, servable, priors)
+
+    def _by_policy(self, servable: int) -> Optional[Plan]:
+        """The plan the policy decides with no rates (``always``, ``never``, nothing servable), else None."""
+        if self.policy == "always" or servable == 0:
+            return Plan(servable, servable, reason="policy always" if servable else "")
+        if self.policy == "never":
+            return Plan(0, servable, reason="policy never")
+        return None
+
+    def _rates_for(self, states: Sequence[str]) -> tuple[dict[str, float], list[str]]:
+        """Every known rate, and those of ``states`` that are priors only (one look under the lock)."""
+        with self._lock:
+            rates = {s: r.bytes_per_s for s, r in self.rates.items()}
+            priors = sorted({s for s in states if s in rates and not self.rates[s].observed})
+        return rates, priors
+
+    def _weighed(self, best: Plan, none: Plan, servable: int, priors: list[str]) -> Plan:
+        """``best`` unless its saving over recomputing it all (``none``) is under the margin; with its reason."""
         saving = none.prefill_s - (best.load_s + best.prefill_s)
         if best.length and saving < self.margin * none.prefill_s:
             best = none
@@ -304,3 +312,22 @@ class CostModel:
                                                     maxlen=_KEEP_OBS)
         except (TypeError, ValueError, AttributeError):
             pass  # a damaged record of estimates: start from the defaults
+
+
+def _cuts(ends: Sequence[int], servable: int, limit_to: Optional[Callable[[int], int]]) -> np.ndarray:
+    """The lengths a plan weighs, longest first: 0, ``servable`` and each block's end (each made servable)."""
+    cuts = {0, servable} | {min(int(e), servable) for e in ends}
+    if limit_to is not None:
+        cuts = {limit_to(c) if c else 0 for c in cuts}
+    return np.array(sorted(cuts, reverse=True), dtype=np.float64)
+
+
+def _load_seconds(n: np.ndarray, starts: Sequence[int], ends: Sequence[int], secs: np.ndarray,
+                  fixed_s: float) -> np.ndarray:
+    """Predicted seconds to load each length of ``n``: the whole blocks before it and its share of the last.
+    Every cut at once: a 32K prompt has 129, and a Python loop over them was most of a plan's time."""
+    starts_a, ends_a = np.asarray(starts, dtype=np.float64), np.asarray(ends, dtype=np.float64)
+    done = np.concatenate([[0.0], np.cumsum(secs)])
+    i = np.minimum(np.searchsorted(ends_a, n, side="left"), len(secs) - 1)  # block holding token n-1
+    part = np.minimum(1.0, (n - starts_a[i]) / np.maximum(1.0, ends_a[i] - starts_a[i]))
+    return np.where(n > 0, fixed_s + done[i] + secs[i] * part, 0.0)

@@ -53,6 +53,9 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("kvstore")
 
+Near = Optional[tuple[bytes, np.ndarray]]  # the block a prompt ends or diverges inside: its parent key, its tokens
+
+
 class Found(NamedTuple):
     """Blocks a fetch found on the remote, by key, and the hit's arrays with
     them placed (``None``: ``gather`` places them)."""
@@ -81,38 +84,20 @@ class Discovery:
         only compete with it). Never raises; a down remote costs at most one
         timeout (then the breaker skips it)."""
         bs = chain.block_size
-        first, full = len(match.full.path), n // bs
-        last = min(full, first + self.max_probe)
-        keys = [chain.key(i) for i in range(first, last)]
-        near = (chain.parent(full), chain.tokens[full * bs : n]) if last == full and n > full * bs else None
-        if not self.remote.available():
-            self.counters.count("remote_bypassed")
+        first = len(match.full.path)
+        probed = self._probe(root, chain, n, first)
+        if probed is None:
             return Found()
-        got = self.remote.probe(root, keys, near)
-        if got is None:
-            return Found()
-        self.counters.count("remote_lookups")
-        raw, children = got
+        last, raw, children, near = probed
         run = self._run(root, chain, first, raw)
         stop = first + len(run)  # the first block not found by key
         if stop < last:  # the prompt diverges inside block `stop`: its nearest stored sibling may share a prefix
             near = (chain.parent(stop), chain.tokens[stop * bs : min(n, (stop + 1) * bs)])
             children = self.remote.neighbours(root, *near)
-        if children:  # a child this process holds already is the local walk's business
-            children = [c for c in children if c[0] not in self.table]
-        part = self._best_child(children, near[1]) if near is not None and children else None
-        wanted = [r.key for r in run] + ([part[0]] if part else [])
-        if not wanted:
+        part = self._best_new_child(children, near)
+        if not run and not part:
             return Found()
-        sizes = [r.nbytes for r in run] + ([0] if part else [])
-        got_blocks: list[tuple[BlockRecord, Stored, bytes]] = []
-        rows = min(n, (first + len(run)) * bs + (part[1] if part else 0))  # the hit's length if all is good
-        last, fill = self.remote.read(wanted, sizes, lambda entries: self._read(
-            run, raw[: len(run)], entries, got_blocks, lambda first: start(first, rows, quantized))) or (None, None)
-        if part and len(got_blocks) == len(run) and last is not None:
-            leaf = self._partial(root, chain, stop, n, near[0], part, last)
-            if leaf is not None:
-                got_blocks.append(leaf)
+        got_blocks, fill = self._read_found(root, chain, n, stop, run, raw, near, part, quantized)
         if not got_blocks:
             return Found()
         self.counters.count("remote_blocks_read", len(got_blocks))
@@ -120,6 +105,52 @@ class Discovery:
         return Found(self._keep(match.full.stop, got_blocks, chain, copies), fill)
 
     # ---------------------------------------------------------------- steps
+
+    def _probe(self, root: bytes, chain: KeyChain, n: int, first: int) -> Optional[tuple[int, list, list, Near]]:
+        """The first round trip: the records of the prompt's full blocks from ``first`` (at most ``max_probe``)
+        and, where they reach the block the prompt ends inside, its stored children nearest the prompt (``near``:
+        that block's parent key and tokens). Returns ``(end of the probed blocks, records, children, near)``;
+        None when the remote is down (counted) or did not answer."""
+        bs = chain.block_size
+        full = n // bs
+        last = min(full, first + self.max_probe)
+        keys = [chain.key(i) for i in range(first, last)]
+        near = (chain.parent(full), chain.tokens[full * bs : n]) if last == full and n > full * bs else None
+        if not self.remote.available():
+            self.counters.count("remote_bypassed")
+            return None
+        got = self.remote.probe(root, keys, near)
+        if got is None:
+            return None
+        self.counters.count("remote_lookups")
+        raw, children = got
+        return last, raw, children, near
+
+    def _best_new_child(self, children: list, near: Near) -> Optional[tuple[bytes, int, bytes]]:
+        """The listed child this process does not hold that shares most with ``near``'s tokens, if any (a
+        child held already is the local walk's business)."""
+        if children:
+            children = [c for c in children if c[0] not in self.table]
+        return self._best_child(children, near[1]) if near is not None and children else None
+
+    def _read_found(self, root: bytes, chain: KeyChain, n: int, stop: int, run: list[BlockRecord], raw: list,
+                    near: Near, part: Optional[tuple[bytes, int, bytes]], quantized: Optional[tuple[int, int]]
+                    ) -> tuple[list[tuple[BlockRecord, Stored, bytes]], Optional[HostFill]]:
+        """The payloads of ``run`` (the full blocks before block ``stop``) and of the partial child ``part``
+        read in one streamed round trip, each checked as it comes in (``_read``, ``_partial``): the good ones
+        up to the first bad one, and the hit's arrays filled with them (or None)."""
+        bs = chain.block_size
+        wanted = [r.key for r in run] + ([part[0]] if part else [])
+        sizes = [r.nbytes for r in run] + ([0] if part else [])
+        got_blocks: list[tuple[BlockRecord, Stored, bytes]] = []
+        rows = min(n, stop * bs + (part[1] if part else 0))  # the hit's length if all is good
+        after, fill = self.remote.read(wanted, sizes, lambda entries: self._read(
+            run, raw[: len(run)], entries, got_blocks, lambda first: start(first, rows, quantized))) or (None, None)
+        if part and len(got_blocks) == len(run) and after is not None:
+            leaf = self._partial(root, chain, stop, n, near[0], part, after)
+            if leaf is not None:
+                got_blocks.append(leaf)
+        return got_blocks, fill
 
     def _read(self, run: list[BlockRecord], packed: list[bytes], entries, got: list,
               start_fill: Callable[[Stored], Optional[HostFill]]) -> tuple[Optional[tuple], Optional[HostFill]]:

@@ -34,6 +34,7 @@ BENCHES = {
     "evict": ("kvstore.tools.bench.evict", "the cost of one eviction against the number of blocks held"),
     "remote": ("kvstore.tools.bench.remote", "the remote tier (Redis / Valkey) over loopback"),
     "put-cost": ("kvstore.tools.put_cost", "what storing a cache blocks the engine's thread, through the adapters"),
+    "fetch-path": ("kvstore.tools.bench.fetch_path", "one fetch on the engine's thread: modules, transitions, locks"),
     "gc-pauses": ("kvstore.tools.bench.gc_pauses", "the garbage collector's pauses during puts"),
     "fidelity-text": ("kvstore.tools.fidelity", "fidelity of stored KV on a trained model and real text"),
     "run-ttft": ("kvstore.tools.bench.run_ttft", "an unchanged mlx-lm engine's first token under kvstore run"),

@@ -55,30 +55,8 @@ class RemoteURL:
         >>> RemoteURL.parse("redis://:secret@cache:6380/2").shown
         'redis://:***@cache:6380/2'
         """
-        if not isinstance(url, str) or not url:
-            raise RemoteConfigError(f"remote must be a URL like redis://host:6379/0, got {url!r}")
-        try:
-            u = urlsplit(url)
-            port = u.port
-        except ValueError as e:
-            raise RemoteConfigError(f"remote URL {_redact_raw(url)} is malformed: {e}") from None
-        shown = _redacted(u)
-        scheme = u.scheme.lower()
-        if scheme not in SCHEMES:
-            raise RemoteConfigError(f"remote URL {shown}: scheme must be one of {', '.join(SCHEMES)}, "
-                                    f"e.g. redis://host:6379/0")
-        query = parse_qs(u.query, keep_blank_values=True)
-        unknown = sorted(set(query) - {"db", *TLS_FILES})
-        if unknown:
-            raise RemoteConfigError(f"remote URL {shown}: unknown parameter(s) {', '.join(unknown)} "
-                                    f"(known: db, {', '.join(TLS_FILES)})")
-        tls = tuple((name, query[name][-1]) for name in TLS_FILES if name in query)
-        if tls and scheme != "rediss":
-            raise RemoteConfigError(f"remote URL {shown}: {tls[0][0]} applies to TLS only (rediss://)")
-        for name, path in tls:
-            if not os.path.isfile(path):
-                raise RemoteConfigError(f"remote URL {shown}: {name}: no such file {path!r}")
-        db_text = query["db"][-1] if "db" in query else None
+        u, port, shown, scheme = _split(url)
+        tls, db_text = _query(u.query, scheme, shown)
         host, path = None, None
         if scheme == "unix":
             path = unquote(u.path)
@@ -90,17 +68,62 @@ class RemoteURL:
                 raise RemoteConfigError(f"remote URL {shown}: no host (redis://host:6379/0)")
             if u.path not in ("", "/"):
                 db_text = u.path.lstrip("/")
-        try:
-            db = 0 if db_text in (None, "") else int(db_text)
-            if db < 0:
-                raise ValueError
-        except ValueError:
-            raise RemoteConfigError(f"remote URL {shown}: database must be a number >= 0, "
-                                    f"got {db_text!r}") from None
-        username = unquote(u.username) if u.username else os.environ.get(USER_ENV) or None
-        password = unquote(u.password) if u.password else next(
-            (os.environ[v] for v in PASSWORD_ENV if os.environ.get(v)), None)
-        return cls(scheme, host, port or 6379, db, path, username, password, shown, tls)
+        username, password = _credentials(u)
+        return cls(scheme, host, port or 6379, _db(db_text, shown), path, username, password, shown, tls)
+
+
+def _split(url: str):
+    """``url`` split (``urlsplit``'s result), its port (None if not given), the URL shown redacted, and its
+    scheme, one of ``SCHEMES``."""
+    if not isinstance(url, str) or not url:
+        raise RemoteConfigError(f"remote must be a URL like redis://host:6379/0, got {url!r}")
+    try:
+        u = urlsplit(url)
+        port = u.port  # (a port out of range or not a number raises here)
+    except ValueError as e:
+        raise RemoteConfigError(f"remote URL {_redact_raw(url)} is malformed: {e}") from None
+    shown = _redacted(u)
+    scheme = u.scheme.lower()
+    if scheme not in SCHEMES:
+        raise RemoteConfigError(f"remote URL {shown}: scheme must be one of {', '.join(SCHEMES)}, "
+                                f"e.g. redis://host:6379/0")
+    return u, port, shown, scheme
+
+
+def _query(text: str, scheme: str, shown: str) -> tuple[tuple[tuple[str, str], ...], Optional[str]]:
+    """The URL's parameters: the TLS files (each an existing file, TLS only) and the ``db`` given, if any."""
+    query = parse_qs(text, keep_blank_values=True)
+    unknown = sorted(set(query) - {"db", *TLS_FILES})
+    if unknown:
+        raise RemoteConfigError(f"remote URL {shown}: unknown parameter(s) {', '.join(unknown)} "
+                                f"(known: db, {', '.join(TLS_FILES)})")
+    tls = tuple((name, query[name][-1]) for name in TLS_FILES if name in query)
+    if tls and scheme != "rediss":
+        raise RemoteConfigError(f"remote URL {shown}: {tls[0][0]} applies to TLS only (rediss://)")
+    for name, path in tls:
+        if not os.path.isfile(path):
+            raise RemoteConfigError(f"remote URL {shown}: {name}: no such file {path!r}")
+    return tls, query["db"][-1] if "db" in query else None
+
+
+def _db(db_text: Optional[str], shown: str) -> int:
+    """The database number (0 when none is given)."""
+    try:
+        db = 0 if db_text in (None, "") else int(db_text)
+        if db < 0:
+            raise ValueError
+    except ValueError:
+        raise RemoteConfigError(f"remote URL {shown}: database must be a number >= 0, "
+                                f"got {db_text!r}") from None
+    return db
+
+
+def _credentials(u) -> tuple[Optional[str], Optional[str]]:
+    """User name and password: the URL's, else the environment's (``USER_ENV``, ``PASSWORD_ENV``)."""
+    username = unquote(u.username) if u.username else os.environ.get(USER_ENV) or None
+    password = unquote(u.password) if u.password else next(
+        (os.environ[v] for v in PASSWORD_ENV if os.environ.get(v)), None)
+    return username, password
 
 
 def _redacted(u) -> str:
