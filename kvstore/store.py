@@ -57,6 +57,7 @@ from .flow.reader import Reader
 from .flow.writer import Writer
 from .gpu import buffers
 from .hit import Hit
+from .inspection import Inspection
 from .state.plans import Reused
 from .state.table import BlockTable
 from .tiers.disk.lmdb import LmdbTier
@@ -66,7 +67,7 @@ from .warmup import warm_device
 log = logging.getLogger("kvstore")
 
 
-class PrefixStore:
+class PrefixStore(Inspection):
     """A tiered, persistent prefix cache of KV arrays.
 
     >>> store = PrefixStore(budget_gb=1)                 # RAM only
