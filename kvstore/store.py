@@ -56,6 +56,7 @@ from .flow.reader import Reader
 from .flow.writer import Writer
 from .gpu import buffers
 from .hit import Hit
+from .inspection import Inspection
 from .state.table import BlockTable
 from .tiers.disk.lmdb import LmdbTier
 from .tiers.remote.sync import Remote
@@ -64,7 +65,7 @@ from .warmup import warm_device
 log = logging.getLogger("kvstore")
 
 
-class PrefixStore:
+class PrefixStore(Inspection):
     """A tiered, persistent prefix cache of KV arrays.
 
     >>> store = PrefixStore(budget_gb=1)                 # RAM only

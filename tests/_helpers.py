@@ -6,9 +6,10 @@ cannot pass for the right one."""
 from __future__ import annotations
 
 import struct
+from contextlib import contextmanager
 from functools import partial
 from importlib import metadata
-from typing import Optional, Sequence
+from typing import Iterator, Optional, Sequence
 
 import mlx.core as mx
 import msgpack
@@ -21,6 +22,7 @@ from kvstore.blocks.codec import Block
 from kvstore.blocks.wire import serialize
 from kvstore.blocks.hashing import as_tokens
 from kvstore.blocks.layers import KVLayer, Quantized, StateLayer
+from kvstore.tiers.disk.lmdb import LmdbTier
 
 _P = (1 << 31) - 1
 
@@ -164,3 +166,21 @@ def block_by_block(monkeypatch) -> None:
     import kvstore.flow.writer as writer
 
     monkeypatch.setattr(writer, "encoded", partial(encoding.encoded, together=False))
+
+
+@contextmanager
+def lmdb_of(path) -> Iterator[LmdbTier]:
+    """The LMDB tier at ``path``, opened read-only on its own (public
+    ``LmdbTier``: ``env``, ``dbs``, ``models()``, ...): for a store already
+    closed, since one process must not open the same environment twice."""
+    disk = LmdbTier(path, readonly=True)
+    try:
+        yield disk
+    finally:
+        disk.close()
+
+
+def blocks_on_disk(path) -> dict[bytes, bytes]:
+    """Every block's stored value in the closed store at ``path``, by key."""
+    with lmdb_of(path) as disk, disk.env.begin(db=disk.dbs[b"blocks"]) as txn:
+        return {bytes(k): bytes(v) for k, v in txn.cursor()}

@@ -39,9 +39,9 @@ def main(mode: str, path: str) -> None:
             store.close()
             print(json.dumps({"closed": True}))
             return
-        # Hold the store's lock while putting and leaving: the writer thread
-        # cannot encode anything yet, so every block is still queued at exit.
-        with store._table._lock:
+        # Hold the writer while putting and leaving: it cannot encode
+        # anything yet, so every block is still queued at exit.
+        with store.pause_writer():
             for p in prompts():
                 store.put(MODEL, p, layers(p))
             pending = store.stats()["pending_bytes"]

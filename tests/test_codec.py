@@ -5,7 +5,6 @@ allocation."""
 from __future__ import annotations
 
 import copy
-import time
 import tracemalloc
 
 import mlx.core as mx
@@ -405,16 +404,13 @@ def test_header_declaring_a_terabyte_fails_fast_without_allocating():
     HOSTILE["1 TB array"](f)
     bad = repack(buf, f)
     tracemalloc.start()
-    t0 = time.perf_counter()
     try:
         with pytest.raises(BlockDecodeError):
             deserialize(bad)
-        elapsed = time.perf_counter() - t0
         _, peak = tracemalloc.get_traced_memory()
     finally:
         tracemalloc.stop()
-    assert elapsed < 1.0  # rejected from the header: nothing of that size read or allocated
-    assert peak < 1 << 20
+    assert peak < 1 << 20  # rejected from the header: nothing of that size allocated
 
 
 @SETTINGS

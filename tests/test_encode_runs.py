@@ -38,7 +38,7 @@ def _bytes(s, job, together: bool, wanted=lambda n: True, compress_rows: int = 2
     CUDA), so what a run compresses at once is checked against that, not against the same arrays."""
     job.compressed.clear()
     rows = compress_rows if together else BS
-    return [(n.start, n.key, bytes(held.buf)) for n, held, _ in encoding.encoded(job, s._writer.codec, rows, wanted,
+    return [(n.start, n.key, bytes(held.buf)) for n, held, _ in encoding.encoded(job, s.codec, rows, wanted,
                                                                                     together)]
 
 
@@ -97,7 +97,7 @@ def test_each_block_is_asked_for_once_after_the_blocks_before_its_run_are_handed
     try:
         for together, rows in ((False, BS), (True, 3 * BS)):
             events = []
-            for n, _, _ in encoding.encoded(job, s._writer.codec, rows,
+            for n, _, _ in encoding.encoded(job, s.codec, rows,
                                             lambda n: events.append(f"asked {n.start // BS}") or True, together):
                 events.append(f"got {n.start // BS}")
             if together:  # runs of 3: asked for as the run forms, handed over together
@@ -115,7 +115,7 @@ def test_blocks_of_megabytes_come_out_alike(monkeypatch):
     s, job = _job(monkeypatch, p, kv_layers(p, n_layers=4, heads=8, dim=128), block_size=256)
     try:
         job.compressed.clear()
-        codec = s._writer.codec
+        codec = s.codec
         alone = [bytes(h.buf) for _, h, _ in encoding.encoded(job, codec, 256, lambda n: True, False)]
         assert len(alone) == 3 and min(map(len, alone)) > 1 << 20
         assert [bytes(h.buf) for _, h, _ in encoding.encoded(job, codec, 2048, lambda n: True, True)] == alone

@@ -16,7 +16,7 @@ from kvstore.blocks.hashing import KeyChain, root_key
 from kvstore.blocks.layers import KVLayer, Quantized, take_rows
 from kvstore.blocks.wire import Stored, serialize
 
-from ._helpers import bits_of, kv_layers, raw_header, repack
+from ._helpers import bits_of, blocks_on_disk, kv_layers, raw_header, repack
 
 BS = 16
 
@@ -115,21 +115,19 @@ def test_ram_holds_each_block_as_the_bytes_the_disk_stores(tmp_path):
     want = kv_layers(toks, n_layers=2, heads=2, dim=32)
     path = tmp_path / "s"
 
-    def on_disk(s, key: bytes) -> bytes:
-        with s._disk._tier.reader() as txn:
-            return bytes(s._disk._tier.payload(txn, key))
-
     with PrefixStore(budget_gb=1, ssd_path=path, block_size=BS) as s:
         s.put("m", toks, want)
         s.flush()
-        keys = [k for k, _ in s._table._ram.oldest()]
-        assert len(keys) == 4 and s.nbytes == sum(len(on_disk(s, k)) for k in keys)
-        assert all(isinstance(s._table._ram.get(k), Stored) and bytes(s._table._ram.get(k).buf) == on_disk(s, k) for k in keys)
+        keys = s.debug().ram_keys
+        made, nbytes = {k: s.held_bytes(k) for k in keys}, s.nbytes
+    on_disk = blocks_on_disk(path)
+    assert len(keys) == 4 and nbytes == sum(len(on_disk[k]) for k in keys)
+    assert all(made[k] == on_disk[k] for k in keys)
     with PrefixStore(budget_gb=1, ssd_path=path, block_size=BS) as s:
-        assert s.nbytes == 0 and s.fetch("m", toks).ssd_tokens == 64
+        assert s.nbytes == 0 and s.debug().ram_keys == () and s.fetch("m", toks).ssd_tokens == 64
         s.flush()  # promotions done
-        assert sorted(k for k, _ in s._table._ram.oldest()) == sorted(keys)
-        assert all(bytes(s._table._ram.get(k).buf) == on_disk(s, k) for k in keys)
+        assert sorted(s.debug().ram_keys) == sorted(keys)
+        assert all(s.held_bytes(k) == on_disk[k] for k in keys)
         hit = s.fetch("m", toks)
         assert hit.ram_tokens == 64
         for got, exp in zip(hit.layers, want):

@@ -84,7 +84,7 @@ LAYERS = [
     {"flow"},  # the put and fetch paths that carry out the table's plans: writer, reader, discovery
     {"cost"},  # whether loading beats recomputing
     {"admin"},  # the offline commands: inspect, verify, clear, export/import
-    {"store", "hit", "warmup", "__init__", "__main__"},  # the facade
+    {"store", "inspection", "hit", "warmup", "__init__", "__main__"},  # the facade
 ]
 MAX_LINES = 450
 

@@ -21,7 +21,7 @@ from kvstore.blocks.hashing import KeyChain, as_tokens, root_key
 from kvstore.blocks.record import BlockRecord, Entry
 from kvstore.tiers.disk.lmdb import LmdbTier
 
-from ._helpers import BS, M, assert_hit_is, kv_layers, put, toks
+from ._helpers import BS, M, assert_hit_is, blocks_on_disk, kv_layers, lmdb_of, put, toks
 
 KEY_BYTES = 16  # a block key: xxh3-128
 
@@ -70,15 +70,13 @@ def test_each_block_starts_its_write_out_where_its_bytes_lie_in_the_file(ssd, mo
     assert put(s, p) == 5
     s.flush()
     assert len(asked) == 5
-    disk = s._disk._tier
-    fd = os.open(disk.path / "data.mdb", os.O_RDONLY)
+    s.close()
+    fd = os.open(s.config.ssd_path / "data.mdb", os.O_RDONLY)
     try:
         on_file = {os.pread(fd, n, off) for off, n in asked}
     finally:
         os.close(fd)
-    with disk.env.begin(db=disk.dbs[b"blocks"]) as txn:
-        stored = {bytes(v) for _, v in txn.cursor()}
-    assert on_file == stored
+    assert on_file == set(blocks_on_disk(s.config.ssd_path).values())
 
 
 @pytest.mark.skipif(not __import__("kvstore.tiers.disk.residency").tiers.disk.residency.can_start_writeback(),
@@ -92,7 +90,6 @@ def test_the_pages_a_write_takes_are_prefilled_only_where_lmdb_appends(ssd, monk
 
     big = dict(heads=4, dim=256)  # 64 KiB blocks: values on pages of their own
     s = ssd(budget_gb=0)
-    disk = s._disk._tier
     ranges: list[tuple[int, int]] = []  # file offsets
     real = lmdb_tier.prefill
 
@@ -103,9 +100,10 @@ def test_the_pages_a_write_takes_are_prefilled_only_where_lmdb_appends(ssd, monk
     monkeypatch.setattr(lmdb_tier, "prefill", prefill)
     p = toks(6 * BS)
     s.put(M, p, kv_layers(p, **big))
-    s.flush()
-    with disk.reader() as txn:
+    s.close()
+    with lmdb_of(s.config.ssd_path) as disk, disk.reader() as txn:
         spans = [(disk.offset_of(v), len(v)) for _, v in txn.cursor(db=disk.dbs[b"blocks"])]
+    s = ssd(budget_gb=0)
     assert len(spans) == 6 and ranges
     assert all(any(a <= off and off + n <= a + m for a, m in ranges) for off, n in spans)
     assert s.trim_disk(s.stats()["ssd_bytes"] // 2) >= 1  # frees pages inside the file
@@ -185,15 +183,17 @@ def test_a_record_pointing_at_other_bytes_falls_back_to_lmdb(ssd):
     p = toks(3 * BS)
     s = ssd()
     s.put(M, p, kv_layers(p, **big))
-    s.flush()
-    disk = s._disk._tier
-    with disk.env.begin(write=True) as txn:
-        recs = [BlockRecord.unpack(bytes(k), bytes(v)) for k, v in txn.cursor(db=disk.dbs[b"nodes"])]
-        offsets = [r.offset for r in recs]
-        assert all(o >= 0 for o in offsets)
-        for r, o in zip(recs, offsets[1:] + offsets[:1]):  # each record points at the next block's bytes
-            txn.put(r.key, replace(r, offset=o).pack(), db=disk.dbs[b"nodes"])
     s.close()
+    disk = LmdbTier(s.config.ssd_path)  # the closed store's tier, on its own
+    try:
+        with disk.env.begin(write=True) as txn:
+            recs = [BlockRecord.unpack(bytes(k), bytes(v)) for k, v in txn.cursor(db=disk.dbs[b"nodes"])]
+            offsets = [r.offset for r in recs]
+            assert all(o >= 0 for o in offsets)
+            for r, o in zip(recs, offsets[1:] + offsets[:1]):  # each record points at the next block's bytes
+                txn.put(r.key, replace(r, offset=o).pack(), db=disk.dbs[b"nodes"])
+    finally:
+        disk.close()
     s = ssd(budget_gb=0)
     hit = s.fetch(M, p)
     assert hit.ssd_tokens == len(p)

@@ -36,26 +36,18 @@ def store(request, tmp_path):
     s.close()
 
 
-def held(store: PrefixStore) -> threading.Event:
-    """Keep the store's writer thread busy until the event is set."""
-    go = threading.Event()
-    store._writer.later(lambda: go.wait(30))
-    return go
-
-
 def test_slice_assignment_after_put_does_not_change_what_is_stored(store):
     """``layer.keys[...] = 0`` (mlx's slice assignment, the way mlx-lm's
     KVCache writes into its buffers) right after ``put`` changes neither the
     stored nor the served KV."""
     p = toks(3 * BS)
     layers = kv_layers(p)
-    go = held(store)
-    assert store.put(M, p, layers) == 3
-    for l in layers:
-        l.keys[...] = 0
-        l.values[..., 2:, :] = 7
-    mx.eval([a for l in layers for a in (l.keys, l.values)])
-    go.set()
+    with store.pause_writer():  # the writer stores nothing until the caller is done
+        assert store.put(M, p, layers) == 3
+        for l in layers:
+            l.keys[...] = 0
+            l.values[..., 2:, :] = 7
+        mx.eval([a for l in layers for a in (l.keys, l.values)])
     store.flush()
     assert_hit_is(store.fetch(M, p), p, len(p))
 
@@ -63,11 +55,10 @@ def test_slice_assignment_after_put_does_not_change_what_is_stored(store):
 def test_rebinding_a_layers_arrays_after_put_does_not_change_what_is_stored(store):
     p = toks(2 * BS)
     layers = kv_layers(p)
-    go = held(store)
-    store.put(M, p, layers)
-    for l in layers:
-        l.keys, l.values = mx.zeros_like(l.keys), mx.zeros_like(l.values)
-    go.set()
+    with store.pause_writer():  # the writer stores nothing until the caller is done
+        store.put(M, p, layers)
+        for l in layers:
+            l.keys, l.values = mx.zeros_like(l.keys), mx.zeros_like(l.values)
     store.flush()
     assert_hit_is(store.fetch(M, p), p, len(p))
 
@@ -81,12 +72,11 @@ def test_an_mlx_lm_cache_writing_its_next_tokens_after_put_does_not_change_what_
     cache = KVCache()
     cache.update_and_fetch(want.keys, want.values)  # a 256-row buffer holding the prompt's 16 rows
     k, v = cache.keys[..., : len(p), :], cache.values[..., : len(p), :]
-    go = held(store)
-    store.put(M, p, [KVLayer(cache.keys[..., : len(p), :], cache.values[..., : len(p), :])])
-    cache.trim(4)  # the engine rewinds and writes other rows over the prompt's last 4
-    cache.update_and_fetch(mx.zeros_like(k[..., :4, :]), mx.zeros_like(v[..., :4, :]))
-    mx.eval(cache.keys, cache.values)
-    go.set()
+    with store.pause_writer():  # the writer stores nothing until the caller is done
+        store.put(M, p, [KVLayer(cache.keys[..., : len(p), :], cache.values[..., : len(p), :])])
+        cache.trim(4)  # the engine rewinds and writes other rows over the prompt's last 4
+        cache.update_and_fetch(mx.zeros_like(k[..., :4, :]), mx.zeros_like(v[..., :4, :]))
+        mx.eval(cache.keys, cache.values)
     store.flush()
     hit = store.fetch(M, p)
     assert hit.length == len(p)
@@ -103,14 +93,13 @@ def test_an_engine_buffer_with_spare_rows_is_stored_up_to_rows(store):
     bufs = [[mx.concatenate([t, mx.full((*t.shape[:2], 5, t.shape[3]), float("nan"), t.dtype)], axis=2)
              for t in (l.keys, l.values)] for l in kv_layers(p)]
     mx.eval(bufs)
-    go = held(store)
-    assert store.put(M, p, [KVLayer(k, v, rows=len(p)) for k, v in bufs]) == 3
-    for kv in bufs:
-        for t in kv:
-            t[..., len(p) :, :] = 1
-            t[..., :4, :] = 0
-    mx.eval(bufs)
-    go.set()
+    with store.pause_writer():  # the writer stores nothing until the caller is done
+        assert store.put(M, p, [KVLayer(k, v, rows=len(p)) for k, v in bufs]) == 3
+        for kv in bufs:
+            for t in kv:
+                t[..., len(p) :, :] = 1
+                t[..., :4, :] = 0
+        mx.eval(bufs)
     store.flush()
     assert_hit_is(store.fetch(M, p), p, len(p))
 
@@ -137,11 +126,10 @@ def test_a_state_snapshot_changed_after_put_is_stored_as_given(store):
     p = toks(BS)
     state = state_at(p)
     want = np.array(state.arrays[0])
-    go = held(store)
-    store.put(M, p, [*kv_layers(p, n_layers=1), state])
-    state.arrays[0][...] = -1
-    mx.eval(state.arrays[0])
-    go.set()
+    with store.pause_writer():  # the writer stores nothing until the caller is done
+        store.put(M, p, [*kv_layers(p, n_layers=1), state])
+        state.arrays[0][...] = -1
+        mx.eval(state.arrays[0])
     store.flush()
     hit = store.fetch(M, p)
     assert hit.length == len(p) and np.array_equal(np.array(hit.layers[1].arrays[0]), want)

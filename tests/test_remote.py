@@ -297,12 +297,13 @@ def test_a_killed_server_never_reaches_the_engine_and_the_tier_recovers(server, 
     put(a, prompt(128, seed=7))
     assert b.fetch(MODEL, prompt(128, seed=7)).remote_tokens == 128
     server.kill()
-    times = []
+    before = b.stats()
     for i in range(5):
-        t0 = time.monotonic()
         assert b.fetch(MODEL, prompt(192, seed=10 + i)).length == 0
-        times.append(time.monotonic() - t0)
-    assert max(times) < 1.5 and sum(times) < 2.5, times  # one timeout, then the breaker skips the server
+    after = b.stats()
+    # one failed call, then the breaker skips the server: no later fetch tries it
+    assert after["remote_errors"] - before["remote_errors"] == 1
+    assert after["remote_bypassed"] - before["remote_bypassed"] == 4
     put(a, prompt(192, seed=20))  # the local write happens; the copy is skipped
     assert a.fetch(MODEL, prompt(192, seed=20)).length == 192
     sa, sb = a.stats(), b.stats()
@@ -324,16 +325,18 @@ def test_a_killed_server_never_reaches_the_engine_and_the_tier_recovers(server, 
 
 
 def test_a_hung_server_costs_a_fetch_one_timeout_and_puts_nothing(server, host):
-    a, b = host("a", server.url, remote_timeout=0.3), host("b", server.url, remote_timeout=0.3)
+    a, b = host("a", server.url, remote_timeout=60), host("b", server.url, remote_timeout=0.3)
     server.pause()  # accepts connections, answers nothing: the slow server case
     try:
-        t0 = time.monotonic()
         assert b.fetch(MODEL, prompt(128, seed=8)).length == 0
-        assert time.monotonic() - t0 < 1.5
+        assert b.stats()["remote_errors"] == 1 and not b.stats()["remote_up"]  # one timeout, then the breaker
         p, layers = prompt(256, seed=9), kv_layers(prompt(256, seed=9))
-        t0 = time.monotonic()
-        a.put(MODEL, p, layers)
-        assert time.monotonic() - t0 < 0.5  # the engine never waits for the copies
+        assert a.put(MODEL, p, layers) == 4  # returned, though the server answers nothing for a's 60 s timeout
+        deadline = time.monotonic() + 30  # (liveness: until the writer has handed the copies over)
+        while not a.stats()["remote_queue_bytes"] and time.monotonic() < deadline:
+            time.sleep(0.01)
+        st = a.stats()  # the copies wait on the remote thread, and the engine's thread went on
+        assert st["remote_queue_bytes"] > 0 and st["remote_blocks_written"] == 0 and st["remote_errors"] == 0
     finally:
         server.resume()
     a.flush()
@@ -355,11 +358,10 @@ def test_copies_beyond_the_queue_bound_are_skipped_and_counted(server):
     remote = Remote(server.url, None, counters, StoreConfig(remote_queue_bytes=1 << 20))
     server.pause()  # slower than the engine
     try:
-        entries = _entries(12)
-        t0 = time.monotonic()
-        for e in entries:
+        for e in _entries(12):
             remote.offer([e])
-        assert time.monotonic() - t0 < 0.5  # (never a wait on the server)
+        c = counters.snapshot()  # decided while the server still answers nothing: no offer waited on it
+        assert c["remote_skipped"] == 8 and c["remote_blocks_written"] == 0
     finally:
         server.resume()
     assert remote.flush(10)
@@ -391,10 +393,8 @@ def test_an_unreachable_server_at_open_is_connected_later(tmp_path, caplog):
     need_redis()
     port = free_port()
     url = f"redis://:{PASSWORD}@127.0.0.1:{port}/0"
-    t0 = time.monotonic()
     store = PrefixStore(budget_gb=0.25, ssd_path=tmp_path / "a", block_size=BS, remote=url, remote_timeout=0.3)
-    assert time.monotonic() - t0 < 2
-    try:
+    try:  # the store opened (no error) and runs on its local tiers until the server comes
         assert len(remote_warnings(caplog)) == 1 and not store.stats()["remote_up"]
         put(store, prompt(128, seed=11))
         assert_hit_is(store.fetch(MODEL, prompt(128, seed=11)), prompt(128, seed=11), 128)  # local tiers work

@@ -19,6 +19,7 @@ tests/test_put_values.py."""
 from __future__ import annotations
 
 import threading
+from contextlib import ExitStack
 
 import mlx.core as mx
 import numpy as np
@@ -28,30 +29,10 @@ from kvstore.blocks.hashing import root_key
 from kvstore.blocks.layers import KVLayer
 from kvstore.store import PrefixStore
 
-from ._helpers import BLOCK_BYTES, BS, M, assert_hit_is, bits_of, block_by_block, kv_layers, put, toks
+from ._helpers import (BLOCK_BYTES, BS, M, assert_hit_is, bits_of, block_by_block, blocks_on_disk, kv_layers, lmdb_of,
+                       put, toks)
 
 # ------------------------------------------------------------ the queue bound
-
-
-def _writer_held(monkeypatch) -> threading.Event:
-    """The writer thread waits before encoding anything until the returned
-    event is set (at most 30 s); puts encoded in the caller go on. (On CUDA
-    no warm-up store is opened: its flush would wait at the gate.)"""
-    import kvstore.convert.encode as encoding
-    import kvstore.store
-
-    monkeypatch.setattr(kvstore.store, "warm_device", lambda config, open_store: 0.0)
-
-    gate = threading.Event()
-    real = encoding._encoded_run  # (every block, one at a time or in runs as on CUDA, is encoded there)
-
-    def encoded_run(*a):
-        if threading.current_thread().name == "kvstore-writer":
-            gate.wait(30)
-        yield from real(*a)
-
-    monkeypatch.setattr(encoding, "_encoded_run", encoded_run)
-    return gate
 
 
 def test_a_put_past_the_bound_is_skipped_whole_and_the_caller_never_waits(ssd, monkeypatch):
@@ -60,17 +41,15 @@ def test_a_put_past_the_bound_is_skipped_whole_and_the_caller_never_waits(ssd, m
     the caller's thread; the put before it is stored, no block of the skipped
     one is indexed, and the same prompt put again once the writer has caught
     up is stored."""
-    gate = _writer_held(monkeypatch)  # the background thread is stuck behind the first put
     block_by_block(monkeypatch)
-    s = ssd()
-    s._writer.max_pending = 1
-    a, b = toks(20), toks(20, start=5000)
-    put(s, a)
-    assert put(s, b) == 0  # pending work is over the bound: skipped (the writer still waits)
-    st = s.stats()
-    assert (st["puts_skipped"], st["blocks_skipped"]) == (1, 20 // BS + (20 % BS > 0))
-    assert s.contains(M, b) == 0 and s.fetch(M, b).length == 0
-    gate.set()
+    s = ssd(max_pending_bytes=1)
+    with s.pause_writer():  # the writer thread is held: puts stay queued
+        a, b = toks(20), toks(20, start=5000)
+        put(s, a)
+        assert put(s, b) == 0  # pending work is over the bound: skipped (the writer still waits)
+        st = s.stats()
+        assert (st["puts_skipped"], st["blocks_skipped"]) == (1, 20 // BS + (20 % BS > 0))
+        assert s.contains(M, b) == 0 and s.fetch(M, b).length == 0
     s.flush()
     assert_hit_is(s.fetch(M, a), a, 20)
     assert put(s, b) > 0
@@ -84,15 +63,14 @@ def test_a_fetch_of_a_put_not_yet_stored_is_served_from_the_puts_own_arrays(ssd,
     next turn of a conversation) is served at once, bit-exact, from the rows
     the put still holds (``tokens_queued``), without waiting for the writer;
     once stored it is served from the store, the same."""
-    gate = _writer_held(monkeypatch)
     s = ssd()
-    a = toks(20)
-    put(s, a)
-    longer = list(a) + list(toks(6, start=900))
-    assert_hit_is(s.fetch(M, longer), a, 20)  # (the writer is still held: no block of it is stored)
-    st = s.stats()
-    assert (st["tokens_queued"], st["fetch_waited_us"], st["blocks_stored"]) == (20, 0, 0)
-    gate.set()
+    with s.pause_writer():  # the writer thread is held: puts stay queued
+        a = toks(20)
+        put(s, a)
+        longer = list(a) + list(toks(6, start=900))
+        assert_hit_is(s.fetch(M, longer), a, 20)  # (the writer is still held: no block of it is stored)
+        st = s.stats()
+        assert (st["tokens_queued"], st["fetch_waited_us"], st["blocks_stored"]) == (20, 0, 0)
     s.flush()
     assert_hit_is(s.fetch(M, longer), a, 20)
     assert s.stats()["tokens_queued"] == 20
@@ -103,15 +81,14 @@ def test_a_quantized_stores_fetch_of_a_queued_put_gives_what_its_stored_blocks_g
     """A quantizing store serves a queued put's rows through its codec (4-bit
     keys rotated too): the same bits as a read of the blocks once stored, so
     no hit depends on how far the writer has got."""
-    gate = _writer_held(monkeypatch)
     s = ssd(kv_bits=bits, kv_group_size=32)
-    a = toks(3 * BS + 5)
-    put(s, a, heads=2, dim=64)
-    longer = list(a) + list(toks(6, start=900))
-    early = s.fetch(M, longer)
-    st = s.stats()
-    assert (early.length, st["tokens_queued"], st["fetch_waited_us"], st["blocks_stored"]) == (len(a), len(a), 0, 0)
-    gate.set()
+    with s.pause_writer():  # the writer thread is held: puts stay queued
+        a = toks(3 * BS + 5)
+        put(s, a, heads=2, dim=64)
+        longer = list(a) + list(toks(6, start=900))
+        early = s.fetch(M, longer)
+        st = s.stats()
+        assert (early.length, st["tokens_queued"], st["fetch_waited_us"], st["blocks_stored"]) == (len(a), len(a), 0, 0)
     s.flush()
     stored = s.fetch(M, longer)
     assert stored.length == len(a) and s.stats()["tokens_queued"] == len(a)
@@ -128,16 +105,15 @@ def test_a_fetch_of_stored_blocks_then_a_queued_puts_reads_the_stored_ones_as_st
     s = ssd()
     put(s, a)
     s.close()
-    gate = _writer_held(monkeypatch)
     s = ssd(kv_bits=4, kv_group_size=32)
-    b = list(a) + list(toks(BS + 3, start=900))
-    put(s, b)
-    early = s.fetch(M, b + [1])
-    st = s.stats()
-    assert (early.length, st["tokens_queued"], st["fetch_waited_us"]) == (len(b), BS + 3, 0)
-    for layer, ref in zip(early.layers, kv_layers(a)):  # the stored dense rows, exact
-        assert np.array_equal(bits_of(layer.keys[..., : 2 * BS, :]), bits_of(ref.keys))
-    gate.set()
+    with s.pause_writer():  # the writer thread is held: puts stay queued
+        b = list(a) + list(toks(BS + 3, start=900))
+        put(s, b)
+        early = s.fetch(M, b + [1])
+        st = s.stats()
+        assert (early.length, st["tokens_queued"], st["fetch_waited_us"]) == (len(b), BS + 3, 0)
+        for layer, ref in zip(early.layers, kv_layers(a)):  # the stored dense rows, exact
+            assert np.array_equal(bits_of(layer.keys[..., : 2 * BS, :]), bits_of(ref.keys))
     s.flush()
     stored = s.fetch(M, b + [1])
     assert stored.length == len(b)
@@ -155,19 +131,18 @@ def test_the_cost_plan_weighs_a_queued_puts_rows_with_the_stored_prefix_before_t
     s = ssd()
     put(s, a)
     s.close()
-    gate = _writer_held(monkeypatch)
     slow = BLOCK_BYTES / (3 * BS * 1e-3) / 1e9  # GB/s at which the stored block loads in 3 tokens' prefill time
     s = ssd(prior_ram_gbps=10.0, prior_ssd_cached_gbps=slow, prior_ssd_cold_gbps=slow, remember_rates=False)
-    for n in (BS, 4 * BS, 16 * BS, 64 * BS):
-        s.observe_prefill(M, 0, n, n * 1e-3)
-    assert s.fetch(M, list(a) + [1]).length == 0  # the stored block alone: declined
-    b = list(a) + list(toks(10 * BS, start=900))
-    put(s, b)
-    hit = s.fetch(M, b + [1])
-    st = s.stats()
-    assert (hit.length, st["tokens_queued"], st["fetch_waited_us"]) == (len(b), 10 * BS, 0)
-    assert_hit_is(hit, b, len(b))
-    gate.set()
+    with s.pause_writer():  # the writer thread is held: puts stay queued
+        for n in (BS, 4 * BS, 16 * BS, 64 * BS):
+            s.observe_prefill(M, 0, n, n * 1e-3)
+        assert s.fetch(M, list(a) + [1]).length == 0  # the stored block alone: declined
+        b = list(a) + list(toks(10 * BS, start=900))
+        put(s, b)
+        hit = s.fetch(M, b + [1])
+        st = s.stats()
+        assert (hit.length, st["tokens_queued"], st["fetch_waited_us"]) == (len(b), 10 * BS, 0)
+        assert_hit_is(hit, b, len(b))
 
 
 def test_a_fetch_that_cannot_use_a_queued_put_waits_for_it_and_counts_the_wait(ssd, monkeypatch):
@@ -175,16 +150,17 @@ def test_a_fetch_that_cannot_use_a_queued_put_waits_for_it_and_counts_the_wait(s
     ``ssd_admit="reuse"``, which must see the blocks stored to count the
     reuse), the fetch waits for the writer to store them, and the time it
     waited is counted (``fetch_waited_us``)."""
-    gate = _writer_held(monkeypatch)
     s = ssd(ssd_admit="reuse")
-    a = toks(20)
-    put(s, a)
-    opener = threading.Timer(0.3, gate.set)
-    opener.start()
-    assert_hit_is(s.fetch(M, a), a, 20)
-    opener.join()
+    with ExitStack() as held:
+        held.enter_context(s.pause_writer())  # the writer thread is held: the put stays queued
+        a = toks(20)
+        put(s, a)
+        opener = threading.Timer(0.3, held.close)  # the writer goes on while the fetch waits
+        opener.start()
+        assert_hit_is(s.fetch(M, a), a, 20)
+        opener.join()
     st = s.stats()
-    assert st["fetch_waited_us"] >= 250_000 and st["tokens_queued"] == 0
+    assert st["fetch_waited_us"] >= 250_000 and st["tokens_queued"] == 0  # (a lower bound: the 0.3 s it was held)
 
 
 def test_a_job_lets_go_of_the_engines_arrays_once_encoded_not_once_written(ssd, monkeypatch):
@@ -202,7 +178,7 @@ def test_a_job_lets_go_of_the_engines_arrays_once_encoded_not_once_written(ssd, 
         return real(self, *a, **kw)
 
     monkeypatch.setattr(LmdbTier, "store", store)
-    s = ssd()
+    s = ssd(max_pending_bytes=1)  # a second put queued while the first is pending is skipped
     a = toks(20)
     put(s, a)
     for _ in range(500):  # until the writer has encoded the put and waits on the disk
@@ -210,7 +186,6 @@ def test_a_job_lets_go_of_the_engines_arrays_once_encoded_not_once_written(ssd, 
             break
         threading.Event().wait(0.01)
     assert s.stats()["pending_bytes"] == 0 and s.stats()["ssd_blocks"] == 0  # encoded, not yet written
-    s._writer.max_pending = 1
     assert put(s, toks(20, start=5000)) > 0  # queued, not skipped
     written.set()
     s.flush()
@@ -221,16 +196,15 @@ def test_the_queue_bound_counts_the_whole_buffers_a_put_keeps(ssd, monkeypatch):
     """A put given an engine's buffers with ``rows=n`` keeps them whole until
     its blocks are written, spare rows included: the queued bytes count all of
     them, not only the rows stored."""
-    gate = _writer_held(monkeypatch)
     s = ssd()
-    p = toks(20)
-    spare = 4 * len(p)  # rows of each buffer: a KVCache's step leaves most of them unused
-    layers = [KVLayer(mx.random.normal((1, 1, spare, 32)).astype(mx.float16),
-                      mx.random.normal((1, 1, spare, 32)).astype(mx.float16), rows=len(p)) for _ in range(2)]
-    assert s.put(M, p, layers) > 0
-    held = sum(l.keys.nbytes + l.values.nbytes for l in layers)
-    assert s.stats()["pending_bytes"] == held == 4 * sum(l.nbytes for l in layers)
-    gate.set()
+    with s.pause_writer():  # the writer thread is held: puts stay queued
+        p = toks(20)
+        spare = 4 * len(p)  # rows of each buffer: a KVCache's step leaves most of them unused
+        layers = [KVLayer(mx.random.normal((1, 1, spare, 32)).astype(mx.float16),
+                          mx.random.normal((1, 1, spare, 32)).astype(mx.float16), rows=len(p)) for _ in range(2)]
+        assert s.put(M, p, layers) > 0
+        held = sum(l.keys.nbytes + l.values.nbytes for l in layers)
+        assert s.stats()["pending_bytes"] == held == 4 * sum(l.nbytes for l in layers)
     s.flush()
     assert s.stats()["pending_bytes"] == 0
     hit = s.fetch(M, p)
@@ -248,7 +222,7 @@ def test_the_writer_waits_between_blocks_while_an_engine_call_runs(ssd):
     that leaves it); it goes on once the call ends."""
     s = ssd(writer_patience_s=30)
     p = toks(4 * BS)
-    with s._engine.engine():  # an engine call under way (as fetch and put hold it)
+    with s.engine_call():  # an engine call under way (as fetch and put hold it)
         assert put(s, p) == 4
         threading.Event().wait(0.5)
         assert s.stats()["blocks_stored"] == 0
@@ -262,7 +236,7 @@ def test_engine_calls_without_a_gap_slow_the_writer_but_never_stop_it(ssd):
     engine that is always inside the store still sees its puts stored."""
     s = ssd(writer_patience_s=0.01)
     p = toks(4 * BS)
-    with s._engine.engine():
+    with s.engine_call():
         assert put(s, p) == 4
         s.flush(timeout=30)
         assert s.stats()["blocks_stored"] == 4
@@ -342,10 +316,7 @@ def test_rows_quantized_together_are_the_rows_quantized_block_by_block(tmp_path,
         with PrefixStore(budget_gb=0, block_size=BS, ssd_path=path, kv_bits=bits, rotate_keys=True,
                          compress_rows=rows) as s:
             assert s.put(M, p, layers) == 5
-        with PrefixStore(budget_gb=0, block_size=BS, ssd_path=path, kv_bits=bits, rotate_keys=True) as s:
-            disk = s._disk._tier
-            with disk.env.begin(db=disk.dbs[b"blocks"]) as txn:
-                stored[rows] = {bytes(k): bytes(v) for k, v in txn.cursor()}
+        stored[rows] = blocks_on_disk(path)
     assert len(stored[BS]) == 5 and stored[BS] == stored[3 * BS]
 
 
@@ -405,7 +376,9 @@ def test_put_leaves_every_disk_write_to_the_background_threads(ssd, monkeypatch)
     put(s, toks(3 * BS))  # nothing new
     s.flush()
     assert writers and threading.current_thread().name not in writers
-    assert root_key(M, s.namespace) in s._disk._tier.models()
+    s.close()
+    with lmdb_of(s.config.ssd_path) as disk:
+        assert root_key(M, s.namespace) in disk.models()
 
 
 def test_a_write_that_fails_part_way_leaves_the_writer_free_and_ram_serving(ssd, monkeypatch):
@@ -429,7 +402,7 @@ def test_a_write_that_fails_part_way_leaves_the_writer_free_and_ram_serving(ssd,
     p = toks(6 * BS)
     assert put(s, p) == 6
     s.flush(timeout=30)
-    assert s._writer.pending_jobs == 0
+    assert s.stats()["pending_jobs"] == 0
     st = s.stats()
     assert st["write_errors"] == 1 and st["ssd_blocks"] == 0
     assert_hit_is(s.fetch(M, p), p, 6 * BS)
@@ -457,7 +430,7 @@ def test_where_no_commit_thread_can_start_the_writer_writes_the_blocks_itself(ss
     p = toks(6 * BS)
     assert put(s, p) == 6
     s.flush(timeout=30)
-    assert s._writer.pending_jobs == 0 and s.stats()["ssd_blocks"] == 6
+    assert s.stats()["pending_jobs"] == 0 and s.stats()["ssd_blocks"] == 6
     assert_hit_is(s.fetch(M, p), p, 6 * BS)
 
 
@@ -474,10 +447,12 @@ def test_where_no_thread_can_start_a_put_is_written_in_the_callers_thread(ssd, m
     s = ssd(budget_gb=0)  # (opening starts the writer thread where it can)
     p = toks(4 * BS)
     assert put(s, p) == 4
-    assert s.stats()["ssd_blocks"] == 4 and s._writer.pending_bytes == 0
-    assert root_key(M, s.namespace) in s._disk._tier.models()
+    assert s.stats()["ssd_blocks"] == 4 and s.stats()["pending_bytes"] == 0
     monkeypatch.undo()
     assert_hit_is(s.fetch(M, p), p, 4 * BS)
+    s.close()
+    with lmdb_of(s.config.ssd_path) as disk:  # the new model's description, written in the caller too
+        assert root_key(M, s.namespace) in disk.models()
 
 
 def test_an_interrupt_while_the_engine_thread_encodes_leaves_no_transaction_open(ssd, monkeypatch):
@@ -495,10 +470,17 @@ def test_an_interrupt_while_the_engine_thread_encodes_leaves_no_transaction_open
             raise KeyboardInterrupt
         return real_encode(job, node, *a)
 
+    real_start = threading.Thread.start
+
+    def start(self):  # no writer thread can start: puts run in the caller (the commit thread still starts)
+        if self.name == "kvstore-writer":
+            raise RuntimeError("can't create new thread at interpreter shutdown")
+        return real_start(self)
+
     monkeypatch.setattr(encoding, "encode", encode)
+    monkeypatch.setattr(threading.Thread, "start", start)
     block_by_block(monkeypatch)
     s = ssd(budget_gb=0)
-    monkeypatch.setattr(s._writer, "submit", s._writer.run)  # the inline path
     p = toks(6 * BS)
     with pytest.raises(KeyboardInterrupt):
         put(s, p)

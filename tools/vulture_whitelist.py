@@ -46,3 +46,6 @@ _.try_reserve_memory, _.release_reserved_memory, _._trie
 #     position; check_omlx() checks they are the ones it uses)
 _.extra_key_token_start, _.model_cache_config, _.boundary_snapshots, _.reconstruct_cache, _.clear_request_entry
 _.set_paged_ssd_cache_manager, _.manager, _.set_cold_restore_callback, _.get_stats_dict, _.paged_cache_manager
+
+# --- PrefixStore's inspection points (kvstore/inspection.py): public, for operators and tests
+_.ram_keys, _.device_keys, _.held_bytes, _.pause_writer, _.engine_call

@@ -97,6 +97,11 @@ class BlockTable:
                 node = node.parent
             return node is not None and node.on_disk
 
+    def keys_held(self) -> tuple[tuple[bytes, ...], tuple[bytes, ...]]:
+        """The keys of the blocks in RAM (least recently used first) and in the device tier, at one moment."""
+        with self._lock:
+            return tuple(k for k, _ in self._ram.oldest()), self._dev.keys()
+
     def held(self, key: bytes) -> Optional[Stored]:
         """A block's bytes in RAM (a dict read: no lock needed)."""
         return self._ram.get(key)

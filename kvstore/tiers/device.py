@@ -69,6 +69,10 @@ class DeviceTier:
     def __len__(self) -> int:
         return len(self._blocks)
 
+    def keys(self) -> tuple[bytes, ...]:
+        """The blocks held, least recently used first."""
+        return tuple(self._blocks)
+
     @staticmethod
     def _memory(block: DeviceBlock) -> tuple[int, int]:
         if block.arrays is not None:
