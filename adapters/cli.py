@@ -99,27 +99,28 @@ def generate(
     except ConfigError as e:
         err.print(f"[red]error:[/red] {e}")
         raise typer.Exit(2)
-    import mlx.core as mx  # (the engine's imports take seconds: after the options are known good)
-    from mlx_lm.sample_utils import make_sampler
+    with PrefixStore(config) as store:  # (before the model loads: a store that cannot open is refused at once)
+        import mlx.core as mx  # (the engine's imports take seconds: after the options are known good)
+        from mlx_lm.sample_utils import make_sampler
 
-    from .generate import Generation, stream_generate
-    from .gguf import load_model
-    from .loading import ModelLoadError
+        from .generate import Generation, stream_generate
+        from .gguf import load_model
+        from .loading import ModelLoadError
 
-    text = sys.stdin.read() if prompt == "-" else prompt
-    try:
-        mlx_model, tokenizer, path = load_model(model)
-    except Exception as e:
-        raise ModelLoadError.of(model, e) from None
-    if not ignore_chat_template and getattr(tokenizer, "chat_template", None):
-        messages = [{"role": "system", "content": system_prompt}] if system_prompt else []
-        ids = tokenizer.apply_chat_template(messages + [{"role": "user", "content": text}], add_generation_prompt=True)
-    else:
-        ids = tokenizer.encode(text)
-    if seed is not None:
-        mx.random.seed(seed)
-    res = Generation()
-    with PrefixStore(config) as store:
+        text = sys.stdin.read() if prompt == "-" else prompt
+        try:
+            mlx_model, tokenizer, path = load_model(model)
+        except Exception as e:
+            raise ModelLoadError.of(model, e) from None
+        if not ignore_chat_template and getattr(tokenizer, "chat_template", None):
+            messages = [{"role": "system", "content": system_prompt}] if system_prompt else []
+            ids = tokenizer.apply_chat_template(messages + [{"role": "user", "content": text}],
+                                                add_generation_prompt=True)
+        else:
+            ids = tokenizer.encode(text)
+        if seed is not None:
+            mx.random.seed(seed)
+        res = Generation()
         for resp in stream_generate(mlx_model, tokenizer, ids, store=store, model_path=path, max_tokens=max_tokens,
                                     sampler=make_sampler(temp, top_p), result=res):
             print(resp.text, end="", flush=True)
