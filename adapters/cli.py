@@ -32,7 +32,8 @@ def demo(
     users: int = typer.Option(3, min=1, help="Users sharing the system prompt."),
     turns: int = typer.Option(2, min=1, help="Turns per user."),
     max_tokens: int = typer.Option(12, min=1, help="Tokens generated per request."),
-    kv_bits: int = typer.Option(8, help="Bits of stored entries (0: keep fp16)."),
+    kv_bits: int = typer.Option(8, help="Bits of stored entries (0: keep fp16; 8 can change a near-tied "
+                                       "greedy answer after the restart: 2 of 6 on the default model)."),
     ssd_admit: str = typer.Option("always", help="always: write every block to SSD; reuse: only blocks asked for "
                                                   "again (after the restart, only shared prefixes hit)."),
     fetch_policy: str = typer.Option("auto", help="auto: serve a hit only as far as loading beats recomputing it "
