@@ -32,7 +32,8 @@ def demo(
     users: int = typer.Option(3, min=1, help="Users sharing the system prompt."),
     turns: int = typer.Option(2, min=1, help="Turns per user."),
     max_tokens: int = typer.Option(12, min=1, help="Tokens generated per request."),
-    kv_bits: int = typer.Option(8, help="Bits of stored entries (0: keep fp16)."),
+    kv_bits: int = typer.Option(8, help="Bits of stored entries (0: keep fp16; 8 can change a near-tied "
+                                       "greedy answer after the restart: 2 of 6 on the default model)."),
     ssd_admit: str = typer.Option("always", help="always: write every block to SSD; reuse: only blocks asked for "
                                                   "again (after the restart, only shared prefixes hit)."),
     fetch_policy: str = typer.Option("auto", help="auto: serve a hit only as far as loading beats recomputing it "
@@ -99,27 +100,28 @@ def generate(
     except ConfigError as e:
         err.print(f"[red]error:[/red] {e}")
         raise typer.Exit(2)
-    import mlx.core as mx  # (the engine's imports take seconds: after the options are known good)
-    from mlx_lm.sample_utils import make_sampler
+    with PrefixStore(config) as store:  # (before the model loads: a store that cannot open is refused at once)
+        import mlx.core as mx  # (the engine's imports take seconds: after the options are known good)
+        from mlx_lm.sample_utils import make_sampler
 
-    from .generate import Generation, stream_generate
-    from .gguf import load_model
-    from .loading import ModelLoadError
+        from .generate import Generation, stream_generate
+        from .gguf import load_model
+        from .loading import ModelLoadError
 
-    text = sys.stdin.read() if prompt == "-" else prompt
-    try:
-        mlx_model, tokenizer, path = load_model(model)
-    except Exception as e:
-        raise ModelLoadError.of(model, e) from None
-    if not ignore_chat_template and getattr(tokenizer, "chat_template", None):
-        messages = [{"role": "system", "content": system_prompt}] if system_prompt else []
-        ids = tokenizer.apply_chat_template(messages + [{"role": "user", "content": text}], add_generation_prompt=True)
-    else:
-        ids = tokenizer.encode(text)
-    if seed is not None:
-        mx.random.seed(seed)
-    res = Generation()
-    with PrefixStore(config) as store:
+        text = sys.stdin.read() if prompt == "-" else prompt
+        try:
+            mlx_model, tokenizer, path = load_model(model)
+        except Exception as e:
+            raise ModelLoadError.of(model, e) from None
+        if not ignore_chat_template and getattr(tokenizer, "chat_template", None):
+            messages = [{"role": "system", "content": system_prompt}] if system_prompt else []
+            ids = tokenizer.apply_chat_template(messages + [{"role": "user", "content": text}],
+                                                add_generation_prompt=True)
+        else:
+            ids = tokenizer.encode(text)
+        if seed is not None:
+            mx.random.seed(seed)
+        res = Generation()
         for resp in stream_generate(mlx_model, tokenizer, ids, store=store, model_path=path, max_tokens=max_tokens,
                                     sampler=make_sampler(temp, top_p), result=res):
             print(resp.text, end="", flush=True)

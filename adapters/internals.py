@@ -26,15 +26,20 @@ def signature_mismatch(cls: type, signatures: dict[str, tuple[str, ...]]) -> Opt
     return None
 
 
-def unsupported(error: Callable[[str], Exception], label: str, dist: str,
-                tested: tuple[str, ...]) -> Callable[[str], Exception]:
-    """``fail(what)``: the one error an adapter raises when the installed
-    engine (distribution ``dist``, called ``label``) lacks ``what``."""
+def unsupported(error: Callable[[str], Exception], label: str, dist: str, tested: tuple[str, ...],
+                pip_options: str = "") -> Callable[[str], Exception]:
+    """``fail(what)``: the one error an adapter raises when the engine
+    (distribution ``dist``, called ``label``) is not installed, or the
+    installed one lacks ``what``; either way it says how to install one that works."""
     version = dist_version(dist)
+    install = f"pip install {pip_options}'{dist}=={tested[-1]}'"
 
     def fail(what: str) -> Exception:
+        if version == "unknown":
+            return error(f"{label} is not installed: kvstore's adapter runs on {dist} {', '.join(tested)} "
+                         f"({install})")
         return error(f"{label} {version} is not supported by kvstore's adapter ({what}); it was built and tested "
-                     f"on {dist} {', '.join(tested)}: install one of those (pip install '{dist}=={tested[-1]}')")
+                     f"on {dist} {', '.join(tested)}: install one of those ({install})")
 
     return fail
 

@@ -67,7 +67,7 @@ def check_omlx() -> Any:
     """oMLX's scheduler module, once it is known to have what the adapter
     relies on; ``OmlxUnsupported`` (naming the version and the missing part)
     otherwise."""
-    fail = unsupported(OmlxUnsupported, "oMLX (flyto-mlx)", "flyto-mlx", TESTED)
+    fail = unsupported(OmlxUnsupported, "oMLX (flyto-mlx)", "flyto-mlx", TESTED, "--no-deps ")
 
     S, source = scheduler_module("omlx.scheduler", "BlockAwarePrefixCache", fail)
     try:

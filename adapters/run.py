@@ -1,7 +1,9 @@
 """``kvstore run [store options] -- COMMAND ...``: any Python engine built on
 mlx-lm, on the store, without a change to its code.
 
-How: ``kvstore run`` checks the store options, puts them in
+How: ``kvstore run`` checks the store options, that COMMAND is there and
+that the store opens (an engine would learn of a bad ``--ssd-path`` only at
+its first request, after loading its model), puts the options in
 ``$KVSTORE_RUN_STORE`` (JSON), prepends ``run_boot/`` to ``$PYTHONPATH`` and
 replaces itself with COMMAND (``os.execvpe``: the exit status and signals are
 the engine's own). Python runs ``run_boot/sitecustomize.py`` at start-up in
@@ -22,6 +24,7 @@ import importlib.abc
 import importlib.machinery
 import json
 import os
+import shutil
 import sys
 from pathlib import Path
 from typing import Sequence
@@ -93,8 +96,20 @@ def parse_run_args(argv: Sequence[str]) -> tuple[dict, list[str]]:
 
 
 def exec_engine(store_args: dict, command: Sequence[str]) -> None:
-    """Replace this process by ``command``, instrumented, on a store of ``store_args``."""
+    """Replace this process by ``command``, instrumented, on a store of ``store_args``; a command
+    that is not there or a store that cannot open is a ``KVStoreError`` before anything runs."""
+    from kvstore import PrefixStore
+    from kvstore.config import store_config
+    from kvstore.errors import ConfigError
+
     env = dict(os.environ)
+    if shutil.which(command[0], path=env.get("PATH", os.defpath)) is None:
+        raise ConfigError(f"{command[0]}: no such command" + ("" if os.sep in command[0] else " on $PATH")
+                          + (" (not executable)" if os.path.isfile(command[0]) else "") + "; nothing was run")
+    PrefixStore(store_config(**store_args)).close()  # (StoreOpenError: the path is no store, or unwritable)
     env["KVSTORE_RUN_STORE"] = json.dumps({k: v for k, v in store_args.items() if v is not None})
     env["PYTHONPATH"] = os.pathsep.join([str(BOOT)] + [p for p in [env.get("PYTHONPATH")] if p])
-    os.execvpe(command[0], list(command), env)
+    try:
+        os.execvpe(command[0], list(command), env)
+    except OSError as e:  # (found, but the system would not start it: a bad interpreter line, ...)
+        raise ConfigError(f"{command[0]}: cannot run it ({e.strerror}); nothing was run") from None

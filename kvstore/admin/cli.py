@@ -21,12 +21,13 @@ from rich.table import Table
 from .. import __version__
 from .catalog import Catalog, check_block, parse_age, select
 from ..cost.model import CostModel
-from ..errors import KVStoreError, StoreOpenError
+from ..errors import StoreOpenError
 from ..tiers.disk.lmdb import LmdbTier
 from .cli_transfer import export_, import_
 from .cli_remote import (clear_remote as _clear_remote, path_or_remote as _path_or_remote,
                          print_remote_stats as _print_remote_stats, remote_catalog as _remote_catalog)
-from .ui import err, out, size as _size
+from .exits import run_app
+from .ui import err, flag, out, size as _size
 from ..tiers.disk.users import other_processes
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, rich_markup_mode="rich",
@@ -93,20 +94,26 @@ def _tokenizer(path: Path):
 
 def _decoder(catalog: Catalog):
     """Per model root, a function turning token ids into text, when the model
-    folder or file named at registration is still there."""
+    folder or file named at registration is still there. A tokenizer that
+    cannot be read or decode (another user's folder, a damaged file) leaves
+    the ids shown as they are, with one warning per model: never an error."""
     cache = {}
 
     def decode(root_hex: str, ids: list[int]) -> Optional[str]:
-        if root_hex not in cache:
-            cache[root_hex] = None
-            path = catalog.models.get(bytes.fromhex(root_hex), {}).get("path")
-            if path and Path(path).exists():
-                try:
+        path = catalog.models.get(bytes.fromhex(root_hex), {}).get("path")
+        try:
+            if root_hex not in cache:
+                cache[root_hex] = None
+                if path and Path(path).exists():
                     cache[root_hex] = _tokenizer(Path(path))
-                except Exception:
-                    pass
-        tok = cache[root_hex]
-        return None if tok is None else _decode_runs(tok, ids)
+            tok = cache[root_hex]
+            return None if tok is None else _decode_runs(tok, ids)
+        except Exception as e:
+            cache[root_hex] = None
+            err.print(f"[yellow]warning:[/yellow] {escape(str(path))}: cannot read its tokenizer "
+                      f"({type(e).__name__}: {escape(' '.join(str(e).split())[:120])}): token ids shown "
+                      f"(as --no-decode)", highlight=False)
+            return None
     return decode
 
 
@@ -126,11 +133,11 @@ def _decode_runs(tok, ids: list[int]) -> str:
 @app.command()
 def inspect(
     path: Path = PathArg,
-    as_json: bool = typer.Option(False, "--json", help="One JSON object per line, for scripts."),
+    as_json: bool = flag("--json", help="One JSON object per line, for scripts."),
     model: Optional[str] = typer.Option(None, help="Only models whose name or root key starts with this."),
-    min_tokens: int = typer.Option(0, help="Only entries of at least this many tokens."),
+    min_tokens: int = typer.Option(0, min=0, help="Only entries of at least this many tokens."),
     sort: SortKey = typer.Option(SortKey.last_used, help="Order of the rows (largest / newest first)."),
-    limit: int = typer.Option(50, help="At most this many rows (0: all)."),
+    limit: int = typer.Option(50, min=0, help="At most this many rows (0: all)."),
     decode: bool = typer.Option(True, help="Show the first tokens as text when the model's tokenizer is found."),
 ):
     """List the stored prompts of a store: model, length, blocks, bytes, KV bits, use.
@@ -170,7 +177,7 @@ def inspect(
 
 
 @app.command()
-def stats(path: Optional[Path] = OptionalPathArg, as_json: bool = typer.Option(False, "--json", help="JSON output."),
+def stats(path: Optional[Path] = OptionalPathArg, as_json: bool = flag("--json", help="JSON output."),
           remote: Optional[str] = RemoteOpt, namespace: Optional[str] = NamespaceOpt):
     """Totals of a store: per model, disk budget use, hit rate and tokens saved over its life;
     with --remote, what a shared Redis / Valkey tier holds per model and its eviction settings.
@@ -218,13 +225,16 @@ def stats(path: Optional[Path] = OptionalPathArg, as_json: bool = typer.Option(F
               f"token hit rate {100 * result['token_hit_rate']:.1f}%, tokens served from cache {served} "
               f"(RAM {counters.get('tokens_ram', 0)}, SSD {counters.get('tokens_ssd', 0)}, "
               f"remote {counters.get('tokens_remote', 0)})")
+    unadmitted = counters.get("evicted_unadmitted", 0)  # (only ssd_admit=reuse leaves blocks unwritten)
     out.print(f"SSD writes: {counters.get('blocks_written', 0)} blocks, {_size(counters.get('bytes_written', 0))}"
-              f"; {counters.get('evicted_unadmitted', 0)} blocks left RAM never written (ssd_admit=reuse)")
+              + (f"; {unadmitted} blocks left RAM never written (ssd_admit=reuse)" if unadmitted else ""))
     pred, act = counters.get("predicted_us", 0), counters.get("actual_us", 0)
     out.print(f"cost: {result['tokens_skipped_cost']} stored tokens recomputed (predicted faster, or a near tie)"
               + (f"; served hits took {act / 1e3:.1f} ms against {pred / 1e3:.1f} ms predicted" if pred else ""))
     for machine, d in measured.items():
-        rates = ", ".join(f"{s} {r['gb_per_s']:.2f} GB/s ({r['observed']}x)" for s, r in d["rates"].items())
+        rates = ", ".join(f"{s} {r['gb_per_s']:.2f} GB/s " + (f"({r['observed']} read{'s' * (r['observed'] != 1)} "
+                                                                f"timed)" if r["observed"] else "(a prior, not timed)")
+                          for s, r in d["rates"].items())
         out.print(f"measured on {machine}: {rates or 'no fetch yet'}")
         for model, m in d["prefill"].items():
             rate = m.get("tokens_per_s_at_8k")
@@ -254,7 +264,8 @@ def _measured_rates(saved: dict, cat: Catalog) -> dict:
 
 @app.command()
 def verify(path: Path = PathArg,
-           repair: bool = typer.Option(False, help="Remove bad blocks (and the blocks under them) and orphans.")):
+           repair: bool = typer.Option(False, help="Remove bad blocks (and the blocks under them) and orphans."),
+           as_json: bool = flag("--json", help="One JSON object (counts, and each bad block or orphan), for scripts.")):
     """Check every block's header, checksum and tokens. Exit code 0 when all is well, 1 when a block is bad.
 
     Orphans (blocks whose parent was removed, e.g. by a clear while an older kvstore wrote) are never served
@@ -284,17 +295,22 @@ def verify(path: Path = PathArg,
             else:
                 orphans.append(key)
                 bad[key] = "parent block missing (orphan)"
-        for key, why in bad.items():
-            r = cat.records.get(key)
-            where = f"tokens {r.start}-{r.end}" if r else "tokens ?"
-            tag = "[yellow]orphan[/yellow]" if key in orphans else "[red]bad[/red]"
-            out.print(f"{tag} {key.hex()[:16]} {where}: {why}")
-        if bad and repair:
-            n = len(disk.remove(cat.with_descendants(bad)))
-            out.print(f"removed {n} blocks")
+        found = [{"key": key.hex(), "tokens": [r.start, r.end] if (r := cat.records.get(key)) else None,
+                  "why": why, "orphan": key in orphans} for key, why in bad.items()]
+        for f in [] if as_json else found:
+            where = "tokens {}-{}".format(*f["tokens"]) if f["tokens"] else "tokens ?"
+            tag = "[yellow]orphan[/yellow]" if f["orphan"] else "[red]bad[/red]"
+            out.print(f"{tag} {f['key'][:16]} {where}: {f['why']}")
+        removed = len(disk.remove(cat.with_descendants(bad))) if bad and repair else 0
+        if removed and not as_json:
+            out.print(f"removed {removed} blocks")
     finally:
         disk.close()
     n_bad = len(bad) - len(orphans)
+    if as_json:
+        print(json.dumps({"path": str(path), "checked": len(cat.records) + len(cat.bad), "bad": n_bad,
+                          "orphans": len(orphans), "removed": removed, "blocks": found}))
+        raise typer.Exit(1 if n_bad else 0)
     out.print(f"{len(cat.records) + len(cat.bad)} blocks checked, {n_bad} bad, {len(orphans)} orphans"
               + (" (blocks whose parent was removed, by a clear or an eviction, while they were written: never "
                  "served, no damage; --repair removes them)" if orphans and not repair else ""))
@@ -310,8 +326,8 @@ def clear(
     path: Optional[Path] = OptionalPathArg,
     model: Optional[str] = typer.Option(None, help="Only blocks of models whose name or root key starts with this."),
     older_than: Optional[str] = typer.Option(None, help="Only blocks unused for this long: 90s, 30m, 12h, 7d, 2w."),
-    all_: bool = typer.Option(False, "--all", help="Everything (needed when no filter is given)."),
-    yes: bool = typer.Option(False, "--yes", "-y", help="Do not ask before deleting."),
+    all_: bool = flag("--all", help="Everything (needed when no filter is given)."),
+    yes: bool = flag("--yes", "-y", help="Do not ask before deleting."),
     remote: Optional[str] = RemoteOpt, namespace: Optional[str] = NamespaceOpt,
 ):
     """Remove entries from a store, or with --remote from a shared Redis / Valkey tier. Asks first unless --yes.
@@ -378,14 +394,8 @@ def _warn_users(disk: LmdbTier) -> None:
 
 
 def main() -> None:
-    """Run the commands. kvstore's own errors (a bad setting, a store it cannot
-    open, a model it cannot load) end as one line on stderr, exit code 2, for
-    every command alike; anything else is a bug and keeps its traceback."""
-    try:
-        app()
-    except KVStoreError as e:
-        err.print("[red]error:[/red]", escape(" ".join(str(e).split())))
-        raise SystemExit(2) from None
+    """Run the commands. Every error ends as one line on stderr, exit code 2 (``kvstore.admin.exits``)."""
+    run_app(app)
 
 
 if __name__ == "__main__":

@@ -16,9 +16,9 @@ from rich.progress import DownloadColumn, Progress
 from ..errors import TransferError
 from .export_file import SECRET_ENV
 from .transfer import export_store, import_store
-from .ui import err, out, size as _size
+from .ui import err, flag, out, size as _size
 
-QuietOpt = typer.Option(False, "--quiet", "-q", help="No progress bar (there is none when stderr is not a terminal).")
+QuietOpt = flag("--quiet", "-q", help="No progress bar (there is none when stderr is not a terminal).")
 
 
 @contextmanager
@@ -46,7 +46,7 @@ def export_(
     model_key: Optional[str] = typer.Option(None, "--model-key", help="Only this model's entries (the model key "
                                             "its engine stored them under, as `kvstore inspect` names it)."),
     namespace: Optional[str] = typer.Option(None, "--namespace", help="Only entries of this namespace."),
-    sign: bool = typer.Option(False, "--sign", help=f"Sign every frame with the secret in ${SECRET_ENV} "
+    sign: bool = flag("--sign", help=f"Sign every frame with the secret in ${SECRET_ENV} "
                               "(HMAC-SHA256): `kvstore import --verify` takes only files its holders wrote."),
     quiet: bool = QuietOpt,
 ):
@@ -69,7 +69,7 @@ def import_(
     path: Path = typer.Argument(..., help="The store directory to add to (made when the path is new or empty).",
                                 show_default=False),
     file: Path = typer.Argument(..., help="A file `kvstore export` wrote.", show_default=False),
-    verify: bool = typer.Option(False, "--verify", help=f"Take the file only if every frame is signed under the "
+    verify: bool = flag("--verify", help=f"Take the file only if every frame is signed under the "
                                 f"secret in ${SECRET_ENV} (`kvstore export --sign`)."),
     quiet: bool = QuietOpt,
 ):

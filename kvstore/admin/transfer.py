@@ -39,6 +39,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import BinaryIO, Callable, Optional, Union
 
+import lmdb
 import msgpack
 import xxhash
 
@@ -47,10 +48,11 @@ from ..blocks.hashing import root_key
 from ..blocks.record import Entry
 from ..config import store_config
 from ..counters import Counters
-from ..errors import StoreOpenError, TransferError
+from ..errors import StorageError, StoreOpenError, TransferError
 from ..flow.disk import Disk
 from ..state.table import BlockTable
 from ..tiers.disk.lmdb import LmdbTier
+from ..tiers.disk.lmdb_env import is_disk_full
 from ..tiers.remote.auth import Signer
 from .catalog import check_bytes
 from .export_file import FORMAT_VERSION, MAGIC, PREFIX, SIGNED_VERSION, Frames, frame_digest, signer_of, tagged
@@ -92,6 +94,9 @@ def export_store(ssd_path: PathLike, file: PathLike, model_key: Optional[str] = 
     checked as it is read; a damaged one is left out with the blocks below
     it (``Report.skipped``)."""
     signer = signer_of(secret)
+    if Path(file).is_dir():
+        raise TransferError(f"{file} is a directory: name the export file to write in it (e.g. "
+                            f"{Path(file, 'cache.kvx')}); nothing was written.")
     tier = LmdbTier.open(ssd_path, readonly=True)
     try:
         size = _block_size(tier)
@@ -110,6 +115,8 @@ def export_store(ssd_path: PathLike, file: PathLike, model_key: Optional[str] = 
                 f.flush()
                 os.fsync(f.fileno())
             os.replace(tmp, file)
+        except OSError as e:  # (a full device, a folder made at that name meanwhile)
+            raise TransferError(f"{file}: cannot write it ({e.strerror}); nothing was written.") from None
         finally:
             tmp.unlink(missing_ok=True)
     finally:
@@ -186,6 +193,27 @@ def import_store(ssd_path: PathLike, file: PathLike, progress: Optional[Progress
     total = _file_size(file)
     header = _check(file, lambda n: progress(n, 2 * total) if progress else None, signer)
     path = Path(ssd_path).expanduser()
+    undo = _undo_new_store(path)
+    report = Report(signed=header["signed"], verified=signer is not None)
+    try:
+        return _import(path, file, header, report, total, progress, signer)
+    except TransferError:
+        raise  # (refused before a write, or the file changed midway: what was written is whole)
+    except BaseException as e:
+        if undo is not None:
+            undo()
+        if not isinstance(e, (OSError, lmdb.Error)):
+            raise
+        why = "no space left on its device" if is_disk_full(e) else f"cannot write to it ({e})"
+        raise StorageError(
+            f"{path}: {why}, after {report.blocks} blocks were written; " + (
+                "the store this import made is removed: nothing is left there." if undo is not None else
+                "the blocks written are each whole (`kvstore verify` passes). Free some space and import again: "
+                "blocks already there are skipped.")) from None
+
+
+def _import(path: Path, file: PathLike, header: dict, report: Report, total: int, progress: Optional[Progress],
+            signer: Optional[Signer]) -> Report:
     tier = LmdbTier.open(path, _stored_budget(path))
     try:
         size = header["block_size"]
@@ -197,7 +225,7 @@ def import_store(ssd_path: PathLike, file: PathLike, progress: Optional[Progress
             raise TransferError(f"{file} holds blocks of {size} tokens, the store at {path} blocks of {have}: "
                                 f"a block's key hashes its tokens, so they would never be found there. Import "
                                 f"into a store of {size}-token blocks (a new path makes one); nothing was written.")
-        report = Report(block_size=size, signed=header["signed"], verified=signer is not None)
+        report.block_size = size
         for root, info in header["models"]:
             if info:
                 tier.register_model(root, info)
@@ -226,6 +254,30 @@ def import_store(ssd_path: PathLike, file: PathLike, progress: Optional[Progress
     finally:
         tier.close()
     return report
+
+
+def _undo_new_store(path: Path) -> Optional[Callable[[], None]]:
+    """Where ``path`` holds no store yet: a function removing what an import that failed made there (the store's
+    files, and the folders made for it); ``None`` where a store is there (a failed import leaves it whole)."""
+    if path.exists() and (not path.is_dir() or (path / "data.mdb").exists()):
+        return None
+    before = set(os.listdir(path)) if path.is_dir() else set()
+    made = []  # folders the import creates, deepest first
+    top = path
+    while not top.exists():
+        made.append(top)
+        top = top.parent
+
+    def undo() -> None:
+        for name in set(os.listdir(path)) - before if path.is_dir() else ():
+            if (path / name).is_file():
+                (path / name).unlink()
+        for folder in made:
+            try:
+                folder.rmdir()
+            except OSError:
+                return  # (something else was put there meanwhile: left as it is)
+    return undo
 
 
 def _evict_to_budget(tier: LmdbTier) -> int:

@@ -1,9 +1,11 @@
-"""The consoles the store commands print to, and how they show sizes."""
+"""The consoles the store commands print to, how they show sizes, and their flags."""
 
 from __future__ import annotations
 
 import sys
+from typing import Any
 
+import typer
 from rich.console import Console
 
 out = Console(width=None if sys.stdout.isatty() else 160)
@@ -16,3 +18,8 @@ def size(n: float) -> str:
             return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
         n /= 1024
     return str(n)
+
+
+def flag(*names: str, help: str) -> Any:
+    """An option that is on when named (``--json``), shown so in ``--help``: no value column."""
+    return typer.Option(False, *names, metavar="", help=help)
