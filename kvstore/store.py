@@ -105,7 +105,7 @@ class PrefixStore(Inspection):
                 raise
             self._disk = Disk(tier, self._table, self._counters, cfg, self._warn)
         self._reader = Reader(self._table, self._disk, self._counters, writable=not cfg.readonly)
-        self._planner = Planner(self._cost, self._table, self._disk, self._counters, cfg)
+        self._planner = Planner(self._cost, self._disk, cfg)
         self._engine = EngineFirst(cfg.tuning.writer_patience_s)
         self._writer = Writer(self._table, self._disk, self.codec, self._counters, cfg, on_idle=self._save,
                               remote=None if cfg.readonly else self._remote, engine=self._engine)

@@ -11,26 +11,23 @@ the measured rates.
 
 from __future__ import annotations
 
-from typing import Mapping, Optional
+from typing import TYPE_CHECKING, Mapping, Optional
 
 from . import probe
 from ..config import StoreConfig
 from .model import STATES, CostModel, Plan, machine_id
-from ..counters import Counters
-from ..flow.disk import Disk
 from ..state.index import BlockRef
 from ..state.lookup import servable as servable_length
 from ..state.plans import Pinned
-from ..state.table import BlockTable
+
+if TYPE_CHECKING:
+    from ..flow.disk import Disk
 
 
 class Planner:
-    def __init__(self, cost: CostModel, table: BlockTable, disk: Optional[Disk], counters: Counters,
-                 cfg: StoreConfig):
+    def __init__(self, cost: CostModel, disk: Optional["Disk"], cfg: StoreConfig):
         self.cost = cost
-        self.table = table
         self.disk = disk
-        self.counters = counters
         self.cfg = cfg
         self.cached_share = cfg.tuning.cached_share  # a disk block with this share of its pages cached reads as cached
 
@@ -45,14 +42,8 @@ class Planner:
         if not path:
             return Plan(servable, servable)
         on_disk = {k: v for k, v in pinned.on_disk.items() if k not in in_hand}
-        resident: dict = {}
-        if on_disk and self.disk is not None:
-            try:
-                resident = self.disk.resident(on_disk)
-            except Exception:
-                resident = {}
-        states = ["ram" if b is not None or p.key in found or p.key in in_hand else
-                  "ssd_cached" if (resident.get(p.key) or 0) >= self.cached_share else "ssd_cold"
+        resident = self._resident(on_disk)
+        states = [self._state(p.key, b is not None or p.key in found or p.key in in_hand, resident)
                   for p, b in zip(path, pinned.items)]
         sizes = [0 if p.key in in_hand else n for p, n in zip(path, pinned.sizes)]
         if self.cost.policy == "auto":
@@ -63,6 +54,21 @@ class Planner:
         plan.states = dict(zip((p.key for p in path), states))
         plan.unknown = frozenset(k for k in on_disk if resident.get(k) is None)  # planned as cold
         return plan
+
+    def _state(self, key: bytes, in_memory: bool, resident: Mapping[bytes, Optional[float]]) -> str:
+        """Where a block loads from: memory, else the page cache when enough of its pages are there, else disk."""
+        if in_memory:
+            return "ram"
+        return "ssd_cached" if (resident.get(key) or 0) >= self.cached_share else "ssd_cold"
+
+    def _resident(self, on_disk: Mapping[bytes, tuple[int, int]]) -> dict:
+        """Of each disk block, the share of its pages in the page cache (``None``: unknown)."""
+        if not on_disk or self.disk is None:
+            return {}
+        try:
+            return self.disk.resident(on_disk)
+        except Exception:
+            return {}
 
     def observe(self, path: list[BlockRef], sizes: list[int], from_ram: list[bool], length: int, plan: Plan,
                 seconds: float, counts: dict[str, int]) -> dict[str, int]:

@@ -154,13 +154,7 @@ class FetchPath:
                 if tail is not None and pinned.queued_from == 0:
                     return self._queued_hit(len(toks), length, owned(tail))
         cut = length if tail is None else pinned.queued_from
-        waited = 0
-        if jobs and tail is None:
-            t0 = time.perf_counter()
-            for job in jobs:
-                job.done.wait()
-            waited = int((time.perf_counter() - t0) * 1e6)
-            self.table.view(pinned, found.blocks)  # where the waited-for blocks are now
+        waited = self._wait(pinned, found) if jobs and tail is None else 0
         with self.engine.engine():  # (not around the wait above: the writer would wait for it)
             # a queued put's rows (from ``cut`` on) are in hand: the plan weighs them, at no cost, with the rest
             plan = self.planner.plan(root, len(toks), pinned, found.blocks,
@@ -175,11 +169,25 @@ class FetchPath:
                 got = replace(got, layers=joined(got.layers, tail), length=length)
             else:
                 tail = None
+        return self._account(len(toks), pinned, got, found, plan, tail, cut,
+                             {"tokens_requested": len(toks), "tokens_skipped_cost": plan.skipped,
+                              "fetch_waited_us": waited}, t_load)
+
+    def _wait(self, pinned: Pinned, found: Found) -> int:
+        """Wait for the puts still storing blocks of ``pinned`` (their rows not taken); returns the µs waited."""
+        t0 = time.perf_counter()
+        for job in pinned.pending:
+            job.done.wait()
+        self.table.view(pinned, found.blocks)  # where the waited-for blocks are now
+        return int((time.perf_counter() - t0) * 1e6)
+
+    def _account(self, n: int, pinned: Pinned, got, found: Found, plan, tail, cut: int, counts: dict[str, int],
+                 t_load: float) -> Hit:
+        """Tell the table what was served (one lock) and the counters (one lock); the hit as the engine gets it."""
         now = time.time()
         touched = self.table.served(pinned, got.used, [p for p, r in zip(got.used, got.from_ram) if not r],
                                     got.on_device, now)
         self.reader.promote_later(touched.promote)
-        counts = {"tokens_requested": len(toks), "tokens_skipped_cost": plan.skipped, "fetch_waited_us": waited}
         if got.length == 0:
             counts["misses"] = 1
             self.counters.record(counts, touched.disk_keys, now)

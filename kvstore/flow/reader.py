@@ -80,19 +80,7 @@ class Reader:
                 want = [p.key for p, it in zip(path, items) if it is None and p.key in cold]
                 ahead = self.disk.read_ahead(want) if len(want) > 1 else []  # a cached block's pages are left alone
                 with self.disk.reading() as txn:
-                    for i, p in enumerate(path):
-                        if items[i] is None:
-                            try:
-                                got = txn.stored(p.key, p.start, unread=True)  # read while copied
-                            except BlockDecodeError as e:
-                                bad.append((p, str(e)))
-                                break
-                            if got is None:  # removed by another process (`kvstore clear`, its eviction)
-                                gone.append(p)
-                                break
-                            if p.offset < 0:
-                                self.table.apply(OffsetFound(p, txn.offset_of(got.buf)))
-                            items[i] = got
+                    self._from_disk(txn, path, items, bad, gone)
                     served = self._serve(path, items, from_ram, toks, length, quantized, bad, fill)
             except Exception as e:
                 self.disk.read_failed("read", e)
@@ -106,6 +94,25 @@ class Reader:
             self.counters.count("blocks_gone")
             self.table.apply(GoneFromDisk(p))
         return served
+
+    def _from_disk(self, txn, path: list[BlockRef], items: list, bad: list, gone: list) -> None:
+        """Fill ``items``' gaps with views of the map, in order, up to the first
+        block that is bad or gone (another process removed it: `kvstore clear`,
+        its eviction)."""
+        for i, p in enumerate(path):
+            if items[i] is not None:
+                continue
+            try:
+                got = txn.stored(p.key, p.start, unread=True)  # read while copied
+            except BlockDecodeError as e:
+                bad.append((p, str(e)))
+                return
+            if got is None:
+                gone.append(p)
+                return
+            if p.offset < 0:
+                self.table.apply(OffsetFound(p, txn.offset_of(got.buf)))
+            items[i] = got
 
     def _serve(self, path, items, from_ram, toks, length, quantized, bad: list,
                fill: Optional[HostFill] = None) -> Served:

@@ -1,7 +1,6 @@
 """Which stored blocks serve a prompt, and at which lengths.
 
-Pure functions over the index: no tier is read here (the store hands in a
-``tokens_of`` for partial matches and reads disk around these calls). The
+Pure functions over the index: no tier is read here. The
 servability rule has two halves that must agree:
 
 - ``block_gap`` (at ``put``): which rows a block lacks, when a sliding-window
@@ -9,33 +8,19 @@ servability rule has two halves that must agree:
 - ``restorable`` (at ``fetch``): whether every layer can be rebuilt at a given
   length from the blocks on the path.
 
-Callers hold the store lock for every function but ``best_partial``, which
-may read tokens from disk.
+Callers hold the table's lock (``shared_prefix`` needs none: the fetch
+compares tokens it read from disk with it).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import Callable, Optional, Sequence
+from typing import Sequence
 
 import numpy as np
 
 from ..blocks.hashing import KeyChain
 from .index import FULL_GAP, NO_GAP, Walk, Node, RadixIndex
 from ..blocks.layers import KVLayer
-
-
-@dataclass
-class Match:
-    """Blocks along a prompt: ``path`` shares ``matched`` tokens with it.
-
-    ``full`` is the walk over whole blocks; ``path`` may add one block the
-    prompt ends or diverges inside of (used up to ``matched``).
-    """
-
-    full: Walk
-    path: list[Node] = field(default_factory=list)
-    matched: int = 0
 
 
 def walk(index: RadixIndex, root: Node, chain: KeyChain, n: int) -> Walk:
@@ -51,23 +36,6 @@ def partial_candidates(node: Node, chain: KeyChain, pos: int, n: int) -> list[No
         return []
     first = int(chain.tokens[pos])
     return [c for c in node.children.values() if c.first == first]
-
-
-def best_partial(candidates: Sequence[Node], chain: KeyChain, pos: int, n: int,
-                 tokens_of: Callable[[Node], Optional[np.ndarray]]) -> tuple[Optional[Node], int]:
-    """The candidate sharing most tokens with the prompt at ``pos``: an exact
-    tail block by key, others by comparing stored tokens."""
-    i = pos // chain.block_size
-    best, best_len = None, 0
-    for child in candidates:
-        if child.length <= n - pos and child.key == chain.tail_key(i, child.length):
-            shared = child.length
-        else:
-            stored = tokens_of(child)
-            shared = 0 if stored is None else shared_prefix(stored, chain.tokens[pos:n])
-        if shared > best_len:
-            best, best_len = child, shared
-    return best, best_len
 
 
 def shared_prefix(a: np.ndarray, b: np.ndarray) -> int:
