@@ -2,11 +2,14 @@
 can weigh a hit against recomputing it before any real request has been timed.
 
 It runs once per model and store in a process (``calibrate_once``), where an
-engine's own prefills cannot be timed (mlx-lm's server, vllm-mlx) or before
-the first ``generate``, and never holds a request for long: it starts at 4
-tokens and times the next, longer prefill only while the time that one is
-predicted to take (from what the last ones took) fits what is left of
-``StoreConfig.calibrate_budget_s`` (default 3 s; 0 skips it). A GPU reaches
+engine's own prefills cannot be timed (mlx-lm's server, vllm-mlx), at load:
+``kvstore serve`` before its port answers, ``kvstore generate`` before the
+prompt (a request that waited on it took 3.5x mlx-lm's first; one served
+beside it would also skew its timings). It starts at 4 tokens and times the
+next, longer prefill only while the time that one is predicted to take (from
+what the last ones took) fits what is left of ``StoreConfig.calibrate_budget_s``
+(default 3 s; 0 skips it): a budget, not a bound (a prefill slower than
+predicted runs past it, and the log says so). A GPU reaches
 the 4K-8K prefills it is best fitted to; a slow CPU model times a few short
 ones and stops. Where that leaves fewer prefills than a fit needs, hits are
 served (right where prefill is slow) and the engine's own cold prefills, which
@@ -169,8 +172,9 @@ def calibrate_once(store: PrefixStore, key: str, models: Sequence[nn.Module]) ->
         log.info("kvstore: prefill of model %s not calibrated (calibrate_budget_s=0): fetch_policy='auto' "
                  "serves its hits until requests have timed its prefill", name)
         return 0.0
-    log.info("kvstore: timing prefills of model %s for fetch_policy='auto', at most ~%.1f s (skip: "
-             "calibrate_budget_s=0 / --calibrate-budget-s 0, or fetch_policy='always')", name, budget)
+    log.info("kvstore: timing prefills of model %s for fetch_policy='auto' within a budget of %.1f s, each "
+             "started only where its predicted time fits (skip: calibrate_budget_s=0 / --calibrate-budget-s 0, "
+             "or fetch_policy='always')", name, budget)
     got = calibrate(store, key, models, budget_s=budget)
     if got.skipped:
         log.info("kvstore: prefill of model %s not calibrated: %s", name, got.skipped)
@@ -178,8 +182,9 @@ def calibrate_once(store: PrefixStore, key: str, models: Sequence[nn.Module]) ->
         lengths = sorted({stop for _, stop, _ in got.timed})
         more = "" if len(got.timed) >= _MIN_FIT else \
             "; too slow for a fit: its hits are served until requests have timed its prefill"
-        log.info("kvstore: timed %d prefills of model %s (%s tokens) in %.1f s%s", len(got.timed), name,
-                 "/".join(map(str, lengths)), got.seconds, more)
+        over = "" if got.seconds <= budget else f" (past the {budget:g} s budget: the last took longer than predicted)"
+        log.info("kvstore: timed %d prefills of model %s (%s tokens) in %.1f s%s%s", len(got.timed), name,
+                 "/".join(map(str, lengths)), got.seconds, over, more)
     return got.seconds
 
 

@@ -104,7 +104,7 @@ def generate(
         import mlx.core as mx  # (the engine's imports take seconds: after the options are known good)
         from mlx_lm.sample_utils import make_sampler
 
-        from .generate import Generation, stream_generate
+        from .generate import Generation, calibrate_at_load, stream_generate
         from .gguf import load_model
         from .loading import ModelLoadError
 
@@ -122,6 +122,7 @@ def generate(
         if seed is not None:
             mx.random.seed(seed)
         res = Generation()
+        calibrate_at_load(store, mlx_model, path)  # set-up, as the load is: never inside the request
         for resp in stream_generate(mlx_model, tokenizer, ids, store=store, model_path=path, max_tokens=max_tokens,
                                     sampler=make_sampler(temp, top_p), result=res):
             print(resp.text, end="", flush=True)

@@ -35,7 +35,7 @@ from .mlx_lm import caches_to_layers, layers_to_caches
 _G = importlib.import_module("mlx_lm.generate")  # the module (the package's attribute of that name is the function)
 
 __all__ = ["model_key", "models_key", "fetch_cache", "prefill", "store_cache", "stream_generate", "generate",
-           "Generation", "calibrate", "calibrate_once"]
+           "Generation", "calibrate", "calibrate_once", "calibrate_at_load"]
 
 # id(model) -> {resolved model folder or None: key}; modules are dicts, hence unhashable
 _KEYS: dict[int, dict[Optional[str], str]] = {}
@@ -165,6 +165,15 @@ def prefill(model: nn.Module, cache: list, tokens: Sequence[int], start: int, st
             pos = end
             if snapshots and pos % bs == 0:
                 store_cache(store, key, tokens, cache)
+
+
+def calibrate_at_load(store: PrefixStore, model: nn.Module, model_path: Union[str, Path, None] = None, *,
+                      draft_model: Optional[nn.Module] = None) -> float:
+    """``calibrate_once`` for what ``stream_generate`` will be asked to run,
+    called once the model is loaded and before any prompt (``kvstore
+    generate``), so no request waits on it; its seconds."""
+    key = models_key(model, model_path, draft_model=draft_model)
+    return calibrate_once(store, key, [model] if draft_model is None else [model, draft_model])
 
 
 @dataclass

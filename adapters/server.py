@@ -149,6 +149,7 @@ def start(argv: Sequence[str]) -> Server:
     store = PrefixStore(config)
     try:
         prompt_cache = StorePromptCache(store, provider)
+        prompt_cache.prepare(provider.model_key)  # calibration: before the port answers, not in a request
         fingerprint = S.get_system_fingerprint()
         # as mlx-lm's _run_http_server: the address family the host resolves to (IPv6 too)
         family, _, _, _, address = socket.getaddrinfo(got["host"], got["port"], type=socket.SOCK_STREAM,

@@ -189,6 +189,13 @@ class StorePromptCache:
 
     # -- ours -----------------------------------------------------------------
 
+    def prepare(self, model: Any) -> None:
+        """Resolve the server's model key ``model`` now (its store key, its
+        folder registered, its prefills calibrated): at load, before the
+        server answers, so no request waits on it. A model a request asks
+        for later is resolved at its first request."""
+        self._resolve(model)
+
     def flush(self) -> None:
         """Wait until every insert so far is in the store, encoded and written."""
         self._inserts.wait()
@@ -255,7 +262,7 @@ class StorePromptCache:
             self.store.register_model(key, info)
         m = _Models(key, models, [len(C.make_prompt_cache(x)) for x in models])
         self._models[model] = m
-        calibrate_once(self.store, key, models)  # the server's prefills cannot be timed from here
+        calibrate_once(self.store, key, models)  # the server's prefills cannot be timed from here (at load: prepare)
         return m
 
 

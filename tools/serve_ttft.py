@@ -18,6 +18,13 @@ TTFT is the time from sending the request to the first streamed content
 token, as a client sees it (HTTP, tokenizing, chat template, fetch, prefill).
 The first request of a run also loads the model and is not counted (a warm-up
 trial on another text comes first).
+
+``--first-request N`` measures that first request instead (issue 51: it waited
+on ``fetch_policy="auto"``'s calibration): N fresh starts each of ``kvstore
+serve`` (default options, a new store) and ``mlx_lm server`` on the same model,
+taken in turn; each is sent one short chat once ``/v1/models`` answers. Medians
+of its TTFT and of start-up (launch to answering), and kvstore's TTFT over
+mlx-lm's; ``--into FILE`` adds them to that JSON under ``serve_first_request``.
 """
 
 from __future__ import annotations
@@ -120,6 +127,59 @@ def run(model: str, prefix: int = 1536, trials: int = 3, max_tokens: int = 8, po
             "speedup": med("cold") / med("hit"), "serve_log_tail": serve_log}
 
 
+# mlx-lm's server as it is, but for kvstore serve's loader (it also reads GGUF files: SmolLM2), as both load alike
+_MLX_LM_SERVER = ("import mlx_lm.server as S; from kvstore.adapters.server import _load_gguf_too; "
+                  "S.load = _load_gguf_too(S.load); S.main()")
+
+
+def _first(cmd: list[str], port: int, model: str, env: dict, log_path: Path) -> dict:
+    """Launch ``cmd``; once ``/v1/models`` answers, one short chat: its TTFT and start-up."""
+    from openai import OpenAI
+
+    t0 = time.perf_counter()
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=open(log_path, "w"), env=env)
+    try:
+        wait_answering(f"http://127.0.0.1:{port}/v1/models", proc, 600, log_path.stem)
+        ready = time.perf_counter() - t0
+        client = OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none", timeout=600)
+        got = _ttft(client, model, "You are a helpful assistant.", QUESTIONS[0], 8)
+    finally:
+        stop(proc)
+    return {"ready_s": round(ready, 3), "ttft_s": round(got["ttft_s"], 3), "total_s": round(got["total_s"], 3),
+            "launch_to_first_token_s": round(ready + got["ttft_s"], 3)}
+
+
+def first_request(model: str, starts: int = 5, log=print) -> dict:
+    """The first request after start-up, ``kvstore serve`` against ``mlx_lm server``, ``starts`` fresh starts each."""
+    import os
+
+    from kvstore.tools.bench.calibration import load
+
+    rows: dict[str, list] = {"kvstore": [], "mlx_lm": []}
+    with tempfile.TemporaryDirectory(prefix="kvstore-first-") as d:
+        _, _, path = load(model, Path(d))  # (tiny, slow6: made here)
+        Path(d, "hub").mkdir()  # mlx-lm's /v1/models lists the Hugging Face cache: an empty one here
+        env = dict(os.environ, HF_HUB_CACHE=str(Path(d, "hub")))
+        for i in range(starts):
+            for name in rows:
+                port = free_port()
+                cmd = [sys.executable, "-c", _MLX_LM_SERVER, "--model", str(path), "--port", str(port)]
+                if name == "kvstore":
+                    cmd = [sys.executable, "-m", "kvstore.adapters.cli", "serve", "--model", str(path), "--port",
+                           str(port), "--ssd-path", str(Path(d, f"store{i}"))]
+                rows[name].append(_first(cmd, port, str(path), env, Path(d, f"{name}{i}.log")))
+                log(f"start {i} {name}: {rows[name][-1]}")
+    med = {n: {k: statistics.median(r[k] for r in rs) for k in rs[0]}
+           for n, rs in rows.items()}
+    import mlx.core as mx
+
+    return {"model": model, "starts": starts, "device": str(mx.default_device()), "mlx": mx.__version__,
+            "cores": os.cpu_count(), "median": med, "ttft_ratio": round(med["kvstore"]["ttft_s"] /
+                                                                         med["mlx_lm"]["ttft_s"], 2),
+            "launch_to_first_token_ratio": round(med["kvstore"]["launch_to_first_token_s"] /
+                                                 med["mlx_lm"]["launch_to_first_token_s"], 2), "rows": rows}
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="serve_ttft", description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default="smollm2", help="'smollm2', 'gemma3', a GGUF file or an mlx-lm model folder")
@@ -129,7 +189,19 @@ def main(argv=None) -> int:
     ap.add_argument("--texts-json", metavar="FILE", help="texts saved by tools/fidelity.py --save-texts "
                     "(default: its texts from installed packages)")
     ap.add_argument("--out", help="write the result as JSON here")
+    ap.add_argument("--first-request", type=int, metavar="N", help="N fresh starts: kvstore serve's first request "
+                    "against mlx_lm server's")
+    ap.add_argument("--into", help="with --first-request: add the result to this JSON under serve_first_request")
     a, extra = ap.parse_known_args(argv)
+    if a.first_request:
+        res = first_request(a.model, a.first_request, log=lambda m: print(m, file=sys.stderr, flush=True))
+        print(json.dumps({k: v for k, v in res.items() if k != "rows"}, indent=1))
+        if a.into:
+            into = Path(a.into)
+            doc = json.loads(into.read_text()) if into.exists() else {}
+            doc.setdefault("serve_first_request", {})[a.model if "/" not in a.model else "path"] = res
+            into.write_text(json.dumps(doc, indent=1) + "\n")
+        return 0
     from kvstore.tools.fidelity import load_texts
 
     texts = load_texts(Path(a.texts_json)) if a.texts_json else None

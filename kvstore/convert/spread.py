@@ -31,9 +31,15 @@ _cap = _MAX_WORKERS
 
 def _forget_pools() -> None:
     """In a child of ``fork()``: the parent's pool threads are not here, and
-    a pool that thinks it has them would never run the child's work."""
+    a pool that thinks it has them would never run the child's work. Nor is
+    the thread behind the forking thread's default CPU stream: mlx runs a CPU
+    stream's ops on a thread of its own, started at the stream's first use, so
+    in a child of a thread that had evaluated on the CPU every ``mx.eval`` of
+    that stream waited forever (a one-layer fetch, run in the caller, hung;
+    more layers ran on the pool's new threads). The child gets a new one."""
     global _lock, _pools
     _lock, _pools = threading.Lock(), {}
+    mx.set_default_stream(mx.new_stream(mx.cpu))
 
 
 if hasattr(os, "register_at_fork"):
