@@ -89,3 +89,67 @@ def test_a_model_changed_after_loading_is_keyed_by_what_it_holds(model):
     nn.quantize(changed, group_size=32, bits=8)
     assert model_key(changed) != folder_key
     assert model_key(changed, model) == model_key(changed) == loaded_model_fingerprint(changed)
+
+
+# -- what `kvstore inspect` shows, and `kvstore export --model-key` takes ---------------------------------------
+
+
+def _kv(n, seed):
+    import mlx.core as mx
+
+    from kvstore import KVLayer
+
+    mx.random.seed(seed)
+    return [KVLayer(mx.random.normal((1, 2, n, 32)).astype(mx.float16),
+                    mx.random.normal((1, 2, n, 32)).astype(mx.float16)) for _ in range(2)]
+
+
+@pytest.fixture
+def two_models(tmp_path):
+    """One model's three prompts sharing a 45-token system prompt (they part within a block), and another
+    model whose folder has the same name."""
+    from kvstore import PrefixStore
+
+    path = tmp_path / "store"
+    with PrefixStore(budget_gb=0.1, ssd_path=path, block_size=16) as store:
+        store.register_model("key-a", {"name": "tiny-llama", "path": "/nowhere/tiny-llama"})
+        store.register_model("key-b", {"name": "other"})
+        for i in range(3):
+            tokens = list(range(45)) + [100 + i] * 20
+            store.put("key-a", tokens, _kv(len(tokens), i))
+        store.put("key-b", list(range(40)), _kv(40, 9))
+        store.flush()
+    return path
+
+
+def _kvstore(*args):
+    return subprocess.run([*CLI, *map(str, args)], capture_output=True, text=True, timeout=120)
+
+
+def test_inspect_shows_where_entries_that_share_a_system_prompt_differ(two_models):
+    rows = inspect_rows(two_models)
+    mine = [r for r in rows if r["model"] == "tiny-llama"]
+    assert len(mine) == 3 and {r["differs_at"] for r in mine} == {45}
+    assert sorted(r["tail_tokens"][0] for r in mine) == [100, 101, 102]
+    (other,) = [r for r in rows if r["model"] == "other"]
+    assert other["differs_at"] == 0 and other["tail_tokens"] == list(range(16))
+    table = _kvstore("inspect", two_models, "--no-decode").stdout
+    assert table.count("@45 ") == 3 and "tiny-llama" in table
+
+
+def test_export_takes_the_name_inspect_shows_and_refuses_an_unknown_one(two_models, tmp_path):
+    done = _kvstore("export", two_models, tmp_path / "a.kvx", "--model-key", "tiny-llama")
+    assert done.returncode == 0, done.stderr
+    assert re.search(r"exported \d+ blocks .* of 1 model \(tiny-llama\)", done.stdout), done.stdout
+    assert "exported 0 blocks" not in done.stdout
+    unknown = _kvstore("export", two_models, tmp_path / "b.kvx", "--model-key", "no-such-model")
+    assert unknown.returncode == 2 and "no-such-model" in unknown.stderr and "tiny-llama" in unknown.stderr
+    assert len(unknown.stderr.strip().splitlines()) == 1 and "Traceback" not in unknown.stderr
+    assert not (tmp_path / "b.kvx").exists()
+
+
+def test_two_models_of_one_folder_name_are_shown_apart():
+    from kvstore.admin.catalog import display_names
+
+    names = display_names({b"\x01" * 16: {"name": "m"}, b"\x02" * 16: {"name": "m"}, b"\x03" * 16: {"name": "n"}})
+    assert names == {b"\x01" * 16: "m@01010101", b"\x02" * 16: "m@02020202", b"\x03" * 16: "n"}
