@@ -28,40 +28,70 @@ from kvstore import Hit, PrefixStore
 from kvstore.blocks.hashing import as_tokens
 
 from .calibration import calibrate, calibrate_once
-from .fingerprints import loaded_model_fingerprint, model_fingerprint
+from .fingerprints import adapter_fingerprint, loaded_model_fingerprint, model_fingerprint
 from .gguf import gguf_fingerprint, is_gguf
 from .mlx_lm import caches_to_layers, layers_to_caches
+from .model_source import describe, loaded_from, watch_loads
 
 _G = importlib.import_module("mlx_lm.generate")  # the module (the package's attribute of that name is the function)
+watch_loads()  # models mlx-lm loads from now on say which files they came from: they key by them (model_key)
 
-__all__ = ["model_key", "models_key", "fetch_cache", "prefill", "store_cache", "stream_generate", "generate",
-           "Generation", "calibrate", "calibrate_once", "calibrate_at_load"]
+__all__ = ["model_key", "named_key", "models_key", "fetch_cache", "prefill", "store_cache", "stream_generate",
+           "generate", "Generation", "calibrate", "calibrate_once", "calibrate_at_load"]
 
 # id(model) -> {resolved model folder or None: key}; modules are dicts, hence unhashable
 _KEYS: dict[int, dict[Optional[str], str]] = {}
 
 
 def model_key(model: nn.Module, model_path: Union[str, Path, None] = None, extra: str = "") -> str:
-    """The store key of a loaded model: its folder's (or GGUF file's)
-    fingerprint when the path is known (the files must be the ones loaded),
-    else a digest of the loaded model itself (``loaded_model_fingerprint``)
-    — never a name. Remembered per model and folder, so the answer never
+    """The store key of a loaded model, the same whichever engine loaded it:
+    its folder's (or GGUF file's) fingerprint, with its adapter's, when the
+    files are known (``model_path``, else the folder mlx-lm's load recorded:
+    ``model_source``), else a digest of the loaded model itself
+    (``loaded_model_fingerprint``), never a name. Files written since the
+    load began, or a model changed since (quantized after loading), key by
+    the loaded bytes. Remembered per model and folder, so the answer never
     depends on which call came first."""
-    folder = str(Path(model_path).resolve()) if model_path is not None else None
+    recorded = getattr(model, "_kvstore_source", None)
+    memo = str(Path(model_path).resolve()) if model_path is not None else None
     known = _KEYS.get(id(model), {})
-    if extra == "" and folder in known:
-        return known[folder]
+    if extra == "" and memo in known:
+        return known[memo]
+    folder = memo if memo is not None else recorded and str(recorded.folder)
+    source = loaded_from(model)
+    if recorded is not None and folder == str(recorded.folder) and source is None:
+        folder = None  # its files were written since it loaded, or it changed since (quantized...)
+    adapter = source.adapter if source is not None and folder == str(source.folder) else None
+    more = extra + ((";" if extra else "") + f"adapter={adapter_fingerprint(adapter)}" if adapter else "")
     if folder is not None and Path(folder, "config.json").is_file():
-        key = model_fingerprint(folder, model, extra)
+        key = model_fingerprint(folder, model, more)
     elif folder is not None and is_gguf(folder):
-        key = gguf_fingerprint(folder, model, extra)
+        key = gguf_fingerprint(folder, model, more)
     else:
         key = loaded_model_fingerprint(model, extra)
     if extra == "":
         if id(model) not in _KEYS:
             _KEYS[id(model)] = {}
             weakref.finalize(model, _KEYS.pop, id(model), None)
-        _KEYS[id(model)][folder] = key
+        _KEYS[id(model)][memo] = key
+    return key
+
+
+_NAMED: set[tuple[int, str]] = set()  # (id(store), key) described already
+
+
+def named_key(store: PrefixStore, model: nn.Module, model_path: Union[str, Path, None] = None, *,
+              draft_model: Optional[nn.Module] = None) -> str:
+    """``models_key``, with the model described in ``store`` on first use (its
+    folder's path and name, where files are known) so ``kvstore inspect``
+    shows it by name whichever engine stored it first."""
+    key = models_key(model, model_path, draft_model=draft_model)
+    if (id(store), key) not in _NAMED:
+        _NAMED.add((id(store), key))
+        source = loaded_from(model) if model_path is None else None
+        folder = Path(model_path) if model_path is not None else source and source.folder
+        if folder is not None:
+            store.register_model(key, describe(folder))
     return key
 
 
@@ -217,9 +247,7 @@ def stream_generate(model: nn.Module, tokenizer, prompt: Union[str, Sequence[int
         raise ValueError("empty prompt")
     ids = as_tokens(tokens)  # the store's form, made once for the fetch and the put (a 32K list: about 1 ms)
     draft = kwargs.get("draft_model")  # speculative decoding: its cache is stored with the main model's
-    key = models_key(model, model_path, draft_model=draft)
-    if model_path is not None:
-        store.register_model(key, {"path": str(Path(model_path).resolve()), "name": Path(model_path).name})
+    key = named_key(store, model, model_path, draft_model=draft)
     qkw = dict(kv_bits=kv_bits, kv_group_size=kv_group_size, quantized_kv_start=quantized_kv_start)
     # set-up, as loading the model is: the server does it at load, here the first request does (not in ttft_s)
     res.calibrate_s = calibrate_once(store, key, [model] if draft is None else [model, draft])

@@ -42,8 +42,11 @@ naming what it holds, and sequences ``remove``d before they finish (nothing
 stored). An mlx-lm whose ``BatchGenerator`` lacks what this relies on
 (:func:`batch_mismatch`) keeps its own, with a warning on stderr.
 
-The model key is ``generate.model_key(model)``: a digest of the loaded
-model's config and weights, so no other model is ever served this KV.
+The model key is ``generate.model_key(model)``: the content of the files
+mlx-lm's load read (``model_source`` records them), as ``kvstore generate``
+and ``kvstore serve`` key the same folder, or a digest of the loaded model's
+config and weights where no files are known; no other model is ever served
+this KV.
 Not covered: ``speculative_generate_step`` (a draft model) and
 ``input_embeddings``; those calls run as mlx-lm's own.
 """
@@ -73,7 +76,7 @@ from kvstore.blocks.hashing import as_tokens
 
 from .calibration import calibrate_once
 from .fingerprints import layout_signature
-from .generate import fetch_cache, model_key, needs_snapshots, prefill, store_cache
+from .generate import fetch_cache, named_key, needs_snapshots, prefill, store_cache
 from .mlx_lm import cache_offset
 
 log = logging.getLogger("kvstore.run")
@@ -180,7 +183,7 @@ def instrument(generate_step: Callable) -> Callable:
         store = open_store()
         tokens = held + np.asarray(prompt).reshape(-1).tolist()
         ids = as_tokens(tokens)
-        key = model_key(model)
+        key = named_key(store, model)
         calibrate_s = calibrate_once(store, key, [model])  # once per model: set-up, not this request's time
         t0 = time.perf_counter()
         qkw = dict(kv_bits=kwargs.get("kv_bits"), kv_group_size=kwargs.get("kv_group_size", 64),
@@ -313,7 +316,7 @@ def _serve(gen, segments: list, cache: Optional[list], held: Optional[list]):
     store = open_store()
     tokens = held + prompt
     ids = as_tokens(tokens)
-    key = model_key(gen.model)
+    key = named_key(store, gen.model)
     calibrate_s = calibrate_once(store, key, [gen.model])
     t0 = time.perf_counter()
     hit, pos = None, n

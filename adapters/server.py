@@ -33,7 +33,8 @@ from .loading import ModelLoadError
 from .metrics import with_metrics
 from .server_args import parse_args
 from .file_digests import settle
-from .server_cache import StorePromptCache, folder_of, key_files
+from .model_source import key_files
+from .server_cache import StorePromptCache, folder_of
 
 __all__ = ["StorePromptCache", "Server", "start", "serve", "parse_args"]
 
@@ -48,7 +49,7 @@ def _load_gguf_too(load):
 
     def load_any(path, *args, return_config: bool = False, **kwargs):
         adapter = kwargs.get("adapter_path", args[2] if len(args) > 2 else None)
-        settle(key_files(folder_of(path), adapter))  # files written just now: keyed by content once they settle
+        settle(key_files(folder_of(path), adapter and Path(adapter)))  # files written just now: keyed by content once they settle
         started = time.time_ns()
         if str(path) in TRAINED or is_gguf(Path(str(path)).expanduser()):
             model, tokenizer, _ = load_model(path)

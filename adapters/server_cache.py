@@ -22,11 +22,12 @@ from mlx_lm.models import cache as C
 from kvstore import Hit, PrefixStore
 
 from .file_digests import changed_since
-from .fingerprints import ADAPTER_FILES, adapter_fingerprint
+from .fingerprints import adapter_fingerprint
 from .generate import calibrate_once, models_key, needs_snapshots, prefill
 from .gguf import TRAINED, is_gguf, resolve_model
 from .inserts import Inserts
 from .mlx_lm import cache_offset, layers_to_caches, snapshot
+from .model_source import key_files, loaded_from
 
 __all__ = ["StorePromptCache"]
 
@@ -276,12 +277,6 @@ def folder_of(path: Any) -> Optional[Path]:
     return local if (local / "config.json").is_file() or is_gguf(local) else None
 
 
-def key_files(local: Optional[Path], adapter: Optional[str]) -> list[Path]:
-    """The files a model loaded from ``local`` (a folder or GGUF file) with ``adapter`` is keyed by."""
-    files = [] if local is None else [local] if local.is_file() else [p for p in local.iterdir() if p.is_file()]
-    return files + ([Path(adapter, n) for n in ADAPTER_FILES] if adapter else [])
-
-
 def _loaded_key(model: nn.Module, local: Optional[Path], adapter: Optional[str],
                 draft_model: Optional[nn.Module]) -> str:
     """The store key of what the server loaded: by its files' content (each
@@ -290,7 +285,8 @@ def _loaded_key(model: nn.Module, local: Optional[Path], adapter: Optional[str],
     name, or files written since (an adapter retrained while serving must not
     key the old weights' KV by the new file)."""
     loaded = getattr(model, "_kvstore_loaded_ns", None)
-    if local is None or loaded is None or changed_since(key_files(local, adapter), loaded):
-        return models_key(model, None, draft_model=draft_model)
+    if local is None or loaded is None or changed_since(key_files(local, adapter and Path(adapter)), loaded):
+        return models_key(model, None, draft_model=draft_model)  # the files its load recorded, if any (hub)
+    recorded = loaded_from(model) is not None  # mlx-lm's load recorded the adapter: model_key adds it
     return models_key(model, local, draft_model=draft_model,
-                      extra=f"adapter={adapter_fingerprint(adapter)}" if adapter else "")
+                      extra=f"adapter={adapter_fingerprint(adapter)}" if adapter and not recorded else "")

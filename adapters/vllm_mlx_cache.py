@@ -43,7 +43,7 @@ from mlx_lm.models.cache import make_prompt_cache
 from kvstore import PrefixStore
 from kvstore.errors import ConfigError
 
-from .generate import calibrate_once, model_key, needs_snapshots, prefill
+from .generate import calibrate_once, named_key, needs_snapshots, prefill
 from .inserts import Inserts
 from .mlx_lm import cache_offset, layers_to_cache, snapshot
 from . import vllm_usage
@@ -77,8 +77,8 @@ class StorePrefixCache:
     """vllm-mlx's ``MemoryAwarePrefixCache`` interface over a ``PrefixStore``.
 
     ``model`` is the engine's model (its cache classes are rebuilt from it and
-    its fingerprint keys the store: see ``model_key``); ``model_path`` its
-    local folder, when known, for a faster and stabler fingerprint.
+    its files, or its fingerprint, key the store: see ``model_key``); ``model_path`` its
+    local folder, when known (else the folder mlx-lm's load recorded, if any).
     ``max_kv_size`` must be the scheduler's ``--max-kv-size`` (restored caches
     are built with the same bound, or the scheduler rejects them).
     """
@@ -93,9 +93,7 @@ class StorePrefixCache:
         self.model = model
         self.max_kv_size = max_kv_size or None
         folder = Path(model_path).expanduser() if model_path is not None else None
-        self.key = model_key(model, folder if folder is not None and folder.exists() else None)
-        if folder is not None and (folder / "config.json").is_file():
-            store.register_model(self.key, {"path": str(folder.resolve()), "name": folder.name})
+        self.key = named_key(store, model, folder if folder is not None and folder.exists() else None)
         self._inserts = Inserts(store)
         self._stats = _Stats()
         self._lock = threading.Lock()

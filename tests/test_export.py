@@ -201,14 +201,15 @@ def test_model_key_and_namespace_filters(tmp_path):
     for args, want in [(["--model-key", "a"], {"a": a, "b": none, "team": team}),  # every namespace
                        (["--model-key", "a", "--namespace", "team"], {"a": none, "b": none, "team": team}),
                        (["--namespace", "team"], {"a": none, "b": none, "team": team}),
-                       (["--model-key", "b"], {"a": none, "b": b, "team": none}),
-                       (["--model-key", "nobody"], {"a": none, "b": none, "team": none})]:
+                       (["--model-key", "b"], {"a": none, "b": b, "team": none})]:
         dst = tmp_path / ("dst" + "-".join(args))
         assert kvstore("export", src, tmp_path / "f.kvx", *args).returncode == 0
         assert kvstore("import", dst, tmp_path / "f.kvx").returncode == 0
         got = {"a": served(dst, model="a"), "b": served(dst, model="b"),
                "team": served(dst, model="a", namespace="team")}
         assert got == want, args
+    nobody = kvstore("export", src, tmp_path / "n.kvx", "--model-key", "nobody")  # not "0 blocks exported"
+    assert nobody.returncode == 2 and "no model 'nobody'" in nobody.stderr and not (tmp_path / "n.kvx").exists()
 
 
 def test_export_leaves_out_a_damaged_block_and_the_blocks_below_it(tmp_path):

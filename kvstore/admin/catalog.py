@@ -11,8 +11,10 @@ from __future__ import annotations
 import math
 import time
 from dataclasses import asdict, dataclass, field
+from functools import cached_property
 from typing import Iterator, Optional
 
+import numpy as np
 import xxhash
 
 from ..blocks.header import check_key, read_header
@@ -35,6 +37,9 @@ class Entry:
     hits: int
     first_tokens: list[int] = field(default_factory=list)
     text: Optional[str] = None
+    differs_at: int = 0  # where this entry's tokens part from every other entry's of its model
+    tail_tokens: list[int] = field(default_factory=list)  # its first tokens from there
+    tail_text: Optional[str] = None
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -76,8 +81,12 @@ class Catalog:
         return [k for k, r in self.records.items() if r.parent != r.root and r.parent not in self.records]
 
     def model_name(self, root: bytes) -> str:
-        info = self.models.get(root, {})
-        return info.get("name") or info.get("model_key") or root.hex()[:16]
+        """The name ``inspect`` shows (``display_names``)."""
+        return self.names.get(root) or root.hex()[:16]
+
+    @cached_property
+    def names(self) -> dict[bytes, str]:
+        return display_names(self.models)
 
     def entries(self, first_n: int = 16) -> Iterator[Entry]:
         kids = self.children()
@@ -92,11 +101,29 @@ class Catalog:
             if k != rec.root:
                 continue  # orphan chain
             path.reverse()
+            at = self._differs_at(path, kids)
+            tail = np.concatenate([r.tokens for r in path])[at : at + first_n] if path else np.zeros(0)
             yield Entry(
                 model=self.model_name(rec.root), root=rec.root.hex(), tokens=rec.end,
                 blocks=len(path), bytes=sum(r.nbytes for r in path), kv=rec.kv, dtype=rec.dtype,
                 created=min(r.created for r in path), last_used=max(r.used for r in path), hits=rec.hits,
-                first_tokens=path[0].tokens[:first_n].tolist())
+                first_tokens=path[0].tokens[:first_n].tolist(), differs_at=at, tail_tokens=tail.tolist())
+
+    def _differs_at(self, path: list[BlockRecord], kids: dict[bytes, list[bytes]]) -> int:
+        """The first token of ``path`` (root to leaf) that no other entry
+        shares: the start of its first block no other entry goes through,
+        plus the tokens that block has in common with its siblings."""
+        for rec in path:
+            siblings = [self.records[k] for k in kids.get(rec.parent, []) if k != rec.key]
+            if not siblings:
+                continue  # every entry through its parent goes through it
+            common = 0
+            for other in siblings:
+                n = min(len(rec.tokens), len(other.tokens))
+                diff = np.flatnonzero(rec.tokens[:n] != other.tokens[:n])
+                common = max(common, int(diff[0]) if diff.size else n)
+            return rec.start + common
+        return 0
 
     def per_model(self) -> dict[str, dict]:
         out: dict[str, dict] = {}
@@ -107,6 +134,18 @@ class Catalog:
             d["tokens"] += r.length
             d["hits"] += r.hits
         return out
+
+
+def display_names(models: dict[bytes, dict]) -> dict[bytes, str]:
+    """Per model root, the name ``inspect`` shows and ``export --model-key``
+    takes: the registered name (the model folder's), else its key's first 16
+    digits; a name two roots share (one folder's content changed, two
+    namespaces) gets ``@`` and the root's first 8 digits."""
+    base = {r: info.get("name") or (info.get("model_key") or r.hex())[:16] for r, info in models.items()}
+    counts: dict[str, int] = {}
+    for name in base.values():
+        counts[name] = counts.get(name, 0) + 1
+    return {r: name if counts[name] == 1 else f"{name}@{r.hex()[:8]}" for r, name in base.items()}
 
 
 def check_block(disk: LmdbTier, txn, rec: BlockRecord) -> Optional[str]:

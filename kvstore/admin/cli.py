@@ -161,19 +161,27 @@ def inspect(
     for e in rows:
         if decoder is not None:
             e.text = decoder(e.root, e.first_tokens)
+            e.tail_text = decoder(e.root, e.tail_tokens) if e.differs_at else e.text
     if as_json:
         for e in rows:
             out.print_json(json.dumps(e.as_dict()), indent=None) if sys.stdout.isatty() else print(json.dumps(e.as_dict()))
         return
     table = Table(title=f"{path}: {len(cat.records)} blocks, {len(list(cat.entries()))} entries")
-    for col in ("model", "prefix", "tokens", "blocks", "bytes", "kv", "dtype", "created", "last used", "hits"):
+    for col in ("model", "prompt", "tokens", "blocks", "bytes", "kv", "dtype", "created", "last used", "hits"):
         table.add_column(col, justify="right" if col in ("tokens", "blocks", "bytes", "hits") else "left",
-                         overflow="fold", max_width=36 if col == "prefix" else None)
+                         overflow="fold", max_width=36 if col == "prompt" else None)
     for e in rows:
-        prefix = repr(e.text[:60]) if e.text is not None else " ".join(map(str, e.first_tokens[:8])) + " …"
-        table.add_row(e.model[:16], prefix, str(e.tokens), str(e.blocks), _size(e.bytes), e.kv, e.dtype,
+        table.add_row(e.model, _prompt(e), str(e.tokens), str(e.blocks), _size(e.bytes), e.kv, e.dtype,
                       _when(e.created), _when(e.last_used), str(e.hits))
     out.print(table)
+
+
+def _prompt(e) -> str:
+    """An entry's prompt where it parts from the others of its model (``@N``:
+    from its N-th token; rows sharing a system prompt differ after it)."""
+    text = e.tail_text if e.differs_at else e.text
+    shown = repr(text[:60]) if text is not None else " ".join(map(str, e.tail_tokens[:8])) + " …"
+    return f"@{e.differs_at} {shown}" if e.differs_at else shown
 
 
 @app.command()

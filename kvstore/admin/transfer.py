@@ -54,7 +54,7 @@ from ..state.table import BlockTable
 from ..tiers.disk.lmdb import LmdbTier
 from ..tiers.disk.lmdb_env import is_disk_full
 from ..tiers.remote.auth import Signer
-from .catalog import check_bytes
+from .catalog import check_bytes, display_names
 from .export_file import FORMAT_VERSION, MAGIC, PREFIX, SIGNED_VERSION, Frames, frame_digest, signer_of, tagged
 
 _BATCH_BYTES = 64 << 20  # block bytes per write transaction of an import
@@ -105,6 +105,10 @@ def export_store(ssd_path: PathLike, file: PathLike, model_key: Optional[str] = 
         with tier.reader() as txn:
             order = sorted((r.start, r.key, r.nbytes, r.root) for r in tier.records(txn)
                            if roots is None or r.root in roots)
+        if model_key is not None and not order:
+            names = ", ".join(sorted(display_names(models).values())) or "none"
+            raise TransferError(f"{ssd_path}: no model {model_key!r} stored (`kvstore inspect` names the "
+                                f"models it holds: {names}).")
         header = {"kvstore": __version__, "created": time.time(), "block_size": size,
                   "models": [[r, models.get(r, {})] for r in sorted({o[3] for o in order})],
                   "filter": {"model_key": model_key, "namespace": namespace}}
@@ -121,7 +125,8 @@ def export_store(ssd_path: PathLike, file: PathLike, model_key: Optional[str] = 
             tmp.unlink(missing_ok=True)
     finally:
         tier.close()
-    report.models = [_name(info, r) for r, info in header["models"]]
+    shown = display_names(models)
+    report.models = [shown.get(r, r.hex()[:16]) for r, _ in header["models"]]
     report.block_size = size
     report.signed = signer is not None
     return report
@@ -129,11 +134,13 @@ def export_store(ssd_path: PathLike, file: PathLike, model_key: Optional[str] = 
 
 def _roots(models: dict[bytes, dict], model_key: Optional[str], namespace: Optional[str]) -> Optional[set[bytes]]:
     """Root keys the filters select (``None``: no filter, every root): models
-    registered under that key and / or namespace, and the root they hash to."""
+    registered under that key or name (``inspect``'s, or the folder's: every
+    root of that name) and / or namespace, and the root the key hashes to."""
     if model_key is None and namespace is None:
         return None
+    shown = display_names(models)
     out = {r for r, info in models.items()
-           if (model_key is None or info.get("model_key") == model_key)
+           if (model_key is None or model_key in (info.get("model_key"), info.get("name"), shown[r]))
            and (namespace is None or info.get("namespace") == namespace)}
     if model_key is not None:
         out.add(root_key(model_key, namespace))
