@@ -219,6 +219,14 @@ def stats(path: Optional[Path] = OptionalPathArg, as_json: bool = flag("--json",
     if as_json:
         print(json.dumps(result))
         return
+    _print_stats(path, result, counters, usage, budget, served)
+    if remote_result is not None:
+        _print_remote_stats(remote_result)
+
+
+def _print_stats(path: Path, result: dict, counters: dict, usage: int, budget: Optional[int], served: int) -> None:
+    """``stats``' tables and lines for a person."""
+    cat_blocks, measured = result["blocks"], result["rates"]
     t = Table(title=f"{path}")
     t.add_column("model")
     for c in ("blocks", "tokens", "bytes", "block hits"):
@@ -228,7 +236,7 @@ def stats(path: Optional[Path] = OptionalPathArg, as_json: bool = flag("--json",
     out.print(t)
     out.print("block hits: times one of the model's blocks was served (a hit of 10 blocks counts 10)")
     used = f"{_size(usage)} of {_size(budget)} ({100 * usage / budget:.1f}%)" if budget else _size(usage)
-    out.print(f"disk: {used}    blocks: {len(cat.records)}    entries: {result['entries']}")
+    out.print(f"disk: {used}    blocks: {cat_blocks}    entries: {result['entries']}")
     out.print(f"lifetime: {counters.get('hits', 0)} fetches hit, {counters.get('misses', 0)} missed, "
               f"token hit rate {100 * result['token_hit_rate']:.1f}%, tokens served from cache {served} "
               f"(RAM {counters.get('tokens_ram', 0)}, SSD {counters.get('tokens_ssd', 0)}, "
@@ -248,8 +256,6 @@ def stats(path: Optional[Path] = OptionalPathArg, as_json: bool = flag("--json",
             rate = m.get("tokens_per_s_at_8k")
             out.print(f"  prefill of {model[:24]}: " + (f"{rate:,.0f} tokens/s at 8K ({m['observed']} requests)"
                                                          if rate else f"{m['observed']} requests, not fitted yet"))
-    if remote_result is not None:
-        _print_remote_stats(remote_result)
 
 
 def _measured_rates(saved: dict, cat: Catalog) -> dict:
@@ -281,28 +287,10 @@ def verify(path: Path = PathArg,
 
     Example: [bold]kvstore verify ~/.cache/kvstore/store --repair[/bold]
     """
-    from rich.progress import track
-
     disk = _open(path, readonly=not repair)
     try:
         cat = Catalog.read(disk)
-        bad: dict[bytes, str] = {}
-        with disk.reader() as txn:
-            for rec in track(list(cat.records.values()), description="verifying", console=err, transient=True):
-                why = check_block(disk, txn, rec)
-                if why:
-                    bad[rec.key] = why
-        for key in cat.bad:
-            bad[key] = "index record unreadable"
-        orphans: list[bytes] = []
-        for key in cat.orphans():
-            if key in bad:
-                continue
-            if cat.records[key].parent in bad:  # its parent's record is damaged: part of that damage
-                bad[key] = "parent block's index record unreadable"
-            else:
-                orphans.append(key)
-                bad[key] = "parent block missing (orphan)"
+        bad, orphans = _checked(disk, cat)
         found = [{"key": key.hex(), "tokens": [r.start, r.end] if (r := cat.records.get(key)) else None,
                   "why": why, "orphan": key in orphans} for key, why in bad.items()]
         for f in [] if as_json else found:
@@ -323,6 +311,30 @@ def verify(path: Path = PathArg,
               + (" (blocks whose parent was removed, by a clear or an eviction, while they were written: never "
                  "served, no damage; --repair removes them)" if orphans and not repair else ""))
     raise typer.Exit(1 if n_bad else 0)
+
+
+def _checked(disk, cat: Catalog) -> tuple[dict[bytes, str], list[bytes]]:
+    """Every block's check (key -> why it is bad, orphans included) and the orphans among them."""
+    from rich.progress import track
+
+    bad: dict[bytes, str] = {}
+    with disk.reader() as txn:
+        for rec in track(list(cat.records.values()), description="verifying", console=err, transient=True):
+            why = check_block(disk, txn, rec)
+            if why:
+                bad[rec.key] = why
+    for key in cat.bad:
+        bad[key] = "index record unreadable"
+    orphans: list[bytes] = []
+    for key in cat.orphans():
+        if key in bad:
+            continue
+        if cat.records[key].parent in bad:  # its parent's record is damaged: part of that damage
+            bad[key] = "parent block's index record unreadable"
+        else:
+            orphans.append(key)
+            bad[key] = "parent block missing (orphan)"
+    return bad, orphans
 
 
 app.command("export")(export_)  # (kvstore/admin/cli_transfer.py)
