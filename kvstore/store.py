@@ -111,14 +111,14 @@ class PrefixStore(Inspection):
                               remote=None if cfg.readonly else self._remote, engine=self._engine)
         self._discovery = None if self._remote is None else Discovery(
             self._remote, self._table, self._counters, cfg,
-            keep_on_disk=self._disk is not None and not cfg.readonly)
+            keep_on_disk=self._disk is not None and not cfg.readonly, register=self._writer.register_copies)
         self._closed = False
         if self._disk is not None:
             self._disk.load_index()
             self.block_size = self._disk.block_size(cfg.block_size)
         self.config = cfg = replace(cfg, block_size=self.block_size)
         self._fetch = FetchPath(self._table, self._disk, self._discovery, self._planner, self._reader, self._writer,
-                                self._counters, self.codec, self._engine, block_size=self.block_size,
+                                self._counters, self._engine, block_size=self.block_size,
                                 from_queued=self._from_queued,
                                 reuse=self._admit_reused if cfg.ssd_admit == "reuse" and not cfg.readonly else None)
         self._planner.start()  # measured rates saved earlier, else priors (``probe``)
@@ -143,10 +143,11 @@ class PrefixStore(Inspection):
         """
         self._check_open(write=True)
         with self._engine.engine():
-            n, job = index_put(self._table, lambda: self._root(model_key), tokens, layers, self.block_size)
+            n, pending = index_put(self._table, lambda: self._root(model_key), tokens, layers, self.block_size,
+                                   self._writer.register_put)
         if n:
             self._counters.count("puts")
-        queued = 0 if job is None else len(job.nodes) if self._writer.submit(job) else 0
+        queued = self._writer.submit(pending) if pending else 0
         self._admit_reused()
         return queued
 

@@ -25,11 +25,14 @@ from ._helpers import BS, M, assert_hit_is, kv_layers, state_at, toks
 def _job(monkeypatch, tokens, layers, **kw):
     """The writer's job of one put (its nodes, rows and codec), taken before the writer runs it."""
     s = PrefixStore(**dict(dict(budget_gb=1, block_size=BS), **kw))
-    jobs = []
-    monkeypatch.setattr(s._writer, "submit", jobs.append)
+    jobs, writer = [], s._writer
+    register = writer.register
+    monkeypatch.setattr(writer, "register", lambda job: jobs.append(job) or register(job))  # (register_put's)
+    monkeypatch.setattr(writer, "submit", lambda pending: 0)  # (kept here, never run)
     s.put(M, tokens, layers)
     monkeypatch.undo()
     (job,) = jobs
+    job.nodes = s._table.new_refs(job.ident)  # (what the writer takes when it runs the job)
     return s, job
 
 

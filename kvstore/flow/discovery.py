@@ -46,7 +46,6 @@ from ..state.lookup import shared_prefix
 from ..blocks.record import BlockRecord, Entry
 from ..tiers.remote.sync import Remote
 from ..state.table import BlockTable
-from .writer import Job
 
 if TYPE_CHECKING:
     from .fetch import Match
@@ -66,8 +65,9 @@ class Found(NamedTuple):
 
 class Discovery:
     def __init__(self, remote: Remote, table: BlockTable, counters: Counters, config: StoreConfig,
-                 keep_on_disk: bool):
+                 keep_on_disk: bool, register: Callable[..., int]):
         self.remote = remote
+        self.register = register  # ``Writer.register_copies``: the writer owns the disk copies
         self.table = table
         self.counters = counters
         self.max_probe = config.tuning.remote_probe_blocks
@@ -79,7 +79,7 @@ class Discovery:
         """Index the blocks of ``chain.tokens[:n]`` the remote holds beyond
         ``match``; returns them by key, checked, for the read path to serve
         (with the hit's arrays already filled with them where it can: see
-        ``gather.start``), and adds to ``copies`` the writer jobs of their disk
+        ``gather.start``), and adds to ``copies`` the writer's ids of their disk
         copies (for the caller to submit once the hit is served: they would
         only compete with it). Never raises; a down remote costs at most one
         timeout (then the breaker skips it)."""
@@ -271,22 +271,21 @@ class Discovery:
         self.remote.remove([key])
 
     def _keep(self, parent: BlockRef, got: list[tuple[BlockRecord, Stored, bytes]], chain: KeyChain,
-              jobs: list) -> dict[bytes, Stored]:
+              copies: list[int]) -> dict[bytes, Stored]:
         """Index ``got`` below ``parent``, into RAM as far as it fits; a job
-        for the disk copy of the new blocks goes to ``jobs`` (never waited on)."""
+        for the disk copy of the new blocks is registered with the writer and its id goes to ``copies``."""
         now = time.time()
 
-        def make_job(fresh: list[BlockRef]) -> Job:
+        def pending(fresh: list[BlockRef]) -> int:
             new = {nd.key for nd in fresh}
             # the remote's bytes are LMDB's bytes: no second serialization
             entries = {r.key: Entry(replace(r, nbytes=len(buf), created=now, used=now, hits=0), memoryview(buf))
                        for r, _, buf in got if r.key in new}
-            jobs.append(Job(fresh, chain.root, chain.tokens, [], sum(len(e.payload) for e in entries.values()),
-                            found=entries))
-            return jobs[-1]
+            copies.append(self.register(fresh, chain.root, chain.tokens, entries))
+            return copies[-1]
 
         fresh = self.table.keep_found(parent, [(r, block) for r, block, _ in got], now,
-                                      make_job if self.keep_on_disk else None)
+                                      pending if self.keep_on_disk else None)
         new = {nd.key for nd in fresh}
         return {r.key: block for r, block, _ in got if r.key in new}
 

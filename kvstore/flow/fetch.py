@@ -30,9 +30,8 @@ from typing import Callable, NamedTuple, Optional
 
 import numpy as np
 
-from ..blocks.codec import Codec
 from ..blocks.hashing import KeyChain
-from ..convert.queued import joined, owned, rows_of_queued
+from ..convert.queued import joined, owned
 from ..cost.planner import Planner
 from ..counters import Counters
 from ..hit import Hit
@@ -61,7 +60,7 @@ class FetchPath:
     the planner, the reader and the writer's queued puts; it owns none of their state."""
 
     def __init__(self, table: BlockTable, disk: Optional[Disk], discovery: Optional[Discovery], planner: Planner,
-                 reader: Reader, writer: Writer, counters: Counters, codec: Codec, engine: EngineFirst, *,
+                 reader: Reader, writer: Writer, counters: Counters, engine: EngineFirst, *,
                  block_size: int, from_queued: bool, reuse: Optional[Callable[[], None]]):
         self.table = table
         self.disk = disk
@@ -70,7 +69,6 @@ class FetchPath:
         self.reader = reader
         self.writer = writer
         self.counters = counters
-        self.codec = codec
         self.engine = engine
         self.block_size = block_size
         self.from_queued = from_queued  # a fetch may take a queued put's rows (not under ssd_admit="reuse")
@@ -117,8 +115,10 @@ class FetchPath:
 
     def _stored_tokens(self, c: Candidate) -> Optional[np.ndarray]:
         """A block's tokens where RAM does not hold them: its put's, else the disk's."""
-        if c.pending is not None:
-            return c.pending.tokens[c.ref.start : c.ref.end]
+        if c.pending:
+            got = self.writer.tokens(c.pending, c.ref.start, c.ref.end)
+            if got is not None:
+                return got
         if c.ref.on_disk and self.disk is not None:
             return self.disk.tokens(c.ref.key)
         return None
@@ -129,7 +129,7 @@ class FetchPath:
         chain = KeyChain(root, toks, self.block_size)
         match = self.match(root, chain, n)
         found = Found()  # blocks just read from the remote, served as they are
-        copies: list = []  # ... and their disk copies, queued once the hit is served
+        copies: list[int] = []  # ... and their disk copies (the writer's ids), queued once the hit is served
         if self.discovery is not None and match.matched < n:
             found = self.discovery.find(root, chain, n, match, copies, quantized)
             if found.blocks:
@@ -141,8 +141,8 @@ class FetchPath:
         finally:
             if not pinned.done:  # (not handed back to ``served``)
                 self.table.release(pinned)
-            for job in copies:
-                self.writer.submit(job)
+            for pending in copies:
+                self.writer.submit(pending)
 
     def _serve(self, root: bytes, toks: np.ndarray, pinned: Pinned, found: Found,
                quantized: Optional[tuple[int, int]]) -> Hit:
@@ -150,7 +150,7 @@ class FetchPath:
         tail = None  # rows [cut, length) taken from a put the writer has not stored yet: no wait for it
         if jobs and self.from_queued and quantized is None and not found.blocks:
             with self.engine.engine():
-                tail = rows_of_queued(jobs, toks, pinned.queued_from, length, self.codec)
+                tail = self.writer.queued_rows(jobs, toks, pinned.queued_from, length)
                 if tail is not None and pinned.queued_from == 0:
                     return self._queued_hit(len(toks), length, owned(tail))
         cut = length if tail is None else pinned.queued_from
@@ -176,8 +176,7 @@ class FetchPath:
     def _wait(self, pinned: Pinned, found: Found) -> int:
         """Wait for the puts still storing blocks of ``pinned`` (their rows not taken); returns the µs waited."""
         t0 = time.perf_counter()
-        for job in pinned.pending:
-            job.done.wait()
+        self.writer.wait(pinned.pending)
         self.table.view(pinned, found.blocks)  # where the waited-for blocks are now
         return int((time.perf_counter() - t0) * 1e6)
 

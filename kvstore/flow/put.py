@@ -4,7 +4,7 @@ by the store)."""
 
 from __future__ import annotations
 
-from typing import Callable, Optional, Sequence
+from typing import Callable, Sequence
 
 import mlx.core as mx
 import numpy as np
@@ -14,19 +14,19 @@ from ..blocks.hashing import KeyChain, as_tokens, root_key
 from ..blocks.layers import WARM_LAYERS, KVLayer, Layer, StateLayer, captured_layers
 from ..counters import Counters
 from ..state.table import BlockTable
-from .writer import Job
 
 
 def index_put(table: BlockTable, root_of: Callable[[], bytes], tokens, layers: Sequence[Layer],
-               block_size: int) -> tuple[int, Optional[Job]]:
-    """A put's work on the engine's thread but queueing its job: the input
-    checked and captured, the blocks ``table`` lacks hashed and indexed, and
-    their job (``None`` when none is new). Returns the token count too."""
+              block_size: int, register: Callable[..., int]) -> tuple[int, int]:
+    """A put's work on the engine's thread but queueing it: the input checked
+    and captured, the blocks ``table`` lacks hashed and indexed, and their
+    put registered (``Writer.register_put``: the writer owns it from then on).
+    Returns the token count and the put's id (0 when nothing is new)."""
     toks = as_tokens(tokens)
     n = len(toks)
     layers = captured_layers(layers, n)  # the values of now, whatever the caller changes later
     if n == 0:
-        return 0, None
+        return 0, 0
     # Evaluate here: mlx streams are per thread, so the background thread cannot evaluate a lazy graph
     # built on the caller's (a no-op when the engine evaluated its cache, as it does after every step).
     # The second call marks each array's record available, here: mlx does that the first time it finds the
@@ -40,8 +40,7 @@ def index_put(table: BlockTable, root_of: Callable[[], bytes], tokens, layers: S
     root = root_of()  # (the model's root key)
     chain = KeyChain(root, toks, block_size)
     return n, table.plan_put(root, chain, n, has_state, late,
-                              lambda new: Job(new, root, toks, layers, sum(l.nbytes for l in layers),
-                                              held=sum(a.nbytes for a in arrays)))
+                             lambda count: register(count, root, toks, layers, sum(a.nbytes for a in arrays)))
 
 
 def warm_put(block_size: int) -> None:
@@ -52,4 +51,4 @@ def warm_put(block_size: int) -> None:
     n = 2 * block_size + 1
     a = mx.zeros((1, 1, n + 1, 8), mx.float16)
     index_put(table, lambda: root_key("warm"), np.arange(n, dtype=np.int32),
-               [KVLayer(a, a, rows=n)] * WARM_LAYERS, block_size)
+              [KVLayer(a, a, rows=n)] * WARM_LAYERS, block_size, lambda *job: 1)

@@ -12,9 +12,11 @@ past the bound a put is skipped whole, never done on the engine's thread
 and never kept in part (a prefix cache may keep less under a burst; it must
 not make the engine wait). The writer runs its device work on a stream of
 its own and waits between blocks while an engine call runs
-(``priority``). A block's ``job`` stays set until the block is durable
-where it is going (RAM for a RAM-only store, disk otherwise): a fetch that
-needs a block not in RAM waits for its job.
+(``priority``). The writer owns every put it was handed until it is done
+(``Job``, known elsewhere by its id alone): the table marks a put's blocks
+with that id until each is durable where it is going (RAM for a RAM-only
+store, disk otherwise), and a fetch that needs a block not in RAM asks the
+writer for the put's rows (``queued_rows``) or waits for it (``wait``).
 
 With a remote tier, each batch is offered to its write-behind queue after
 the local write. A job of blocks read from the remote (``found``) is only
@@ -23,6 +25,7 @@ kept locally: nothing to encode, nothing to send back.
 
 from __future__ import annotations
 
+import itertools
 import logging
 import os
 import queue
@@ -44,7 +47,8 @@ from ..counters import Counters
 from .disk import Disk
 from ..convert.encode import About, Rows, encoded
 from ..state.index import BlockRef
-from ..state.plans import Encoded, JobDone, JobReleased, Written
+from ..convert.queued import rows_of_queued
+from ..state.plans import Encoded, JobDone, JobReleased, Placed, Written
 from ..blocks.layers import Layer
 from .priority import EngineFirst
 from ..blocks.record import BlockRecord, Entry
@@ -57,11 +61,15 @@ if TYPE_CHECKING:
 log = logging.getLogger("kvstore")
 
 
+_IDS = itertools.count(1)
+
+
 @dataclass
 class Job:
-    """Blocks of one ``put`` (or one remote read) waiting for the writer."""
+    """Blocks of one ``put`` (or one remote read) waiting for the writer: its own, never handed out (the rest
+    of the store knows it by ``ident``)."""
 
-    nodes: Sequence[BlockRef]  # its blocks, as the table handed them out
+    nodes: Optional[Sequence[BlockRef]]  # its blocks, as the table handed them out (a put's: taken when run)
     root: bytes
     tokens: np.ndarray
     layers: list[Layer]
@@ -74,6 +82,8 @@ class Job:
     held: Optional[int] = None
     holding: bool = False  # counted in the writer's pending bytes (queued, not yet encoded)
     unadmitted: set[bytes] = field(default_factory=set)  # blocks kept in RAM only, until reused (not written)
+    count: int = 0  # its blocks (before ``nodes`` is taken)
+    ident: int = field(default_factory=lambda: next(_IDS))
 
     def __post_init__(self) -> None:
         if self.held is None:
@@ -99,17 +109,39 @@ class Writer:
         self._thread: Optional[threading.Thread] = None
         self._committer = Committer()
         self._pid = os.getpid()
+        self._pending: dict[int, Job] = {}  # the puts handed to it and not done, by id
 
     @property
     def pending_jobs(self) -> int:
         return self._queue.qsize()
 
-    def submit(self, job: Job) -> bool:
-        """Queue a job; never run it here. Past the bound (queued jobs keep
-        more than ``max_pending`` bytes of arrays alive) the job is skipped
-        whole: its blocks leave the index as if never put, and it is counted
-        (``puts_skipped``, ``blocks_skipped``). False when skipped. Call
-        without the store lock."""
+    def register(self, job: Job) -> int:
+        """Own ``job`` from now on; returns its id, what the table marks its blocks with. Registered before the
+        table sees the id, so a fetch that finds it can always ask for the job (``submit`` queues it)."""
+        self._pending[job.ident] = job
+        return job.ident
+
+    def register_put(self, count: int, root: bytes, tokens: np.ndarray, layers: list[Layer], held: int) -> int:
+        """``register`` a put's job of ``count`` new blocks (``held``: bytes of the arrays it keeps alive)."""
+        return self.register(Job(None, root, tokens, layers, sum(l.nbytes for l in layers), held=held, count=count))
+
+    def register_copies(self, nodes: Sequence[BlockRef], root: bytes, tokens: np.ndarray,
+                        entries: dict[bytes, Entry]) -> int:
+        """``register`` the disk copies of blocks read from the remote (encoded already: only kept locally)."""
+        return self.register(Job(nodes, root, tokens, [], sum(len(e.payload) for e in entries.values()),
+                                 found=entries))
+
+    def submit(self, pending: int) -> int:
+        """Queue the registered put ``pending``; never run it here. Past the
+        bound (queued jobs keep more than ``max_pending`` bytes of arrays
+        alive) the put is skipped whole: its blocks leave the index as if
+        never put, and it is counted (``puts_skipped``, ``blocks_skipped``).
+        Returns how many blocks were queued (0 when skipped). Call without the
+        store lock."""
+        job = self._pending.get(pending)
+        if job is None:
+            return 0
+        count = job.count or len(job.nodes or ())
         with self.lock:
             if self._pid != os.getpid():  # a forked child: the parent's queued jobs are the parent's to write
                 self._pid, self.pending_bytes = os.getpid(), 0
@@ -119,19 +151,50 @@ class Writer:
                 job.holding = True
         if skip:
             self.counters.count("puts_skipped")
-            self.counters.count("blocks_skipped", len(job.nodes))
+            self.counters.count("blocks_skipped", count)
             self._drop(job)
-            return False
+            return 0
         if not self._queued(job):
             self.run(job)  # no thread can start (an interpreter exiting, Python 3.12+): done here
-        return True
+        return count
+
+    # ------------------------------------------------- what a fetch asks of a put not yet stored
+
+    def wait(self, pending: Sequence[int]) -> None:
+        """Until these puts are done (stored, or dropped)."""
+        for pid in pending:
+            job = self._pending.get(pid)
+            if job is not None:
+                job.done.wait()
+
+    def queued_rows(self, pending: Sequence[int], tokens: np.ndarray, start: int, length: int
+                    ) -> Optional[list[Layer]]:
+        """Rows ``[start, length)`` of a put still queued whose prompt starts with ``tokens[:length]``, as a read
+        of them once stored gives them (``queued.rows_of_queued``); None when none can give them."""
+        jobs = [j for pid in pending if (j := self._pending.get(pid)) is not None]
+        return rows_of_queued(jobs, tokens, start, length, self.codec)
+
+    def tokens(self, pending: int, start: int, stop: int) -> Optional[np.ndarray]:
+        """Tokens ``[start, stop)`` of a put still queued (a block's, found before it is stored)."""
+        job = self._pending.get(pending)
+        return None if job is None else job.tokens[start:stop]
 
     def _drop(self, job: Job) -> None:
         """A job not stored: its blocks leave the index (a later put stores them)."""
-        self.table.apply(JobDone(job, job.nodes, dropped=True))
-        self.table.apply(JobReleased(job, job.nodes))
+        nodes = self._nodes(job)
+        self.table.apply(JobDone(job.ident, nodes, dropped=True))
+        self.table.apply(JobReleased(job.ident, nodes))
         self._let_go(job)
+        self._done(job)
+
+    def _nodes(self, job: Job) -> Sequence[BlockRef]:
+        if job.nodes is None:  # (a put's: its refs are made here, on the writer's thread)
+            job.nodes = self.table.new_refs(job.ident)
+        return job.nodes
+
+    def _done(self, job: Job) -> None:
         job.done.set()
+        self._pending.pop(job.ident, None)
 
     def _let_go(self, job: Job) -> None:
         """The job is done with the engine's arrays: they no longer count against the bound."""
@@ -162,11 +225,11 @@ class Writer:
         only (``ssd_admit="reuse"``): claimed when the writer gets to it, after
         the puts queued before, so their blocks are in RAM by then."""
         def run() -> None:
-            job = self.table.admissions.claim(leaves, lambda nodes, entries: Job(
+            pid = self.table.admissions.claim(leaves, lambda nodes, entries: self.register(Job(
                 nodes, entries[nodes[0].key].record.root, np.zeros(0, np.int32), [],
-                sum(len(e.payload) for e in entries.values()), found=entries, held=0))
-            if job is not None:
-                self.run(job)
+                sum(len(e.payload) for e in entries.values()), found=entries, held=0)))
+            if pid:
+                self.run(self._pending[pid])
 
         self.later(run)
 
@@ -226,6 +289,7 @@ class Writer:
             self.on_idle()  # (after the count: it saves the counters)
 
     def _run(self, job: Job) -> None:
+        self._nodes(job)
         cfg = self.config
         to_disk = self.disk is not None
         to_remote = self.remote is not None and job.found is None
@@ -261,13 +325,13 @@ class Writer:
             wait(writing)  # their outcome is settled before blocks are dropped
             if isinstance(e, Exception):
                 log.exception("kvstore: storing %d blocks failed; they are dropped", len(job.nodes))
-            self.table.apply(JobDone(job, job.nodes, dropped=True))  # (in no tier, a later put would take them as stored)
+            self.table.apply(JobDone(job.ident, job.nodes, dropped=True))  # (in no tier, a later put would take them as stored)
             if not isinstance(e, Exception):
                 raise
         finally:
             self._let_go(job)
-            self.table.apply(JobReleased(job, job.nodes))
-            job.done.set()
+            self.table.apply(JobReleased(job.ident, job.nodes))
+            self._done(job)
 
     def _entries(self, job: Job, elsewhere: set[bytes], to_disk: bool, to_remote: bool
                  ) -> Iterator[tuple[BlockRef, Entry]]:
@@ -278,21 +342,21 @@ class Writer:
         if job.found is not None:
             if to_disk:
                 yield from ((n, e) for n in job.nodes if (e := job.found.get(n.key)) is not None
-                            and n.key not in elsewhere and self.table.is_job(n, job))
+                            and n.key not in elsewhere and self.table.is_pending(n, job.ident))
             return
 
         def wanted(n: BlockRef) -> bool:
-            return n.key not in elsewhere and self.table.is_job(n, job)
+            return n.key not in elsewhere and self.table.is_pending(n, job.ident)
 
         for node, held, about in encoded(job, self.codec, self.config.tuning.compress_rows, wanted):
             self.engine.yield_to_engine()
             record = self._record(job, node, held, about) if to_disk or to_remote else None
-            where = self.table.apply(Encoded(node, job, held, ram_only=not to_disk, record=record))
-            if where is False:  # kept nowhere: its buffer is for the next block (page-locked memory is slow to make)
+            where = self.table.apply(Encoded(node, job.ident, held, ram_only=not to_disk, record=record))
+            if where is Placed.NOT_KEPT:  # kept nowhere: its buffer is for the next block (page-locked memory is slow to make)
                 buffers.give_back(held.buf)
                 continue
             self.counters.count("blocks_stored")
-            if where is None:  # in RAM until asked for again (ssd_admit="reuse")
+            if where is Placed.RAM_ONLY:  # in RAM until asked for again (ssd_admit="reuse")
                 job.unadmitted.add(node.key)
                 if not to_remote:
                     continue
@@ -307,7 +371,7 @@ class Writer:
                 and r.snap == n.snap and r.gap == n.gap and (not r.gap or r.first_row == n.rows_from)]
         if same:
             self.table.apply(Written(same))
-            self.table.apply(JobReleased(job, [n for n, _ in same]))
+            self.table.apply(JobReleased(job.ident, [n for n, _ in same]))
         return {n.key for n, _ in same}
 
     def _record(self, job: Job, node: BlockRef, held: Stored, about: About) -> BlockRecord:
@@ -356,4 +420,4 @@ class Writer:
         hold them)."""
         self.disk.write(((n, e) for n, e in feed if n.key not in job.unadmitted
                          and (e.record.snap or not self.table.on_disk(n))), nbytes)
-        self.table.apply(JobDone(job, [n for n, _ in feed.taken]))
+        self.table.apply(JobDone(job.ident, [n for n, _ in feed.taken]))

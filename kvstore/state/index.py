@@ -54,33 +54,6 @@ class BlockRef(NamedTuple):
         return self.parent is None
 
 
-class Refs(Sequence[BlockRef]):
-    """The refs of a put's new blocks, made on first use under the table's
-    ``lock``: on the writer's thread, not the engine's (a put of 128 new
-    blocks would pay a tenth of a millisecond for them there)."""
-
-    __slots__ = ("_nodes", "_lock", "_refs")
-
-    def __init__(self, nodes: list["Node"], lock):
-        self._nodes, self._lock, self._refs = nodes, lock, None
-
-    def __len__(self) -> int:
-        return len(self._nodes)
-
-    def _made(self) -> list[BlockRef]:
-        if self._refs is None:
-            with self._lock:
-                if self._refs is None:
-                    self._refs = [n.ref() for n in self._nodes]
-        return self._refs
-
-    def __getitem__(self, i):
-        return self._made()[i]
-
-    def __iter__(self) -> Iterator[BlockRef]:
-        return iter(self._made())
-
-
 class Node:
     """One block: ``length`` tokens starting at token ``start`` of its prompt.
 
@@ -93,7 +66,7 @@ class Node:
     """
 
     __slots__ = ("key", "parent", "children", "start", "length", "first", "snap", "gap", "rows_from",
-                 "in_ram", "on_disk", "pins", "job", "nbytes", "used", "disk_kids", "offset", "reused", "record", "ident")
+                 "in_ram", "on_disk", "pins", "pending", "nbytes", "used", "disk_kids", "offset", "reused", "record", "ident")
 
     def __init__(self, key: bytes, parent: Optional["Node"], start: int, length: int,
                  first: int = -1, snap: Optional[bool] = None, gap: int = NO_GAP,
@@ -110,7 +83,7 @@ class Node:
         self.in_ram = False
         self.on_disk = False
         self.pins = 0
-        self.job = None  # the background job that has not yet made this block durable, if any
+        self.pending = 0  # the writer's id of the put that has not yet made this block durable (0: none)
         self.nbytes = 0  # payload bytes on disk (disk eviction frees about this much)
         self.used = 0.0  # last use, for disk LRU order
         self.disk_kids = 0  # children on disk: only a block with none may leave the disk

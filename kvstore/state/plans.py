@@ -5,6 +5,7 @@ lookup and its pinned blocks (``BlockTable.lookup``, ``pin``, handed back to
 
 from __future__ import annotations
 
+import enum
 from dataclasses import dataclass, field
 from typing import Iterable, NamedTuple, Optional, Sequence
 
@@ -17,11 +18,11 @@ from .index import BlockRef
 
 class Candidate(NamedTuple):
     """A stored block the prompt may end or diverge inside of: its ref, its tokens where the table holds them
-    (RAM), else the put still storing it (its tokens are the put's) or ``None`` (read them from disk)."""
+    (RAM), else the writer's id of the put still storing it (``Writer.tokens``), or 0 (read them from disk)."""
 
     ref: BlockRef
     tokens: Optional[np.ndarray]
-    pending: object
+    pending: int
 
 
 @dataclass(frozen=True)
@@ -48,7 +49,7 @@ class Pinned:
 
     path: list[BlockRef]
     length: int
-    pending: tuple = ()
+    pending: tuple[int, ...] = ()
     queued_from: int = 0
     items: list = field(default_factory=list)
     sizes: list[int] = field(default_factory=list)
@@ -72,13 +73,21 @@ class Touched(NamedTuple):
 # What the paths did with the blocks of a plan. Each names its blocks by ref; the table ignores refs to blocks
 # dropped meanwhile.
 
+class Placed(enum.Enum):
+    """Where ``BlockTable.apply(Encoded(...))`` put a freshly encoded block."""
+
+    TO_DISK = "to disk"  # in RAM as far as it fits, and to be written
+    RAM_ONLY = "in RAM until asked for again"  # (ssd_admit="reuse")
+    NOT_KEPT = "not this put's to store"  # dropped meanwhile, or re-encoded by a later put; or RAM-only and no room
+
+
 @dataclass(frozen=True)
 class Encoded:
-    """The writer encoded a block of ``job``: ``apply`` admits it to RAM and says where it goes (True: to disk;
-    None: kept in RAM only until asked for again; False: no longer this job's to store)."""
+    """The writer encoded a block of its put ``pending``: ``apply`` admits it to RAM and says where it goes
+    (``Placed``)."""
 
     ref: BlockRef
-    job: object
+    pending: int
     block: Stored
     ram_only: bool
     record: Optional[BlockRecord] = None
@@ -86,18 +95,19 @@ class Encoded:
 
 @dataclass(frozen=True)
 class JobDone:
-    """``job`` is finished with these blocks (written, or, ``dropped``, failed): one in no tier leaves the index."""
+    """The put ``pending`` is finished with these blocks (written, or, ``dropped``, failed): one in no tier
+    leaves the index."""
 
-    job: object
+    pending: int
     refs: Sequence[BlockRef]
     dropped: bool = False
 
 
 @dataclass(frozen=True)
 class JobReleased:
-    """``job`` no longer holds these blocks (a fetch need not wait for it)."""
+    """The put ``pending`` no longer holds these blocks (a fetch need not wait for it)."""
 
-    job: object
+    pending: int
     refs: Sequence[BlockRef]
 
 

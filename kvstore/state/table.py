@@ -5,15 +5,13 @@ A block is a ``Node`` of the radix index, and nodes never leave the table:
 it hands out ``BlockRef``s (immutable: which block, where it sits, where it
 was when handed out) and takes them back to act on the blocks, ignoring a ref
 to a block dropped meanwhile. The table alone changes nodes and the places
-that hold them: the RAM tier's bytes and LRU order, the disk
-tier's LRU of leaves, pins of readers in flight, and the job that has not yet
-made a block durable. Every method takes the table's lock itself and does no
-I/O, so the read, write, discovery and costing paths are siblings that ask
-the table, never each other.
-
-Lock order: a thread may hold an LMDB transaction (the tier's gate) when it
-calls the table, never the other way round; the table never waits on
-anything while locked.
+that hold them: the RAM and device tiers' bytes and LRU order, the disk
+tier's LRU of leaves, pins of readers in flight, and the id of the put that
+has not yet made a block durable (the writer owns the put). Every method
+takes the lock itself and does no I/O, so the read, write, discovery and
+costing paths are siblings that ask the table, never each other. Lock
+order: a thread may hold an LMDB transaction (the tier's gate) when it calls
+the table, never the other way round.
 
 Eviction takes leaves first, without a scan, in both tiers:
 
@@ -24,12 +22,10 @@ Eviction takes leaves first, without a scan, in both tiers:
 - Disk: a heap of blocks on disk with no child on disk, by last use
   (``DiskOrder``): O(log n) per evicted block.
 
-The table holds the index, the RAM and device tiers, pins, jobs and the
-lock. Two parts of it, each made here with the index, the lock and what else
-it needs, own the rest: ``disk`` (``DiskSide``: which blocks are on disk,
-their LRU, adopting blocks found there) and ``admissions`` (``Admissions``:
-``ssd_admit="reuse"``'s queue). Callers ask a part for what is its own
-(``table.disk.victims``); every result comes back through ``apply``.
+Two parts, made here with the index, the lock and what else they need, own
+the rest: ``disk`` (``DiskSide``: which blocks are on disk, their LRU,
+adopting blocks found there) and ``admissions`` (``ssd_admit="reuse"``'s
+queue). Results come back through ``apply``.
 """
 
 from __future__ import annotations
@@ -45,8 +41,8 @@ from ..counters import Counters
 from .table_admit import Admissions
 from .table_disk import DiskSide
 from ..blocks.hashing import KeyChain
-from .index import BlockRef, Node, RadixIndex, Refs
-from .plans import Bad, Candidate, Encoded, JobDone, JobReleased, Lookup, Pinned, Promoted, Touched
+from .index import BlockRef, Node, RadixIndex
+from .plans import Bad, Candidate, Encoded, JobDone, JobReleased, Lookup, Pinned, Placed, Promoted, Touched
 from ..blocks.layers import KVLayer
 from ..blocks.record import BlockRecord
 from ..tiers.device import DeviceTier
@@ -63,6 +59,7 @@ class BlockTable:
         self._counters = counters
         self._has_disk = has_disk
         self._writable = writable
+        self._new: dict[int, list[Node]] = {}  # a put's new blocks until the writer takes their refs
         self.disk = DiskSide(self._index, self._lock, self._forget)
         self.admissions = Admissions(self._index, self._lock, self._ram.get, admit_on_reuse and has_disk and writable)
         self._handlers = {Encoded: self._on_encoded, JobDone: self._on_job_done, JobReleased: self._on_job_released,
@@ -93,8 +90,7 @@ class BlockTable:
         """Whether the block (or, ``parent``, its parent) has a disk copy now."""
         with self._lock:
             node = self._index.node(ref)
-            if node is not None and parent:
-                node = node.parent
+            node = node.parent if node is not None and parent else node
             return node is not None and node.on_disk
 
     def keys_held(self) -> tuple[tuple[bytes, ...], tuple[bytes, ...]]:
@@ -132,71 +128,80 @@ class BlockTable:
     # ------------------------------------------------------------------ put
 
     def plan_put(self, root_key: bytes, chain: KeyChain, n: int, has_state: bool, late: Sequence[KVLayer],
-                  make_job: Callable[[Sequence[BlockRef]], object]):
-        """Index the blocks of a put the store lacks and give them their job
-        (``make_job(blocks)``: ``Refs``, made on first use); ``None`` when nothing is new."""
+                 pending: Callable[[int], int]) -> int:
+        """Index the blocks of a put the store lacks; ``pending(count)`` gives
+        them the writer's id of their put (registered there first, so a fetch
+        that finds the id can wait for it). Returns that id, 0 when nothing is
+        new. Their refs are made on the writer's thread (``new_refs``): a put
+        of 128 new blocks would pay a tenth of a millisecond for them here."""
         with self._lock:
             root = self._index.root(root_key)
             new = lookup.new_blocks(self._index, root, chain, n, has_state, late)
             if self.admissions.on:
                 self.admissions.shared(new, lambda: lookup.walk(self._index, root, chain, n).last, chain.block_size)
             if not new:
-                return None
-            job = make_job(Refs(new, self._lock))
+                return 0
+            pid = pending(len(new))
             for node in new:
-                node.job = job
-            return job
+                node.pending = pid
+            self._new[pid] = new
+            return pid
 
-    def _on_encoded(self, r: Encoded) -> Optional[bool]:
-        """A freshly encoded block of ``job``: kept in RAM when it fits (room
-        made first, never from its own prefix). For a RAM-only store that is
-        where it is durable; one that fits nowhere leaves the index. True: to
-        write to disk; ``None``: kept in RAM only, with ``record``, until it is
-        asked for again (``ssd_admit="reuse"``); False when the block is no
-        longer this job's to store."""
-        job, ram_only = r.job, r.ram_only
+    def new_refs(self, pending: int) -> list[BlockRef]:
+        """The refs of the blocks ``plan_put`` indexed for the put ``pending`` (once: the writer takes them)."""
+        with self._lock:
+            return [n.ref() for n in self._new.pop(pending, ())]
+
+    def _on_encoded(self, r: Encoded) -> Placed:
+        """A freshly encoded block of the put ``r.pending``: kept in RAM when
+        it fits (room made first, never from its own prefix). For a RAM-only
+        store that is where it is durable; one that fits nowhere leaves the
+        index. Kept in RAM only, with ``record``, until it is asked for again
+        under ``ssd_admit="reuse"``."""
+        pid, ram_only = r.pending, r.ram_only
         with self._lock:
             node = self._index.node(r.ref)
-            if node is None or node.job is not job:
-                return False
+            if node is None or node.pending != pid:
+                return Placed.NOT_KEPT
             kept = self._admit(node, r.block)
-            wait = not ram_only and not self.admissions.to_disk(node, job)
+            wait = not ram_only and not self.admissions.to_disk(node, pid)
             if ram_only or wait:
                 if not kept:
                     self._forget(node)
-                    return False
-                node.job = None
+                    return Placed.NOT_KEPT
+                node.pending = 0
                 if wait:
                     node.record = r.record
-                    return None
-            return True
+                    return Placed.RAM_ONLY
+            return Placed.TO_DISK
 
-    def is_job(self, ref: BlockRef, job) -> bool:
-        """Whether the block is still indexed and ``job``'s to store (not
-        dropped meanwhile, nor re-encoded by a later put)."""
+    def is_pending(self, ref: BlockRef, pending: int) -> bool:
+        """Whether the block is still indexed and the put ``pending``'s to
+        store (not dropped meanwhile, nor re-encoded by a later put)."""
         with self._lock:
             node = self._index.node(ref)
-            return node is not None and node.job is job
+            return node is not None and node.pending == pending
 
     def _on_job_done(self, r: JobDone) -> None:
-        """``job`` is finished with ``nodes`` (its write done, or, ``dropped``,
-        failed): a block in no tier leaves the index (a later put stores it
-        again)."""
-        job = r.job
+        """The put ``r.pending`` is finished with ``refs`` (its write done,
+        or, ``dropped``, failed): a block in no tier leaves the index (a later
+        put stores it again)."""
+        pid = r.pending
         with self._lock:
             for node in self._index.nodes(r.refs):
-                if r.dropped and node.job is not job:
+                if r.dropped and node.pending != pid:
                     continue
-                if node.job is job:
-                    node.job = None
+                if node.pending == pid:
+                    node.pending = 0
                 if not node.in_ram and not node.on_disk:
                     self._forget(node)
 
     def _on_job_released(self, r: JobReleased) -> None:
         with self._lock:
+            self._new.pop(r.pending, None)
             for node in self._index.nodes(r.refs):
-                if node.job is r.job:
-                    node.job = None
+                if node.pending == r.pending:
+                    node.pending = 0
 
     # ---------------------------------------------------------------- fetch
     # A fetch asks three times: ``lookup`` (what is indexed along the prompt), ``pin`` (the servable path held
@@ -208,13 +213,12 @@ class BlockTable:
         with self._lock:
             w = lookup.walk(self._index, self._index.root(root), chain, n)
             stop = w.last
-            cands = [Candidate(c.ref(), self._tokens_held(c), c.job)
+            cands = [Candidate(c.ref(), self._tokens_held(c), c.pending)
                      for c in lookup.partial_candidates(stop, chain, w.length, n)]
             return Lookup(stop.ref(), [p.ref() for p in w.nodes], cands)
 
     def _tokens_held(self, node: Node) -> Optional[np.ndarray]:
-        block = self._ram.get(node.key) if node.in_ram else None
-        return None if block is None else block.tokens
+        return block.tokens if node.in_ram and (block := self._ram.get(node.key)) is not None else None
 
     def pin(self, path: Sequence[BlockRef], matched: int, found: Mapping[bytes, Stored] = {}) -> Pinned:
         """The blocks of ``path`` that serve a prefix (of at most ``matched`` tokens), pinned, with the
@@ -225,8 +229,8 @@ class BlockTable:
         with self._lock:
             nodes = self._index.nodes(refs)
             RadixIndex.pin(nodes)
-            held = [p for p in nodes if p.job is not None and not p.in_ram and p.key not in found]
-            pinned = Pinned(refs, length, tuple({id(p.job): p.job for p in held}.values()),
+            held = [p for p in nodes if p.pending and not p.in_ram and p.key not in found]
+            pinned = Pinned(refs, length, tuple(dict.fromkeys(p.pending for p in held)),
                             min((p.start for p in held), default=length))
             self._look(pinned, found)
         return pinned
@@ -251,10 +255,9 @@ class BlockTable:
 
     def served(self, pinned: Pinned, used: Sequence[BlockRef], from_disk: Sequence[BlockRef],
                on_device: Sequence, when: float) -> Touched:
-        """A fetch served ``used`` (of ``pinned``) at ``when``: ancestors end up more recent than descendants,
-        so eviction takes leaves first; device copies it made (``DeviceBlock``s) join the device tier, the
-        least recently used making room; the pins go. Says which used blocks have a disk copy (their use is
-        saved there) and which of ``from_disk`` to copy into RAM (still on disk, not over the RAM budget)."""
+        """A fetch served ``used`` at ``when`` (ancestors end up more recent than descendants: eviction takes
+        leaves first), made device copies (``DeviceBlock``s, kept as room allows) and unpins ``pinned``. Says
+        which used blocks have a disk copy and which of ``from_disk`` to copy into RAM (fit its budget)."""
         with self._lock:
             for b in on_device:
                 if b is not None and self._index.get(b.key) is not None:
@@ -304,11 +307,12 @@ class BlockTable:
                 self._promote(node, r.block)
 
     def keep_found(self, parent: BlockRef, found: Sequence[tuple[BlockRecord, Stored]], now: float,
-                   make_job: Optional[Callable[[list[BlockRef]], object]]) -> list[BlockRef]:
+                   pending: Optional[Callable[[list[BlockRef]], int]]) -> list[BlockRef]:
         """Index blocks read from the remote as a chain below ``parent``, into
         RAM as far as they fit; returns the nodes that were new. They wait for
-        ``make_job(new)`` (their disk copy); without one, those held nowhere
-        leave the index (with what is below them)."""
+        the put ``pending(new)`` registers with the writer (their disk copy);
+        without one, those held nowhere leave the index (with what is below
+        them)."""
         fresh: list[Node] = []
         pinned: list[Node] = []
         with self._lock:
@@ -333,10 +337,10 @@ class BlockTable:
                     self._promote(node, block)
                 parent = node
             RadixIndex.unpin(pinned)
-            job = make_job([p.ref() for p in fresh]) if fresh and make_job is not None else None
+            pid = pending([p.ref() for p in fresh]) if fresh and pending is not None else 0
             for node in fresh:
-                if job is not None:
-                    node.job = job  # evicted from RAM before its disk write, it stays indexed
+                if pid:
+                    node.pending = pid  # evicted from RAM before its disk write, it stays indexed
                 elif not node.in_ram and self._index.get(node.key) is node:
                     self._forget(node)
                     break
@@ -425,7 +429,7 @@ class BlockTable:
 
     def _evict(self, node: Node) -> None:
         self._counters.count("evictions_ram")
-        unwritten = node.job is not None and not node.on_disk and self._has_disk and self._writable
+        unwritten = node.pending and not node.on_disk and self._has_disk and self._writable
         if node.on_disk or unwritten:
             if unwritten:
                 self._counters.count("evicted_unwritten")

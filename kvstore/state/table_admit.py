@@ -63,19 +63,19 @@ class Admissions:
             out, self._queue = self._queue, []
             return [n.ref() for n in out]
 
-    def to_disk(self, node: Node, job) -> bool:
-        """Under the lock, while ``job`` admits ``node`` to RAM: whether it goes
-        to disk now (reused, and its parent on disk or written before it by
-        ``job``); else it waits in RAM for ``claim``."""
+    def to_disk(self, node: Node, pending: int) -> bool:
+        """Under the lock, while the put ``pending`` admits ``node`` to RAM:
+        whether it goes to disk now (reused, and its parent on disk or written
+        before it by that put); else it waits in RAM for ``claim``."""
         if not self.on:
             return True
         parent = node.parent
-        return node.reused and (parent.is_root or parent.on_disk or parent.job is job)
+        return node.reused and (parent.is_root or parent.on_disk or parent.pending == pending)
 
-    def claim(self, leaves: list[BlockRef], make_job: Callable[[list[BlockRef], dict[bytes, Entry]], object]
-              ) -> Optional[object]:
-        """The writer's job of the chains of ``leaves``' blocks held in RAM only,
-        parents first (``make_job(blocks, entries)``); ``None`` when none is left.
+    def claim(self, leaves: list[BlockRef], pending: Callable[[list[BlockRef], dict[bytes, Entry]], int]) -> int:
+        """The writer's put of the chains of ``leaves``' blocks held in RAM
+        only, parents first (``pending(blocks, entries)`` registers it and
+        gives its id); 0 when none is left.
         A chain stops at a block another job still holds: its children wait."""
         with self._lock:
             nodes: list[Node] = []
@@ -85,13 +85,13 @@ class Admissions:
                     if p.on_disk or p.key in entries:
                         continue
                     block = self._held(p.key)
-                    if p.job is not None or block is None or p.record is None:
+                    if p.pending or block is None or p.record is None:
                         break
                     nodes.append(p)
                     entries[p.key] = Entry(p.record, block.buf)
             if not nodes:
-                return None
-            job = make_job([p.ref() for p in nodes], entries)
+                return 0
+            pid = pending([p.ref() for p in nodes], entries)
             for p in nodes:
-                p.job = job
-            return job
+                p.pending = pid
+            return pid

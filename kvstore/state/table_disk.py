@@ -71,7 +71,7 @@ class DiskSide:
                     self._order.push(v)  # another process removed it first, or it survived: keep it known
                     continue
                 self._order.mark(v, False)
-                if not v.in_ram and v.job is None:
+                if not v.in_ram and not v.pending:
                     self._forget(v)
 
     def _on_adopted(self, r: Adopted) -> int:
@@ -131,7 +131,7 @@ class DiskSide:
         removed it): it leaves the index with the blocks under it."""
         with self._lock:
             node = self._index.node(r.ref)
-            if node is not None and not node.in_ram and node.job is None:
+            if node is not None and not node.in_ram and not node.pending:
                 self._forget(node)
 
     def _on_offset(self, r: OffsetFound) -> None:
