@@ -266,6 +266,37 @@ def test_kvstore_omlx_serve_reports_cached_tokens_and_keeps_them_across_restart(
     assert not list((home / ".fmlx" / "cache").rglob("*.safetensors"))  # oMLX's own SSD cache got no block
 
 
+QUESTION = "What is the weather like today?"
+
+
+def _omlx_serve_once(models, store, tmp_path) -> dict:
+    """One chat request (test_server's system prompt, then ``QUESTION``) to a fresh ``kvstore omlx serve`` on
+    the store, stopped with SIGTERM (the store written out): the whole response."""
+    from .test_server import chat, free_port, stop
+
+    with open(tmp_path / "serve.log", "ab") as log:
+        proc = serve_omlx(models, store, port := free_port(), log, tmp_path / "home")
+        try:
+            return chat(port, QUESTION, full=True, model="tiny")
+        finally:
+            stop(proc)
+
+
+@pytest.mark.parametrize("server_first", [True, False], ids=["server-then-generate", "generate-then-server"])
+def test_a_prompt_stored_by_kvstore_omlx_serve_or_kvstore_generate_is_served_by_the_other(server_first, tmp_path):
+    """Issue 51: one model folder, one key in oMLX's engine pool and in ``kvstore generate``. oMLX's chat
+    endpoint renders the template to text and tokenizes that with the special tokens (``Scheduler.add_request``:
+    ``tokenizer.encode(prompt)``), so the tiny model's template, which writes BOS itself, gets it twice;
+    ``kvstore generate`` is given that text with ``--ignore-chat-template`` (``test_one_key.rendered_chat``)."""
+    from .test_one_key import across_a_server
+    from .test_server import SYSTEM
+
+    model = make_tiny_model("llama", tmp_path / "models" / "tiny")
+    messages = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": QUESTION}]
+    across_a_server(lambda store: _omlx_serve_once(model.parent, store, tmp_path), model, messages, tmp_path,
+                    BLOCK, server_first)
+
+
 @pytest.mark.parametrize("option, says", [("--no-cache", "run omlx serve itself"),
                                           ("--hot-cache-max-size=4GB", "--budget-gb"),
                                           ("--paged-ssd-cache-max-size", "--disk-budget-gb")])

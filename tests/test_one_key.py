@@ -36,19 +36,61 @@ def mlx_lm_generate(model, store=None, report=None) -> str:
     return done.stdout.split("==========")[1].strip()
 
 
-def kvstore_generate(model, store) -> tuple[str, int, int]:
-    """`kvstore generate`'s answer, the prompt's tokens and how many came from the store."""
-    done = subprocess.run([*CLI, "generate", "--model", str(model), "--prompt", PROMPT, "--max-tokens", "8",
-                           "--ssd-path", str(store), "--block-size", "16"], capture_output=True, text=True, timeout=300)
+def kvstore_generate(model, store, prompt=PROMPT, *options: str, block_size=16) -> tuple[str, int, int]:
+    """`kvstore generate`'s answer, the prompt's tokens and how many came from the store (``options``: more of
+    its options, a ``--system-prompt``)."""
+    done = subprocess.run([*CLI, "generate", "--model", str(model), "--prompt", prompt, "--max-tokens", "8",
+                           "--ssd-path", str(store), "--block-size", str(block_size), *options],
+                          capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr
     n, stored = map(int, re.search(r"prompt (\d+) tokens: (\d+) from the store", done.stderr).groups())
     return done.stdout.strip(), n, stored
+
+
+def rendered_chat(model, messages) -> str:
+    """The text oMLX's and vllm-mlx's chat endpoints tokenize for ``messages``: the chat template rendered to
+    text, then tokenized with the tokenizer's special tokens (``tokenizer.encode``), so a template that writes
+    the BOS token itself gets it twice, where mlx-lm (and ``kvstore generate``) tokenize in the template, once.
+    ``kvstore generate --ignore-chat-template --prompt TEXT`` tokenizes it as those servers do."""
+    from mlx_lm import load
+
+    _, tokenizer = load(str(model))
+    return tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
 
 
 def inspect_rows(store) -> list[dict]:
     done = subprocess.run([*CLI, "inspect", str(store), "--json"], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
     return [json.loads(line) for line in done.stdout.splitlines()]
+
+
+def across_a_server(serve_once, model, messages, tmp_path, block_size: int, server_first: bool) -> None:
+    """The lanes' check (tests/test_omlx.py, tests/test_vllm_mlx.py): ``serve_once(store)`` sends ``messages``
+    to a server on ``model`` (a folder of that name) and stops it with SIGTERM, giving its response; the same
+    tokens through ``kvstore generate`` (``rendered_chat``), before it (``server_first``) or after it on the
+    same store: the second is served >= 90% of the prompt from the store, every answer is ``kvstore
+    generate``'s on an empty store (the engine's own), and ``inspect`` names the model once."""
+    text = rendered_chat(model, messages)
+
+    def generate(store):
+        return kvstore_generate(model, store, text, "--ignore-chat-template", block_size=block_size)
+
+    alone, n, stored = generate(tmp_path / "empty")
+    assert alone and stored == 0 and n > 10 * block_size  # the whole blocks are >= 90% of the prompt
+    store = tmp_path / "store"
+    if not server_first:
+        assert generate(store) == (alone, n, 0)
+    served = serve_once(store)
+    usage = served["usage"]
+    assert usage["prompt_tokens"] == n  # (the same text, tokenized the same)
+    assert served["choices"][0]["message"]["content"] == alone
+    if server_first:
+        assert usage["prompt_tokens_details"]["cached_tokens"] == 0
+        answer, n_again, stored = generate(store)
+        assert (answer, n_again) == (alone, n) and stored >= 0.9 * n
+    else:
+        assert usage["prompt_tokens_details"]["cached_tokens"] >= 0.9 * n
+    assert {r["model"] for r in inspect_rows(store)} == {Path(model).name}  # one model, by its folder's name
 
 
 def test_a_prompt_stored_under_kvstore_run_is_served_by_kvstore_generate(model, tmp_path):

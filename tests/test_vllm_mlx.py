@@ -597,6 +597,37 @@ def test_a_scheduler_built_while_installed_keeps_the_store_and_its_refresh_after
 
 
 # ---------------------------------------------------------------------------
+# One model folder, one key: kvstore vllm-mlx serve and kvstore generate (issue 51)
+# ---------------------------------------------------------------------------
+
+MESSAGES = [{"role": "system", "content": SYSTEM * 4}, {"role": "user", "content": "What is the weather like today?"}]
+
+
+def _serve_once(model, store, tmp_path) -> dict:
+    """One chat request (``MESSAGES``) to a fresh ``kvstore vllm-mlx serve`` on the store, stopped with SIGTERM
+    (the store written out): the whole response. (``--fetch-policy always``: whether a hit is found, not whether
+    its loading beats a prefill timed on a loaded machine.)"""
+    server = Served(model, store, tmp_path / "serve.log", "--fetch-policy", "always")
+    try:
+        return _post(server.port, "/v1/chat/completions",
+                     {"model": server.model, "max_tokens": 8, "temperature": 0, "messages": MESSAGES})
+    finally:
+        assert server.stop() == 0
+
+
+@pytest.mark.parametrize("server_first", [True, False], ids=["server-then-generate", "generate-then-server"])
+def test_a_prompt_stored_by_kvstore_vllm_mlx_serve_or_kvstore_generate_is_served_by_the_other(server_first,
+                                                                                            tmp_path):
+    """vllm-mlx's chat endpoint, like oMLX's, renders the template to text and tokenizes that with the special
+    tokens (the tiny model's BOS twice): ``kvstore generate`` is given that text (``test_one_key.rendered_chat``)."""
+    from .test_one_key import across_a_server
+
+    model = make_tiny_model("llama", tmp_path / "tiny")
+    across_a_server(lambda store: _serve_once(model, store, tmp_path), model, MESSAGES, tmp_path, BLOCK,
+                    server_first)
+
+
+# ---------------------------------------------------------------------------
 # kvstore vllm-mlx serve: defaults on any model, cached tokens in usage
 # ---------------------------------------------------------------------------
 
