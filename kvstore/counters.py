@@ -38,7 +38,7 @@ class Counters:
         self._lock = threading.Lock()
         self.now = dict.fromkeys(NAMES, 0)
         self._unsaved = dict.fromkeys(NAMES, 0)
-        self._uses: dict[bytes, Use] = {}
+        self._uses: dict[bytes, tuple[float, int]] = {}  # key -> (last use, hits): a ``Use`` once drained
 
     def count(self, name: str, k: int = 1) -> None:
         with self._lock:
@@ -54,7 +54,7 @@ class Counters:
                     self._unsaved[name] += k
             for key in used:
                 old = self._uses.get(key)
-                self._uses[key] = Use(when, 1 + (old.hits if old else 0))
+                self._uses[key] = (when, 1 + (old[1] if old else 0))
 
     def snapshot(self) -> dict:
         with self._lock:
@@ -63,7 +63,7 @@ class Counters:
     def drain(self) -> tuple[dict[bytes, Use], dict[str, int]]:
         """Uses and lifetime deltas not saved yet (and forget them)."""
         with self._lock:
-            uses, self._uses = self._uses, {}
+            uses, self._uses = {k: Use(*u) for k, u in self._uses.items()}, {}
             deltas = {k: v for k, v in self._unsaved.items() if v}
             self._unsaved = dict.fromkeys(NAMES, 0)
         return uses, deltas
@@ -73,6 +73,6 @@ class Counters:
         with self._lock:
             for k, u in uses.items():
                 new = self._uses.get(k)
-                self._uses[k] = u if new is None else Use(max(u.when, new.when), u.hits + new.hits)
+                self._uses[k] = (u.when, u.hits) if new is None else (max(u.when, new[0]), u.hits + new[1])
             for k, v in deltas.items():
                 self._unsaved[k] += v

@@ -55,6 +55,7 @@ from .flow.put import index_put, warm_put
 from .flow.reader import Reader
 from .flow.writer import Writer
 from .gpu import buffers
+from .gpu.backend import choose
 from .hit import Hit
 from .inspection import Inspection
 from .state.table import BlockTable
@@ -82,6 +83,7 @@ class PrefixStore(Inspection):
         self.config = cfg = store_config(config, **settings)
         self.block_size = cfg.block_size or DEFAULT_BLOCK  # an LMDB store's own, once it is open (below)
         self.codec = Codec.of(cfg)
+        self.backend = backend = choose()  # where arrays live (CUDA, Metal, CPU): asked once, handed to all
         # a fetch of blocks still queued may take the put's own rows through the codec (``queued``), unless a
         # reuse has to be seen stored (ssd_admit="reuse")
         self._from_queued = cfg.ssd_admit == "always"
@@ -92,7 +94,7 @@ class PrefixStore(Inspection):
         self._warned: set[str] = set()
         self._registered: set[bytes] = set()
         self._table = BlockTable(cfg.ram_bytes, self._counters, has_disk=cfg.ssd_path is not None,
-                                 writable=not cfg.readonly, device_budget=cfg.device_bytes(),
+                                 writable=not cfg.readonly, device_budget=cfg.device_bytes(backend),
                                  admit_on_reuse=cfg.ssd_admit == "reuse")
         self._disk: Optional[Disk] = None
         self._remote = None if cfg.remote is None else Remote(cfg.remote, cfg.namespace, self._counters, cfg)
@@ -104,14 +106,14 @@ class PrefixStore(Inspection):
                     self._remote.close()
                 raise
             self._disk = Disk(tier, self._table, self._counters, cfg, self._warn)
-        self._reader = Reader(self._table, self._disk, self._counters, writable=not cfg.readonly)
-        self._planner = Planner(self._cost, self._disk, cfg)
+        self._reader = Reader(self._table, self._disk, self._counters, writable=not cfg.readonly, backend=backend)
+        self._planner = Planner(self._cost, self._disk, cfg, backend)
         self._engine = EngineFirst(cfg.tuning.writer_patience_s)
         self._writer = Writer(self._table, self._disk, self.codec, self._counters, cfg, on_idle=self._save,
-                              remote=None if cfg.readonly else self._remote, engine=self._engine)
+                              remote=None if cfg.readonly else self._remote, engine=self._engine, backend=backend)
         self._discovery = None if self._remote is None else Discovery(
             self._remote, self._table, self._counters, cfg,
-            keep_on_disk=self._disk is not None and not cfg.readonly, register=self._writer.register_copies)
+            keep_on_disk=self._disk is not None and not cfg.readonly, register=self._writer.register_copies, backend=backend)
         self._closed = False
         if self._disk is not None:
             self._disk.load_index()
@@ -122,7 +124,7 @@ class PrefixStore(Inspection):
                                 from_queued=self._from_queued,
                                 reuse=self._admit_reused if cfg.ssd_admit == "reuse" and not cfg.readonly else None)
         self._planner.start()  # measured rates saved earlier, else priors (``probe``)
-        warm_device(cfg, type(self))  # on CUDA, what a process's first hits would pay (``warmup``), once
+        warm_device(cfg, type(self), backend)  # on CUDA, what a process's first hits would pay (``warmup``), once
         if not cfg.readonly:
             self._writer.later(lambda: None)  # starts its thread here, not in the first put (a third of its cost)
             warm_put(self.block_size)

@@ -191,9 +191,12 @@ def test_quantized_blocks_on_the_gpu_path_give_what_the_host_path_gives(on_gpu, 
     rt = cuda.runtime()
 
     def on_host(fetch):
+        """``fetch`` of a store of its own opened on the host backend (a store keeps the backend it opened on)."""
         monkeypatch.setattr(cuda, "runtime", lambda: None)
         try:
-            return fetch()
+            with _store(budget_gb=1, kv_bits=bits, kv_group_size=32) as h:
+                h.put(M, p, kv_layers(p, heads=2, dim=64))
+                return fetch(h)
         finally:
             monkeypatch.setattr(cuda, "runtime", lambda: rt)
 
@@ -205,7 +208,7 @@ def test_quantized_blocks_on_the_gpu_path_give_what_the_host_path_gives(on_gpu, 
     with _store(**kw) as s:
         s.put(M, p, kv_layers(p, heads=2, dim=64))
         s.flush()
-        ref, qref = on_host(lambda: s.fetch(M, p)), on_host(lambda: s.fetch(M, p, quantized=(bits, 32)))
+        ref, qref = on_host(lambda h: h.fetch(M, p)), on_host(lambda h: h.fetch(M, p, quantized=(bits, 32)))
         assert same_hit(s.fetch(M, p), ref)  # from RAM
         assert s.stats()["device_blocks"] == 4
         kept = list(s._table._dev._blocks.values())

@@ -96,7 +96,8 @@ def each(fn: Callable[[int], T], n: int) -> list[T]:
     every device."""
     if n < 2 or workers() < 2:
         return [fn(i) for i in range(n)]
-    futures = [pool().submit(fn, i) for i in range(n)]
+    workers_pool = pool()
+    futures = [workers_pool.submit(fn, i) for i in range(n)]
     wait(futures)  # every one finished before an error is raised: callers free what the others still use
     return [f.result() for f in futures]
 

@@ -212,13 +212,16 @@ class CostModel:
 
     def prefill_model(self, model: str) -> Optional[PrefillModel]:
         with self._lock:
-            obs = self.prefill_obs.get(model)
-            if not obs or len(obs) < _MIN_OBS:
-                return None
-            m = self._models.get(model)
-            if m is None:
-                m = self._models[model] = PrefillModel.fit(list(obs), self._ratios.get(model))
-            return m
+            return self._prefill_model(model)
+
+    def _prefill_model(self, model: str) -> Optional[PrefillModel]:
+        obs = self.prefill_obs.get(model)
+        if not obs or len(obs) < _MIN_OBS:
+            return None
+        m = self._models.get(model)
+        if m is None:
+            m = self._models[model] = PrefillModel.fit(list(obs), self._ratios.get(model))
+        return m
 
     # ------------------------------------------------------------- deciding
 
@@ -231,8 +234,7 @@ class CostModel:
         decided = self._by_policy(servable)
         if decided is not None:
             return decided
-        pm = self.prefill_model(model)
-        rates, priors = self._rates_for(states)
+        pm, rates, priors = self._inputs(model, states)
         unknown = {s for s in states if s not in rates}
         if pm is None or unknown:
             why = "prefill rate not measured yet" if pm is None else f"no rate for {', '.join(sorted(unknown))} yet"
@@ -254,12 +256,14 @@ class CostModel:
             return Plan(0, servable, reason="policy never")
         return None
 
-    def _rates_for(self, states: Sequence[str]) -> tuple[dict[str, float], list[str]]:
-        """Every known rate, and those of ``states`` that are priors only (one look under the lock)."""
+    def _inputs(self, model: str, states: Sequence[str]
+                ) -> tuple[Optional[PrefillModel], dict[str, float], list[str]]:
+        """The model's prefill, every known rate, and those of ``states`` that are priors only (one look under
+        the lock)."""
         with self._lock:
             rates = {s: r.bytes_per_s for s, r in self.rates.items()}
             priors = sorted({s for s in states if s in rates and not self.rates[s].observed})
-        return rates, priors
+            return self._prefill_model(model), rates, priors
 
     def _weighed(self, best: Plan, none: Plan, servable: int, priors: list[str]) -> Plan:
         """``best`` unless its saving over recomputing it all (``none``) is under the margin; with its reason."""

@@ -18,6 +18,7 @@ from ..config import StoreConfig
 from .model import STATES, CostModel, Plan, machine_id
 from ..state.index import BlockRef
 from ..state.lookup import servable as servable_length
+from ..gpu.backend import Backend
 from ..state.plans import Pinned
 
 if TYPE_CHECKING:
@@ -25,10 +26,11 @@ if TYPE_CHECKING:
 
 
 class Planner:
-    def __init__(self, cost: CostModel, disk: Optional["Disk"], cfg: StoreConfig):
+    def __init__(self, cost: CostModel, disk: Optional["Disk"], cfg: StoreConfig, backend: Optional[Backend] = None):
         self.cost = cost
         self.disk = disk
         self.cfg = cfg
+        self.backend = backend
         self.cached_share = cfg.tuning.cached_share  # a disk block with this share of its pages cached reads as cached
 
     def plan(self, root: bytes, n_prompt: int, pinned: Pinned, found: Mapping = {},
@@ -124,7 +126,7 @@ class Planner:
 
     def _assume(self, unknown: set[str]) -> None:
         cfg, gb = self.cfg, 1e9
-        arrays = (cfg.tuning.prior_ram_gbps or 0) * gb or probe.array_rate(cfg.tuning.probe_bytes)
+        arrays = (cfg.tuning.prior_ram_gbps or 0) * gb or probe.array_rate(cfg.tuning.probe_bytes, self.backend)
         for state in unknown:
             if state == "ram":
                 rate = arrays

@@ -45,6 +45,7 @@ from ..state.index import BlockRef
 from ..state.lookup import shared_prefix
 from ..blocks.record import BlockRecord, Entry
 from ..tiers.remote.sync import Remote
+from ..gpu.backend import Backend
 from ..state.table import BlockTable
 
 if TYPE_CHECKING:
@@ -65,9 +66,10 @@ class Found(NamedTuple):
 
 class Discovery:
     def __init__(self, remote: Remote, table: BlockTable, counters: Counters, config: StoreConfig,
-                 keep_on_disk: bool, register: Callable[..., int]):
+                 keep_on_disk: bool, register: Callable[..., int], backend: Optional[Backend] = None):
         self.remote = remote
         self.register = register  # ``Writer.register_copies``: the writer owns the disk copies
+        self.backend = backend
         self.table = table
         self.counters = counters
         self.max_probe = config.tuning.remote_probe_blocks
@@ -145,7 +147,7 @@ class Discovery:
         got_blocks: list[tuple[BlockRecord, Stored, bytes]] = []
         rows = min(n, stop * bs + (part[1] if part else 0))  # the hit's length if all is good
         after, fill = self.remote.read(wanted, sizes, lambda entries: self._read(
-            run, raw[: len(run)], entries, got_blocks, lambda first: start(first, rows, quantized))) or (None, None)
+            run, raw[: len(run)], entries, got_blocks, lambda first: start(first, rows, quantized, self.backend))) or (None, None)
         if part and len(got_blocks) == len(run) and after is not None:
             leaf = self._partial(root, chain, stop, n, near[0], part, after)
             if leaf is not None:

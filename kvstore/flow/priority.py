@@ -19,25 +19,37 @@ from typing import Iterator
 
 class EngineFirst:
     def __init__(self, patience_s: float):
-        self._busy = 0
+        # engine thread -> its calls under way: each thread changes only its own entry (single dict operations,
+        # atomic under the GIL), so an engine call takes no lock; the writer reads it without one
+        self._busy: dict[int, int] = {}
+        self._waiting = 0  # background threads waiting for the engine calls to end (changed under ``_quiet``)
         self._quiet = threading.Condition(threading.Lock())
         self.patience_s = patience_s  # the longest a background thread waits at one step
 
     @contextmanager
     def engine(self) -> Iterator[None]:
         """Around an engine thread's call into the store (never one that waits on the writer)."""
-        with self._quiet:
-            self._busy += 1
+        me, busy = threading.get_ident(), self._busy
+        busy[me] = busy.get(me, 0) + 1
         try:
             yield
         finally:
-            with self._quiet:
-                self._busy -= 1
-                if not self._busy:
-                    self._quiet.notify_all()
+            left = busy[me] - 1
+            if left:
+                busy[me] = left
+            else:
+                del busy[me]
+                # a waiter counted after this look finds ``busy`` empty under the lock and does not wait
+                if self._waiting and not busy:
+                    with self._quiet:
+                        self._quiet.notify_all()
 
     def yield_to_engine(self) -> None:
         """On a background thread between two steps: wait while an engine call runs (at most ``patience_s``)."""
         if self._busy:  # (read without the lock: a stale answer costs one step's wait or one step's head start)
             with self._quiet:
-                self._quiet.wait_for(lambda: not self._busy, self.patience_s)
+                self._waiting += 1
+                try:
+                    self._quiet.wait_for(lambda: not self._busy, self.patience_s)
+                finally:
+                    self._waiting -= 1

@@ -28,6 +28,7 @@ from ..convert.gather import HostFill, gather
 from ..state.index import BlockRef
 from ..state.plans import Bad, GoneFromDisk, OffsetFound, Promoted
 from ..state.lookup import servable
+from ..gpu.backend import Backend, choose
 from ..state.table import BlockTable
 
 log = logging.getLogger("kvstore")
@@ -48,11 +49,13 @@ class Served:
 
 
 class Reader:
-    def __init__(self, table: BlockTable, disk: Optional[Disk], counters: Counters, writable: bool):
+    def __init__(self, table: BlockTable, disk: Optional[Disk], counters: Counters, writable: bool,
+                 backend: Optional[Backend] = None):
         self.table = table
         self.disk = disk
         self.counters = counters
         self.writable = writable
+        self.backend = backend or choose()  # the store's (``gpu.backend``)
         self._lock = threading.Lock()  # guards the promotions in flight (nothing of the table's)
         self._promoting: dict[bytes, Future] = {}
         self._pool = Pools("kvstore-promote")
@@ -135,7 +138,8 @@ class Reader:
             path_used = [p for p in path if p.start < length]
             k = len(path_used)
             try:
-                got = gather(items[:k], length, quantized, keep_on_device=self.table.device_budget > 0, fill=fill)
+                got = gather(items[:k], length, quantized, keep_on_device=self.table.device_budget > 0, fill=fill,
+                             backend=self.backend)
             except Exception as e:  # blocks that do not fit together (a reused model key, a bad index record)
                 log.warning("kvstore: stored blocks for this prompt do not fit together (%s); serving a miss", e)
                 return Served([], 0, [], [], [], [])

@@ -52,6 +52,7 @@ from ..state.plans import Encoded, JobDone, JobReleased, Placed, Written
 from ..blocks.layers import Layer
 from .priority import EngineFirst
 from ..blocks.record import BlockRecord, Entry
+from ..gpu.backend import Backend
 from ..state.table import BlockTable
 from ..blocks.wire import Stored
 
@@ -93,8 +94,9 @@ class Job:
 class Writer:
     def __init__(self, table: BlockTable, disk: Optional[Disk], codec: Codec, counters: Counters,
                  config: StoreConfig, on_idle: Callable[[], None], remote: Optional["Remote"] = None,
-                 engine: Optional[EngineFirst] = None):
+                 engine: Optional[EngineFirst] = None, backend: Optional[Backend] = None):
         self.table = table
+        self.backend = backend  # the store's (``gpu.backend``; None: chosen at each encode)
         self.engine = engine if engine is not None else EngineFirst(config.tuning.writer_patience_s)
         self.disk = disk if disk is not None and not config.readonly else None
         self.remote = remote
@@ -348,7 +350,8 @@ class Writer:
         def wanted(n: BlockRef) -> bool:
             return n.key not in elsewhere and self.table.is_pending(n, job.ident)
 
-        for node, held, about in encoded(job, self.codec, self.config.tuning.compress_rows, wanted):
+        for node, held, about in encoded(job, self.codec, self.config.tuning.compress_rows, wanted,
+                                              backend=self.backend):
             self.engine.yield_to_engine()
             record = self._record(job, node, held, about) if to_disk or to_remote else None
             where = self.table.apply(Encoded(node, job.ident, held, ram_only=not to_disk, record=record))

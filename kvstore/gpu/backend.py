@@ -6,9 +6,12 @@ laid out on the GPU and downloaded once, hits land on the copy engine,
 there is a device tier), or in memory the host shares (a CPU; Apple
 silicon's unified memory, where Metal reads what the host wrote: the host
 paths, and the RAM tier is the device tier). ``cuda.runtime()`` is asked
-here and in ``kvstore.gpu`` alone; everything else is handed a ``Backend``
-or takes ``choose()``'s, asked again at each call, so a test that installs
-a runtime (``monkeypatch.setattr(cuda, "runtime", ...)``) switches it.
+here and in ``kvstore.gpu`` alone. A store chooses once, when it opens, and
+hands its ``Backend`` to what copies and lands arrays (reader, writer,
+discovery, planner, warm-up); a function called without one takes
+``choose()``'s at that call (a test that installs a runtime with
+``monkeypatch.setattr(cuda, "runtime", ...)`` before opening a store, or
+before calling such a function, switches it).
 """
 
 from __future__ import annotations

@@ -44,10 +44,7 @@ class BlockRef(NamedTuple):
     on_disk: bool = False
     nbytes: int = 0  # payload bytes on disk
     offset: int = -1  # where its bytes sit in the LMDB file (-1: unknown)
-
-    @property
-    def end(self) -> int:
-        return self.start + self.length
+    end: int = 0  # start + length (a field, not a property: the fetch path reads it for every block, often)
 
     @property
     def is_root(self) -> bool:
@@ -66,7 +63,7 @@ class Node:
     """
 
     __slots__ = ("key", "parent", "children", "start", "length", "first", "snap", "gap", "rows_from",
-                 "in_ram", "on_disk", "pins", "pending", "nbytes", "used", "disk_kids", "offset", "reused", "record", "ident")
+                 "end", "in_ram", "on_disk", "pins", "pending", "nbytes", "used", "disk_kids", "offset", "reused", "record", "ident")
 
     def __init__(self, key: bytes, parent: Optional["Node"], start: int, length: int,
                  first: int = -1, snap: Optional[bool] = None, gap: int = NO_GAP,
@@ -76,6 +73,7 @@ class Node:
         self.children: Optional[dict[bytes, Node]] = None
         self.start = start
         self.length = length
+        self.end = start + length
         self.first = first
         self.snap = snap
         self.gap = gap
@@ -97,10 +95,9 @@ class Node:
         new block on the engine's thread by every put)."""
         return _new_ref(BlockRef, (self.key, None if self.parent is None else self.parent.key, self.start,
                                    self.length, self.first, self.snap, self.gap, self.rows_from, self.ident,
-                                   self.in_ram, self.on_disk, self.nbytes, self.offset))
+                                   self.in_ram, self.on_disk, self.nbytes, self.offset, self.end))
 
-    end = BlockRef.end  # (the same properties: a ref and its node answer alike)
-    is_root = BlockRef.is_root
+    is_root = BlockRef.is_root  # (the same property: a ref and its node answer alike)
 
     def path(self) -> list["Node"]:
         """Blocks from the first to this one (the root sentinel excluded)."""
@@ -157,6 +154,10 @@ class RadixIndex:
             return self.root(ref.key)
         node = self._nodes.get(ref.key)
         return node if node is not None and node.ident == ref.ident else None
+
+    def as_found(self, refs: Sequence[BlockRef]) -> list:
+        """Per ref, its indexed block, or the ref itself where that block was dropped (it stays as it was)."""
+        return [self.node(r) or r for r in refs]
 
     def nodes(self, refs: Iterable[BlockRef]) -> list[Node]:
         """``node`` of each ref, those dropped left out."""

@@ -242,9 +242,10 @@ class BlockTable:
 
     def _look(self, pinned: Pinned, found: Mapping[bytes, Stored]) -> None:
         items, sizes, on_disk = [], [], {}
-        for ref in pinned.path:
-            p = self._index.node(ref) or ref  # (a block dropped meanwhile: as it was)
-            b = self._dev.get(p.key) or (self._ram.get(p.key) if p.in_ram else None)
+        path = self._index.as_found(pinned.path)
+        keys = [p.key for p in path]
+        for p, dev, ram in zip(path, self._dev.get_many(keys), self._ram.get_many(keys)):
+            b = dev or (ram if p.in_ram else None)
             got = b if b is not None else found.get(p.key)
             items.append(b)
             sizes.append(p.nbytes if got is None else got.nbytes)
@@ -262,12 +263,10 @@ class BlockTable:
             for b in on_device:
                 if b is not None and self._index.get(b.key) is not None:
                     self._dev.add(b, self._pinned)
-            disk_keys = []
-            for p in self._index.nodes(used):
-                if p.on_disk:
-                    disk_keys.append(p.key)
-                    if self._has_disk:
-                        self.disk.used(p, when)
+            on_disk = [p for p in self._index.nodes(used) if p.on_disk]
+            if on_disk and self._has_disk:
+                self.disk.used(on_disk, when)
+            disk_keys = [p.key for p in on_disk]
             self._ram.touch([p.key for p in reversed(used)])
             self._dev.touch([p.key for p in used])
             promote = [r for r in from_disk if (n := self._index.node(r)) is not None and n.on_disk

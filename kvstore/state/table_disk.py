@@ -28,10 +28,11 @@ class DiskSide:
 
     # ------------------------------------------------ the table's own steps, under its lock
 
-    def used(self, node: Node, when: float) -> None:
-        """A block on disk was served at ``when``: its place in the disk LRU."""
-        node.used = when
-        self._order.push(node)
+    def used(self, nodes: list[Node], when: float) -> None:
+        """Blocks on disk were served at ``when``: their places in the disk LRU."""
+        for node in nodes:
+            node.used = when
+            self._order.push(node)
 
     def dropped(self, nodes: list[Node]) -> None:
         """The table dropped ``nodes`` (a block and its subtree) from the index."""

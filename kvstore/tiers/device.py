@@ -46,6 +46,11 @@ class DeviceTier:
     def get(self, key: bytes) -> Optional[DeviceBlock]:
         return self._blocks.get(key)
 
+    def get_many(self, keys: Sequence[bytes]) -> list[Optional[DeviceBlock]]:
+        """``get`` of each key (a fetch's path at once)."""
+        blocks = self._blocks
+        return [blocks.get(k) for k in keys] if blocks else [None] * len(keys)
+
     def contains(self, key: bytes) -> bool:
         return key in self._blocks
 

@@ -47,6 +47,11 @@ class RamTier:
     def get(self, key: bytes) -> Optional[Stored]:
         return self._blocks.get(key)
 
+    def get_many(self, keys: Sequence[bytes]) -> list[Optional[Stored]]:
+        """``get`` of each key (a fetch's path at once)."""
+        blocks = self._blocks
+        return [blocks.get(k) for k in keys]
+
     def contains(self, key: bytes) -> bool:
         return key in self._blocks
 

@@ -23,20 +23,36 @@ class Gate:
 
     def __init__(self, lock_dir: Optional[Path] = None):
         self._cond = threading.Condition()
-        self._shared = 0
+        # thread -> transactions it holds: each thread changes only its own entry (single dict operations, atomic
+        # under the GIL), so a transaction takes no lock unless a resize is waiting or under way
+        self._readers: dict[int, int] = {}
         self._excl = False
         self.lock_dir = lock_dir
 
     def acquire_shared(self) -> None:
+        me, readers = threading.get_ident(), self._readers
+        readers[me] = readers.get(me, 0) + 1  # counted first, then the exclusive side looked at: a resize that
+        if not self._excl:                   # starts after this look waits for this count to go
+            return
+        self._leave(me)  # a resize waits or runs: step back, and come in under the lock once it is done
         with self._cond:
             while self._excl:
                 self._cond.wait()
-            self._shared += 1
+            readers[me] = readers.get(me, 0) + 1
 
     def release_shared(self) -> None:
-        with self._cond:
-            self._shared -= 1
-            self._cond.notify_all()
+        self._leave(threading.get_ident())
+
+    def _leave(self, me: int) -> None:
+        readers = self._readers
+        left = readers[me] - 1
+        if left:
+            readers[me] = left
+        else:
+            del readers[me]
+        if self._excl:  # a resize may be waiting for the last transaction (it looks under the lock)
+            with self._cond:
+                self._cond.notify_all()
 
     @contextmanager
     def shared(self):
@@ -52,7 +68,7 @@ class Gate:
             while self._excl:
                 self._cond.wait()
             self._excl = True
-            while self._shared:
+            while self._readers:
                 self._cond.wait()
         fd = None
         try:
