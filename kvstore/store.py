@@ -2,28 +2,30 @@
 
 The data flow, threads included::
 
-    put (engine thread)     tokens --hash--> BlockTable.plan_put (new blocks indexed) --> Job --> writer queue
-    writer thread           Job --encode (codec)--> Stored bytes --> apply(Encoded): RAM
+    put (engine thread)     tokens --hash--> BlockTable.plan_put (new blocks indexed, marked with the put's id)
+                                --> Writer.register_put / submit (the writer owns the put from here)
+    writer thread           the put --encode (codec)--> Stored bytes --> apply(Encoded): RAM
                                 --> Feed --> commit thread: Disk.write (LMDB) --> apply(Written)
                                 --> remote write-behind queue --> remote thread: Redis / Valkey
-    fetch (engine thread)   tokens --hash--> BlockTable.walk (+ Disk.discover where it ends: ``find``)
+    fetch (engine thread)   ``FetchPath`` (flow/fetch.py): tokens --hash--> BlockTable.lookup
+                                (+ Disk.discover where the index cannot serve as far as asked)
                                 --> Discovery.find (remote, what the local tiers lack: streamed, each
                                     block checked and placed in the hit's arrays as it comes)
-                                --> BlockTable.plan_fetch (the servable path, pinned; jobs to wait for)
+                                --> BlockTable.pin (the servable path, where each block is, queued puts)
                                 --> Planner.plan (what is worth loading) --> Reader.read:
                                 device copies / RAM / LMDB pages / remote bytes --check, gather--> layers
-                                --> apply(Used), BlockTable.release
+                                (+ a queued put's rows: Writer.queued_rows) --> BlockTable.served, Counters
     promote thread          blocks served from disk --copy--> apply(Promoted): RAM
 
 The ``BlockTable`` owns every block's state (index, RAM, disk LRU, pins) and
-its lock, and hands out plans of immutable ``BlockRef``s (its ``Node``s never
-leave kvstore/state/); ``Reader``, ``Writer``, ``Disk``, ``Discovery`` and
-``Planner`` carry them out, ask it, never each other, do their I/O outside
-its lock, and hand what they did back to it by ref. This module is
-the facade: it checks input and sequences them. Every block served is
-checked against the prompt's own tokens, so a hash collision or a bad block
-shortens the hit; it never serves KV of another prompt and never raises a
-storage fault into the engine.
+its lock, and hands out immutable ``BlockRef``s (its ``Node``s never leave
+kvstore/state/); ``FetchPath``, ``Reader``, ``Writer``, ``Disk``,
+``Discovery`` and ``Planner`` ask it, never each other's state, do their I/O
+outside its lock, and hand what they did back to it by ref. This module is
+the facade: it checks input and hands each call to its path. Every block
+served is checked against the prompt's own tokens, so a hash collision or a
+bad block shortens the hit; it never serves KV of another prompt and never
+raises a storage fault into the engine.
 """
 
 from __future__ import annotations

@@ -50,7 +50,8 @@ def _slowed(model, per_token_s: float = PER_TOKEN_S, seen: list | None = None):
 def test_calibration_times_short_prefills_only_on_a_slow_device_and_keeps_to_its_budget(tmp_path):
     """At 20 ms a token, 4 tokens (twice) take 0.16 s, 32 would take 1.28 s
     more and 256 10 s: a 0.5 s budget times the first size only, a 5 s one
-    the first two, and neither starts a prefill it predicts past the budget.
+    the first two, and neither starts a prefill it predicts past the budget
+    (which sizes it starts is what keeps it to the budget: no wall-clock bound here).
     (5 s, not 3: a CI run on a loaded 2-core box once stalled the first
     prefills by over a second, and a 3 s budget then declined the second size.)"""
     model, _ = load(str(make_tiny_model("llama", tmp_path / "m")))
@@ -62,7 +63,6 @@ def test_calibration_times_short_prefills_only_on_a_slow_device_and_keeps_to_its
             got = calibrate(s, model_key(model), [model], budget_s=budget)
             assert [(a, b) for a, b, _ in got.timed] == sizes == list(LADDER[:len(sizes)])
             assert all(secs >= PER_TOKEN_S * (b - a) for a, b, secs in got.timed)
-            assert got.seconds < budget
             assert [m["observed"] for m in s.stats()["cost"]["prefill"].values()] == [len(sizes)]
 
 
@@ -85,7 +85,7 @@ def test_the_first_request_logs_the_calibration_and_a_zero_budget_skips_it(tiny,
     caplog.set_level(logging.INFO, logger="kvstore")
     with PrefixStore(remember_rates=False) as s:
         r = generate(model, tokenizer, prompt, store=s, max_tokens=1)
-        assert 0 < r.calibrate_s < 3.0 + 2.0  # the default budget, and at most a prefill past it
+        assert r.calibrate_s > 0  # (timed; how long is the budget's business: the sizes it starts, above)
     start, end = [rec.getMessage() for rec in caplog.records if rec.name == "kvstore.calibrate"]
     assert "within a budget of 3.0 s" in start and "at most" not in start  # a budget, not a promised bound
     assert "calibrate_budget_s=0" in start and "fetch_policy='always'" in start
