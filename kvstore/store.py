@@ -4,8 +4,8 @@ The data flow, threads included::
 
     put (engine thread)     tokens --hash--> BlockTable.plan_put (new blocks indexed, marked with the put's id)
                                 --> Writer.register_put / submit (the writer owns the put from here)
-    writer thread           the put --encode (codec)--> Stored bytes --> apply(Encoded): RAM
-                                --> Feed --> commit thread: Disk.write (LMDB) --> apply(Written)
+    writer thread           the put --encode (codec)--> Stored bytes --> BlockTable.encoded: RAM
+                                --> Feed --> commit thread: Disk.write (LMDB) --> table.disk.written
                                 --> remote write-behind queue --> remote thread: Redis / Valkey
     fetch (engine thread)   ``FetchPath`` (flow/fetch.py): tokens --hash--> BlockTable.lookup
                                 (+ Disk.discover where the index cannot serve as far as asked)
@@ -15,7 +15,7 @@ The data flow, threads included::
                                 --> Planner.plan (what is worth loading) --> Reader.read:
                                 device copies / RAM / LMDB pages / remote bytes --check, gather--> layers
                                 (+ a queued put's rows: Writer.queued_rows) --> BlockTable.served, Counters
-    promote thread          blocks served from disk --copy--> apply(Promoted): RAM
+    promote thread          blocks served from disk --copy--> BlockTable.promoted: RAM
 
 The ``BlockTable`` owns every block's state (index, RAM, disk LRU, pins) and
 its lock, and hands out immutable ``BlockRef``s (its ``Node``s never leave

@@ -24,7 +24,6 @@ from ..config import DEFAULT_BLOCK, StoreConfig
 from ..counters import Counters
 from ..errors import StoreOpenError
 from ..state.index import BlockRef
-from ..state.plans import Adopted, LeftDisk, Written
 from ..blocks.record import BlockRecord, Entry
 from ..blocks.wire import Stored
 from ..state.table import BlockTable
@@ -106,7 +105,7 @@ class Disk:
             return False
         self._full_at = None
         recs = {r.key: r for r in written.records}
-        self.table.apply(Written([(n, recs[n.key]) for n, _ in pairs if n.key in recs]))
+        self.table.disk.written([(n, recs[n.key]) for n, _ in pairs if n.key in recs])
         self.counters.count("blocks_written", len(recs))
         self.counters.count("bytes_written", sum(len(e.payload) for n, e in pairs if n.key in recs))
         if written.parentless or written.cleared != self.cleared:
@@ -130,7 +129,7 @@ class Disk:
             if not victims:
                 break
             deleted = set(self._tier.remove([v.key for v in victims]))
-            self.table.apply(LeftDisk(victims, deleted))
+            self.table.disk.left(victims, deleted)
             gone += len(deleted)
         if gone:
             self.counters.count("evictions_ssd", gone)
@@ -283,7 +282,7 @@ class Disk:
         except Exception as e:  # a fault on disk is a miss
             self.read_failed("discover", e)
         if found:
-            self.table.apply(Adopted(node, found))
+            self.table.disk.adopted(node, found)
 
     def on_disk(self, nodes: Sequence[BlockRef]) -> dict[bytes, BlockRecord]:
         """The records on disk of ``nodes`` (written by another process meanwhile)."""

@@ -37,7 +37,7 @@ from ..counters import Counters
 from ..hit import Hit
 from ..state.index import BlockRef
 from ..state.lookup import shared_prefix
-from ..state.plans import Candidate, Lookup, Pinned, Reused
+from ..state.plans import Candidate, Lookup, Pinned
 from ..state.table import BlockTable
 from .discovery import Discovery, Found
 from .disk import Disk
@@ -198,7 +198,7 @@ class FetchPath:
                       tokens_queued=0 if tail is None else got.length - cut)
         self.counters.record(counts, touched.disk_keys, now)
         if self.reuse is not None:  # asked for again: its chain may go to disk
-            self.table.apply(Reused(got.used[-1]))
+            self.table.admissions.reused(got.used[-1])
             self.reuse()
         return hit
 

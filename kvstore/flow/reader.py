@@ -26,7 +26,6 @@ from .disk import Disk
 from ..errors import BlockDecodeError
 from ..convert.gather import HostFill, gather
 from ..state.index import BlockRef
-from ..state.plans import Bad, GoneFromDisk, OffsetFound, Promoted
 from ..state.lookup import servable
 from ..gpu.backend import Backend, choose
 from ..state.table import BlockTable
@@ -95,7 +94,7 @@ class Reader:
             self._drop_bad(p, why)
         for p in gone:
             self.counters.count("blocks_gone")
-            self.table.apply(GoneFromDisk(p))
+            self.table.disk.gone(p)
         return served
 
     def _from_disk(self, txn, path: list[BlockRef], items: list, bad: list, gone: list) -> None:
@@ -114,7 +113,7 @@ class Reader:
                 gone.append(p)
                 return
             if p.offset < 0:
-                self.table.apply(OffsetFound(p, txn.offset_of(got.buf)))
+                self.table.disk.offset_found(p, txn.offset_of(got.buf))
             items[i] = got
 
     def _serve(self, path, items, from_ram, toks, length, quantized, bad: list,
@@ -154,7 +153,7 @@ class Reader:
         self.counters.count("corrupt_blocks")
         log.warning("kvstore: block %s (tokens %d-%d) is bad: %s; serving a shorter prefix",
                     node.key.hex()[:16], node.start, node.end, why)
-        keys = self.table.apply(Bad(node))
+        keys = self.table.bad(node)
         if self.writable and self.disk is not None:
             self.disk.delete(keys)
 
@@ -200,7 +199,7 @@ class Reader:
                         break
                     held.append(got)
             for p, b in zip(nodes, held):
-                self.table.apply(Promoted(p, b))  # (unless in RAM meanwhile)
+                self.table.promoted(p, b)  # (unless in RAM meanwhile)
         except Exception as e:  # a cache: a failed promotion only means the next hit reads the disk again
             log.debug("kvstore: promotion failed: %s", e)
         finally:

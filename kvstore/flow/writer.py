@@ -48,7 +48,7 @@ from .disk import Disk
 from ..convert.encode import About, Rows, encoded
 from ..state.index import BlockRef
 from ..convert.queued import rows_of_queued
-from ..state.plans import Encoded, JobDone, JobReleased, Placed, Written
+from ..state.plans import Placed
 from ..blocks.layers import Layer
 from .priority import EngineFirst
 from ..blocks.record import BlockRecord, Entry
@@ -184,8 +184,8 @@ class Writer:
     def _drop(self, job: Job) -> None:
         """A job not stored: its blocks leave the index (a later put stores them)."""
         nodes = self._nodes(job)
-        self.table.apply(JobDone(job.ident, nodes, dropped=True))
-        self.table.apply(JobReleased(job.ident, nodes))
+        self.table.put_done(job.ident, nodes, dropped=True)
+        self.table.put_released(job.ident, nodes)
         self._let_go(job)
         self._done(job)
 
@@ -327,12 +327,12 @@ class Writer:
             wait(writing)  # their outcome is settled before blocks are dropped
             if isinstance(e, Exception):
                 log.exception("kvstore: storing %d blocks failed; they are dropped", len(job.nodes))
-            self.table.apply(JobDone(job.ident, job.nodes, dropped=True))  # (in no tier, a later put would take them as stored)
+            self.table.put_done(job.ident, job.nodes, dropped=True)  # (in no tier, a later put would take them as stored)
             if not isinstance(e, Exception):
                 raise
         finally:
             self._let_go(job)
-            self.table.apply(JobReleased(job.ident, job.nodes))
+            self.table.put_released(job.ident, job.nodes)
             self._done(job)
 
     def _entries(self, job: Job, elsewhere: set[bytes], to_disk: bool, to_remote: bool
@@ -354,7 +354,7 @@ class Writer:
                                               backend=self.backend):
             self.engine.yield_to_engine()
             record = self._record(job, node, held, about) if to_disk or to_remote else None
-            where = self.table.apply(Encoded(node, job.ident, held, ram_only=not to_disk, record=record))
+            where = self.table.encoded(node, job.ident, held, ram_only=not to_disk, record=record)
             if where is Placed.NOT_KEPT:  # kept nowhere: its buffer is for the next block (page-locked memory is slow to make)
                 buffers.give_back(held.buf)
                 continue
@@ -373,8 +373,8 @@ class Writer:
         same = [(n, r) for n in job.nodes if (r := recs.get(n.key)) is not None
                 and r.snap == n.snap and r.gap == n.gap and (not r.gap or r.first_row == n.rows_from)]
         if same:
-            self.table.apply(Written(same))
-            self.table.apply(JobReleased(job.ident, [n for n, _ in same]))
+            self.table.disk.written(same)
+            self.table.put_released(job.ident, [n for n, _ in same])
         return {n.key for n, _ in same}
 
     def _record(self, job: Job, node: BlockRef, held: Stored, about: About) -> BlockRecord:
@@ -423,4 +423,4 @@ class Writer:
         hold them)."""
         self.disk.write(((n, e) for n, e in feed if n.key not in job.unadmitted
                          and (e.record.snap or not self.table.on_disk(n))), nbytes)
-        self.table.apply(JobDone(job.ident, [n for n, _ in feed.taken]))
+        self.table.put_done(job.ident, [n for n, _ in feed.taken])

@@ -25,7 +25,8 @@ Eviction takes leaves first, without a scan, in both tiers:
 Two parts, made here with the index, the lock and what else they need, own
 the rest: ``disk`` (``DiskSide``: which blocks are on disk, their LRU,
 adopting blocks found there) and ``admissions`` (``ssd_admit="reuse"``'s
-queue). Results come back through ``apply``.
+queue). Each question the other paths ask, and each result they hand back, is a method
+with a typed answer.
 """
 
 from __future__ import annotations
@@ -42,7 +43,7 @@ from .table_admit import Admissions
 from .table_disk import DiskSide
 from ..blocks.hashing import KeyChain
 from .index import BlockRef, Node, RadixIndex
-from .plans import Bad, Candidate, Encoded, JobDone, JobReleased, Lookup, Pinned, Placed, Promoted, Touched
+from .plans import Candidate, Lookup, Pinned, Placed, Touched
 from ..blocks.layers import KVLayer
 from ..blocks.record import BlockRecord
 from ..tiers.device import DeviceTier
@@ -62,9 +63,6 @@ class BlockTable:
         self._new: dict[int, list[Node]] = {}  # a put's new blocks until the writer takes their refs
         self.disk = DiskSide(self._index, self._lock, self._forget)
         self.admissions = Admissions(self._index, self._lock, self._ram.get, admit_on_reuse and has_disk and writable)
-        self._handlers = {Encoded: self._on_encoded, JobDone: self._on_job_done, JobReleased: self._on_job_released,
-                          Promoted: self._on_promoted,
-                          Bad: self._on_bad, **self.disk.handlers, **self.admissions.handlers}
 
     # ---------------------------------------------------------------- reads
 
@@ -152,18 +150,19 @@ class BlockTable:
         with self._lock:
             return [n.ref() for n in self._new.pop(pending, ())]
 
-    def _on_encoded(self, r: Encoded) -> Placed:
-        """A freshly encoded block of the put ``r.pending``: kept in RAM when
-        it fits (room made first, never from its own prefix). For a RAM-only
+    def encoded(self, ref: BlockRef, pending: int, block: Stored, ram_only: bool,
+                record: Optional[BlockRecord] = None) -> Placed:
+        """A freshly encoded block of the put ``pending``: kept in RAM when it
+        fits (room made first, never from its own prefix). For a RAM-only
         store that is where it is durable; one that fits nowhere leaves the
         index. Kept in RAM only, with ``record``, until it is asked for again
         under ``ssd_admit="reuse"``."""
-        pid, ram_only = r.pending, r.ram_only
+        pid = pending
         with self._lock:
-            node = self._index.node(r.ref)
+            node = self._index.node(ref)
             if node is None or node.pending != pid:
                 return Placed.NOT_KEPT
-            kept = self._admit(node, r.block)
+            kept = self._admit(node, block)
             wait = not ram_only and not self.admissions.to_disk(node, pid)
             if ram_only or wait:
                 if not kept:
@@ -171,7 +170,7 @@ class BlockTable:
                     return Placed.NOT_KEPT
                 node.pending = 0
                 if wait:
-                    node.record = r.record
+                    node.record = record
                     return Placed.RAM_ONLY
             return Placed.TO_DISK
 
@@ -182,25 +181,26 @@ class BlockTable:
             node = self._index.node(ref)
             return node is not None and node.pending == pending
 
-    def _on_job_done(self, r: JobDone) -> None:
-        """The put ``r.pending`` is finished with ``refs`` (its write done,
-        or, ``dropped``, failed): a block in no tier leaves the index (a later
-        put stores it again)."""
-        pid = r.pending
+    def put_done(self, pending: int, refs: Sequence[BlockRef], dropped: bool = False) -> None:
+        """The put ``pending`` is finished with ``refs`` (its write done, or,
+        ``dropped``, failed): a block in no tier leaves the index (a later put
+        stores it again)."""
+        pid = pending
         with self._lock:
-            for node in self._index.nodes(r.refs):
-                if r.dropped and node.pending != pid:
+            for node in self._index.nodes(refs):
+                if dropped and node.pending != pid:
                     continue
                 if node.pending == pid:
                     node.pending = 0
                 if not node.in_ram and not node.on_disk:
                     self._forget(node)
 
-    def _on_job_released(self, r: JobReleased) -> None:
+    def put_released(self, pending: int, refs: Sequence[BlockRef]) -> None:
+        """The put ``pending`` no longer holds these blocks (a fetch need not wait for it)."""
         with self._lock:
-            self._new.pop(r.pending, None)
-            for node in self._index.nodes(r.refs):
-                if node.pending == r.pending:
+            self._new.pop(pending, None)
+            for node in self._index.nodes(refs):
+                if node.pending == pending:
                     node.pending = 0
 
     # ---------------------------------------------------------------- fetch
@@ -292,18 +292,13 @@ class BlockTable:
 
     # ------------------------------------------------------------ results
 
-    def apply(self, result):
-        """Take back what a path did with a plan's blocks (``plans``: ``Encoded``, ``Written``, ``Used``, ...);
-        returns what that result's handler says (see each result)."""
-        return self._handlers[type(result)](result)
-
-    def _on_promoted(self, r: Promoted) -> None:
+    def promoted(self, ref: BlockRef, block: Stored) -> None:
         """Keep a block read from disk or the remote in RAM, if it is not there
         yet and fits beside pinned ones."""
         with self._lock:
-            node = self._index.node(r.ref)
+            node = self._index.node(ref)
             if node is not None and not node.in_ram:
-                self._promote(node, r.block)
+                self._promote(node, block)
 
     def keep_found(self, parent: BlockRef, found: Sequence[tuple[BlockRecord, Stored]], now: float,
                    pending: Optional[Callable[[list[BlockRef]], int]]) -> list[BlockRef]:
@@ -364,11 +359,11 @@ class BlockTable:
             if keep_bytes < self._ram.nbytes:
                 self._make_room(self._ram.budget - keep_bytes)
 
-    def _on_bad(self, r: Bad) -> list[bytes]:
+    def bad(self, ref: BlockRef) -> list[bytes]:
         """Drop the block and its subtree if still indexed; returns the keys of
         those with a disk copy (for the caller to delete, unlocked)."""
         with self._lock:
-            node = self._index.node(r.ref)
+            node = self._index.node(ref)
             return self._forget(node) if node is not None else []
 
     def clear(self) -> None:

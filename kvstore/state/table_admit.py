@@ -16,7 +16,6 @@ from __future__ import annotations
 from typing import Callable, Optional
 
 from .index import BlockRef, Node, RadixIndex
-from .plans import Reused
 from ..blocks.record import Entry
 from ..blocks.wire import Stored
 
@@ -28,13 +27,12 @@ class Admissions:
         self._held = held
         self.on = on  # ``ssd_admit="reuse"`` on a writable store with a disk
         self._queue: list[Node] = []  # chains asked for again, to admit to disk (``take``)
-        self.handlers = {Reused: self._on_reused}
 
-    def _on_reused(self, r: Reused) -> None:
+    def reused(self, ref: BlockRef) -> None:
         """The block (and so its prefix) was asked for again; its chain's blocks
         without a disk copy are queued for admission (``take``)."""
         with self._lock:
-            node = self._index.node(r.ref)
+            node = self._index.node(ref)
             if node is not None:
                 self._reused(node)
 

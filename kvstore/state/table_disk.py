@@ -9,11 +9,10 @@ only this one), and hands it the results that are its own (``handlers``).
 
 from __future__ import annotations
 
-from typing import Callable, Iterable, Optional
+from typing import Callable, Iterable, Optional, Sequence
 
 from .disk_order import DiskOrder
 from .index import BlockRef, Node, RadixIndex
-from .plans import Adopted, GoneFromDisk, LeftDisk, OffsetFound, Written
 from ..blocks.record import BlockRecord
 
 
@@ -23,8 +22,6 @@ class DiskSide:
         self._lock = lock  # the table's
         self._forget = forget
         self._order = DiskOrder(index)
-        self.handlers = {Written: self._on_written, LeftDisk: self._on_left_disk, Adopted: self._on_adopted,
-                         GoneFromDisk: self._on_gone, OffsetFound: self._on_offset}
 
     # ------------------------------------------------ the table's own steps, under its lock
 
@@ -38,12 +35,12 @@ class DiskSide:
         """The table dropped ``nodes`` (a block and its subtree) from the index."""
         self._order.dropped(nodes)
 
-    # ------------------------------------------------------------------ handlers and reads
+    # ------------------------------------------------------------------ what the disk path tells and asks
 
-    def _on_written(self, r: Written) -> None:
+    def written(self, pairs: Iterable[tuple[BlockRef, BlockRecord]]) -> None:
         """These blocks' records and bytes are on disk now."""
         with self._lock:
-            for ref, rec in r.pairs:
+            for ref, rec in pairs:
                 node = self._index.node(ref)
                 if node is None:
                     continue  # dropped meanwhile
@@ -58,16 +55,15 @@ class DiskSide:
 
     def victims(self, nbytes: int) -> list[BlockRef]:
         """Least recently used disk leaves, unpinned, about ``nbytes`` of them
-        (hand them back as ``LeftDisk``)."""
+        (hand them back to ``left``)."""
         with self._lock:
             return [v.ref() for v in self._order.victims(nbytes)]
 
-    def _on_left_disk(self, r: LeftDisk) -> None:
-        """``deleted`` of ``victims`` left the disk; a block then in no tier
-        leaves the index."""
-        deleted = r.deleted
+    def left(self, victims: Sequence[BlockRef], deleted: set[bytes]) -> None:
+        """``deleted`` of ``victims`` (``victims``) left the disk; a block then
+        in no tier leaves the index."""
         with self._lock:
-            for v in self._index.nodes(r.victims):
+            for v in self._index.nodes(victims):
                 if v.key not in deleted and v.on_disk:
                     self._order.push(v)  # another process removed it first, or it survived: keep it known
                     continue
@@ -75,14 +71,14 @@ class DiskSide:
                 if not v.in_ram and not v.pending:
                     self._forget(v)
 
-    def _on_adopted(self, r: Adopted) -> int:
+    def adopted(self, parent: BlockRef, records: Sequence[BlockRecord]) -> int:
         """Index blocks found on disk below ``parent`` (by this or another
         process); returns how many were indexed."""
         with self._lock:
-            node = self._index.node(r.parent)
+            node = self._index.node(parent)
             if node is None:
                 return 0
-            return sum(self._adopt(node, rec) is not None for rec in r.records)
+            return sum(self._adopt(node, rec) is not None for rec in records)
 
     def adopt_all(self, by_parent: dict[bytes, list[BlockRecord]], roots: Iterable[bytes]) -> None:
         """Rebuild from disk: every block whose parent chain is whole (what is
@@ -127,17 +123,17 @@ class DiskSide:
                     n += len(self._forget(node))
             return n
 
-    def _on_gone(self, r: GoneFromDisk) -> None:
+    def gone(self, ref: BlockRef) -> None:
         """A block the index has on disk is no longer there (another process
         removed it): it leaves the index with the blocks under it."""
         with self._lock:
-            node = self._index.node(r.ref)
+            node = self._index.node(ref)
             if node is not None and not node.in_ram and not node.pending:
                 self._forget(node)
 
-    def _on_offset(self, r: OffsetFound) -> None:
+    def offset_found(self, ref: BlockRef, offset: int) -> None:
         """Where a block written before offsets were recorded sits (for residency checks)."""
         with self._lock:
-            node = self._index.node(r.ref)
+            node = self._index.node(ref)
             if node is not None:
-                node.offset = r.offset
+                node.offset = offset
