@@ -5,14 +5,19 @@ cannot pass for the right one."""
 
 from __future__ import annotations
 
+import shutil
 import struct
+import subprocess
+import sys
 from contextlib import contextmanager
 from functools import partial
 from importlib import metadata
+from pathlib import Path
 from typing import Iterator, Optional, Sequence
 
 import mlx.core as mx
 import msgpack
+import pytest
 import numpy as np
 import xxhash
 from mlx.utils import tree_map
@@ -184,3 +189,21 @@ def blocks_on_disk(path) -> dict[bytes, bytes]:
     """Every block's stored value in the closed store at ``path``, by key."""
     with lmdb_of(path) as disk, disk.env.begin(db=disk.dbs[b"blocks"]) as txn:
         return {bytes(k): bytes(v) for k, v in txn.cursor()}
+
+
+@contextmanager
+def small_tmpfs(folder: Path, size: str) -> Iterator[Path]:
+    """A tmpfs of ``size`` mounted at ``folder``: a device that fills up for real (needs Linux, root and mount
+    rights; the test is skipped otherwise)."""
+    folder.mkdir()
+    if sys.platform != "linux" or shutil.which("mount") is None:
+        pytest.skip("needs Linux and mount(8) for a tmpfs")
+    made = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(folder)], capture_output=True,
+                          text=True)
+    if made.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here: {made.stderr.strip()}")
+    try:
+        yield folder
+    finally:
+        if subprocess.run(["umount", str(folder)], capture_output=True).returncode != 0:
+            subprocess.run(["umount", "-l", str(folder)], capture_output=True)

@@ -246,6 +246,18 @@ def test_fetch_path_traces_a_ram_hit_and_a_disk_hit_and_reports_its_figures(tmp_
     assert "kvstore.tiers.disk.lmdb" not in got["ram_hit"]["modules"]
 
 
+def test_one_fetch_takes_at_most_eight_of_the_stores_locks():
+    """Issue 52: a fetch is one pass, so a RAM hit and a disk hit each take at most 8 acquisitions of the
+    package's own locks on the engine's thread (before the fetch pipeline: 36, the table's eight times, the
+    counters' eight, a thread-pool lookup per layer and tensor). Counted, not timed: the same on any box."""
+    proc = subprocess.run([sys.executable, "-m", "kvstore.tools.bench", "fetch-path", "--tokens", "1024", "--layers",
+                           "4", "--warmup", "1", "--json"], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    got = json.loads(proc.stdout)
+    for name in ("ram_hit", "disk_hit"):
+        assert got[name]["lock_acquisitions"] <= 8, (name, got[name]["locks_by_caller"])
+
+
 def test_fetch_path_counts_each_lock_taken_by_the_store_once():
     """The tracer's lock rule on a real lock: a ``with`` on a C lock (whose enter raises no profile event),
     an explicit acquire, and a lock the standard library takes on the store's behalf (not counted)."""

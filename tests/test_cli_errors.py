@@ -15,6 +15,8 @@ import pytest
 
 from kvstore import KVLayer, PrefixStore
 
+from ._helpers import small_tmpfs
+
 MODEL = "errors-model"
 
 
@@ -77,15 +79,8 @@ def test_export_to_an_existing_directory_is_one_line_and_writes_nothing(tmp_path
 @pytest.fixture
 def small_fs(tmp_path):
     """A 3 MiB tmpfs: a device that fills up for real."""
-    mnt = tmp_path / "mnt"
-    mnt.mkdir()
-    made = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=3m", "tmpfs", str(mnt)], capture_output=True, text=True)
-    if made.returncode != 0:
-        pytest.skip(f"cannot mount a small tmpfs here: {made.stderr.strip()}")
-    try:
+    with small_tmpfs(tmp_path / "mnt", "3m") as mnt:
         yield mnt
-    finally:
-        subprocess.run(["umount", str(mnt)], check=True)
 
 
 def test_an_import_onto_a_full_device_leaves_no_new_store_and_an_old_one_whole(tmp_path, small_fs):

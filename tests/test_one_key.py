@@ -14,6 +14,8 @@ import pytest
 
 from kvstore.adapters.tiny_models import make_tiny_model
 
+from ._helpers import kv_layers
+
 PROMPT = "You answer briefly and only about the weather. " * 12 + "Is it raining?"
 CLI = [sys.executable, "-m", "kvstore.adapters.cli"]
 
@@ -136,16 +138,6 @@ def test_a_model_changed_after_loading_is_keyed_by_what_it_holds(model):
 # -- what `kvstore inspect` shows, and `kvstore export --model-key` takes ---------------------------------------
 
 
-def _kv(n, seed):
-    import mlx.core as mx
-
-    from kvstore import KVLayer
-
-    mx.random.seed(seed)
-    return [KVLayer(mx.random.normal((1, 2, n, 32)).astype(mx.float16),
-                    mx.random.normal((1, 2, n, 32)).astype(mx.float16)) for _ in range(2)]
-
-
 @pytest.fixture
 def two_models(tmp_path):
     """One model's three prompts sharing a 45-token system prompt (they part within a block), and another
@@ -158,8 +150,8 @@ def two_models(tmp_path):
         store.register_model("key-b", {"name": "other"})
         for i in range(3):
             tokens = list(range(45)) + [100 + i] * 20
-            store.put("key-a", tokens, _kv(len(tokens), i))
-        store.put("key-b", list(range(40)), _kv(40, 9))
+            store.put("key-a", tokens, kv_layers(tokens))
+        store.put("key-b", list(range(40)), kv_layers(list(range(40))))
         store.flush()
     return path
 

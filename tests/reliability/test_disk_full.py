@@ -7,9 +7,6 @@ from __future__ import annotations
 
 import logging
 import os
-import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -17,6 +14,7 @@ import pytest
 from kvstore import PrefixStore
 
 from . import kvdata as D
+from .._helpers import small_tmpfs
 
 MODEL = "disk-model"
 MiB = 1 << 20
@@ -59,18 +57,8 @@ def test_disk_budget_evicts_least_recently_used(tmp_path):
 @pytest.fixture
 def small_fs(tmp_path):
     """An 8 MiB tmpfs (needs root and mount rights; skipped otherwise)."""
-    mnt = tmp_path / "mnt"
-    mnt.mkdir()
-    if sys.platform != "linux" or shutil.which("mount") is None:
-        pytest.skip("needs Linux and mount(8) for a tmpfs")
-    p = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=8m", "tmpfs", str(mnt)], capture_output=True, text=True)
-    if p.returncode != 0:
-        pytest.skip(f"cannot mount a tmpfs here: {p.stderr.strip()}")
-    try:
+    with small_tmpfs(tmp_path / "mnt", "8m") as mnt:
         yield mnt
-    finally:
-        if subprocess.run(["umount", str(mnt)], capture_output=True).returncode != 0:
-            subprocess.run(["umount", "-l", str(mnt)], capture_output=True)
 
 
 def _fill(mnt: Path) -> None:
