@@ -20,7 +20,7 @@ A tensor is either a dense ``mx.array`` or a ``Quantized`` triple as
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
-from typing import Optional, Sequence, Union
+from typing import Iterable, Optional, Sequence, Union
 
 import mlx.core as mx
 import numpy as np
@@ -148,6 +148,11 @@ class KVLayer:
     start: int = 0
     window: Optional[int] = None
     rows: Optional[int] = None
+
+    @classmethod
+    def many(cls, pairs: Iterable[tuple[Tensor, Tensor]]) -> list["KVLayer"]:
+        """A layer of each (keys, values) pair, rows from 0 (a hit's layers at once)."""
+        return [cls(k, v) for k, v in pairs]
 
     @property
     def stop(self) -> int:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import copy
 import math
 from dataclasses import dataclass
+from functools import cached_property
 from typing import Iterator, Optional, Union
 
 import mlx.core as mx
@@ -338,12 +339,13 @@ class Stored:
     def payload(self) -> memoryview:
         return self.buf[self.header.payload_start :]
 
-    @property
+    @cached_property
     def nbytes(self) -> int:
         return len(self.buf)
 
-    @property
+    @cached_property
     def tokens(self) -> np.ndarray:
+        """(Cached: a RAM block is asked for its tokens and size by every fetch that finds it.)"""
         return self.header.tokens.view(self.payload)
 
     def intact(self) -> bool:

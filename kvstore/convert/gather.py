@@ -158,7 +158,7 @@ def gather(items: Sequence, length: int, quantized: Optional[tuple[int, int]] = 
     # leave it out)
     for (li, ti, _), d in zip(dense, spread([t.dequantize for _, _, t in dense])):
         tensors[li][ti] = d
-    return Gathered([KVLayer(k, v, 0, None) for k, v in tensors], length, on_device=kept)
+    return Gathered(KVLayer.many(tensors), length, on_device=kept)
 
 
 def _slow(items: Sequence[Stored], length: int, quantized) -> Gathered:

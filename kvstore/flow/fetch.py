@@ -190,8 +190,8 @@ class FetchPath:
         if got.length == 0:
             counts["misses"] = 1
             self.counters.record(counts, touched.disk_keys, now)
-            return Hit(skipped_tokens=plan.skipped, skip_reason=plan.reason)
-        hit = self._hit(got, found, plan, tail, cut)
+            return Hit(skipped_tokens=counts["tokens_skipped_cost"], skip_reason=plan.reason)
+        hit = self._hit(got, found, plan, tail, cut, counts["tokens_skipped_cost"])
         hit.source_bytes = self.planner.observe(got.used, got.nbytes, got.from_ram, min(got.length, cut), plan,
                                                 t_load, counts)
         counts.update(hits=1, tokens_ram=hit.ram_tokens, tokens_ssd=hit.ssd_tokens, tokens_remote=hit.remote_tokens,
@@ -203,13 +203,13 @@ class FetchPath:
         return hit
 
     @staticmethod
-    def _hit(got, found: Found, plan, tail, cut: int) -> Hit:
+    def _hit(got, found: Found, plan, tail, cut: int, skipped: int) -> Hit:
         length = got.length
         spans = [(p, min(p.end, length) - p.start, r) for p, r in zip(got.used, got.from_ram)]
         remote = sum(m for p, m, _ in spans if p.key in found.blocks)
         ram = sum(m for p, m, r in spans if r and p.key not in found.blocks)
         ram += 0 if tail is None else length - cut  # (a queued put's rows count as RAM's)
-        return Hit(length, got.layers, ram_tokens=ram, ssd_tokens=length - ram - remote, skipped_tokens=plan.skipped,
+        return Hit(length, got.layers, ram_tokens=ram, ssd_tokens=length - ram - remote, skipped_tokens=skipped,
                    skip_reason=plan.reason, predicted_s=plan.load_s if length == plan.length else 0.0,
                    remote_tokens=remote)
 

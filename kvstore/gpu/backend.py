@@ -16,7 +16,7 @@ before calling such a function, switches it).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Optional
 
 import mlx.core as mx
@@ -31,12 +31,12 @@ class Backend:
 
     name: str
     runtime: Optional[cuda.Runtime] = None
+    # arrays live in device memory apart from the host's (CUDA): bytes cross on the copy engine, never through
+    # a host array's address (a field, set from ``runtime``: every gather asks it)
+    apart: bool = field(init=False)
 
-    @property
-    def apart(self) -> bool:
-        """Arrays live in device memory apart from the host's (CUDA): bytes
-        cross on the copy engine, never through a host array's address."""
-        return self.runtime is not None
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "apart", self.runtime is not None)
 
     def device_memory(self) -> int:
         """Bytes of the device's own memory (0 where memory is one: a CPU, Apple silicon)."""

@@ -59,6 +59,11 @@ class DiskOrder:
             if len(self._heap) > 2 * self.blocks + 1024:
                 self._compact()
 
+    def push_all(self, nodes: list[Node]) -> None:
+        """``push`` of each (a hit's blocks at once)."""
+        for node in nodes:
+            self.push(node)
+
     def victims(self, nbytes: int) -> list[Node]:
         """Least recently used disk leaves, unpinned, about ``nbytes`` of them
         (taken out of the order; the caller pushes back what stays)."""

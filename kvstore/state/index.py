@@ -155,6 +155,11 @@ class RadixIndex:
         node = self._nodes.get(ref.key)
         return node if node is not None and node.ident == ref.ident else None
 
+    @staticmethod
+    def refs(nodes: Iterable["Node"]) -> list[BlockRef]:
+        """``ref()`` of each node (a walk's at once)."""
+        return [n.ref() for n in nodes]
+
     def as_found(self, refs: Sequence[BlockRef]) -> list:
         """Per ref, its indexed block, or the ref itself where that block was dropped (it stays as it was)."""
         return [self.node(r) or r for r in refs]

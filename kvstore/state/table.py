@@ -215,7 +215,7 @@ class BlockTable:
             stop = w.last
             cands = [Candidate(c.ref(), self._tokens_held(c), c.pending)
                      for c in lookup.partial_candidates(stop, chain, w.length, n)]
-            return Lookup(stop.ref(), [p.ref() for p in w.nodes], cands)
+            return Lookup(stop.ref(), RadixIndex.refs(w.nodes), cands)
 
     def _tokens_held(self, node: Node) -> Optional[np.ndarray]:
         return block.tokens if node.in_ram and (block := self._ram.get(node.key)) is not None else None

@@ -29,7 +29,7 @@ class DiskSide:
         """Blocks on disk were served at ``when``: their places in the disk LRU."""
         for node in nodes:
             node.used = when
-            self._order.push(node)
+        self._order.push_all(nodes)
 
     def dropped(self, nodes: list[Node]) -> None:
         """The table dropped ``nodes`` (a block and its subtree) from the index."""
