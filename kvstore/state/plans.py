@@ -55,10 +55,6 @@ class Pinned:
     on_disk: dict[bytes, tuple[int, int]] = field(default_factory=dict)
     done: bool = False  # unpinned (``served`` or ``release``): once only
 
-    @property
-    def in_ram(self) -> list[bool]:
-        return [b is not None for b in self.items]
-
 
 class Touched(NamedTuple):
     """``BlockTable.served``: the keys of the used blocks with a disk copy, and the blocks to promote to RAM."""
