@@ -169,7 +169,7 @@ class FetchPath:
                 got = replace(got, layers=joined(got.layers, tail), length=length)
             else:
                 tail = None
-        return self._account(len(toks), pinned, got, found, plan, tail, cut,
+        return self._account(pinned, got, found, plan, tail, cut,
                              {"tokens_requested": len(toks), "tokens_skipped_cost": plan.skipped,
                               "fetch_waited_us": waited}, t_load)
 
@@ -180,7 +180,7 @@ class FetchPath:
         self.table.view(pinned, found.blocks)  # where the waited-for blocks are now
         return int((time.perf_counter() - t0) * 1e6)
 
-    def _account(self, n: int, pinned: Pinned, got, found: Found, plan, tail, cut: int, counts: dict[str, int],
+    def _account(self, pinned: Pinned, got, found: Found, plan, tail, cut: int, counts: dict[str, int],
                  t_load: float) -> Hit:
         """Tell the table what was served (one lock) and the counters (one lock); the hit as the engine gets it."""
         now = time.time()
