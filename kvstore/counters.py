@@ -4,7 +4,8 @@ added to the store's lifetime totals on disk, and block uses not yet saved."""
 from __future__ import annotations
 
 import threading
-from typing import Iterable
+from bisect import bisect_left
+from typing import Iterable, Optional
 
 from .blocks.record import Use
 
@@ -30,6 +31,11 @@ NAMES = ("hits", "misses", "tokens_requested", "tokens_ram", "tokens_ssd", "puts
          "remote_unauthenticated",  # remote blocks skipped: no valid MAC under this store's remote_secret
          "remote_block_size_mismatch")  # models the remote holds in blocks of another size (shared with nothing)
 
+# Upper bounds (seconds) of the latency histograms' buckets: a RAM hit's tenth of a millisecond to a cold
+# remote fetch's seconds. Fixed, so a process's histograms add up across processes (Prometheus' ``le``).
+BOUNDS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
+TIMED = ("fetch", "put")  # the engine-thread calls timed (``stats()``: ``fetch_seconds``, ``put_seconds``)
+
 
 class Counters:
     """Thread-safe counters (a small lock of their own, never held across I/O)."""
@@ -39,15 +45,35 @@ class Counters:
         self.now = dict.fromkeys(NAMES, 0)
         self._unsaved = dict.fromkeys(NAMES, 0)
         self._uses: dict[bytes, tuple[float, int]] = {}  # key -> (last use, hits): a ``Use`` once drained
+        # per timed call: observations per bucket (the last past every bound) and their sum; this process's only
+        self._hist = {name: [0] * (len(BOUNDS) + 1) for name in TIMED}
+        self._sums = dict.fromkeys(TIMED, 0.0)
 
     def count(self, name: str, k: int = 1) -> None:
         with self._lock:
             self.now[name] += k
             self._unsaved[name] += k
 
-    def record(self, deltas: dict[str, int], used: Iterable[bytes] = (), when: float = 0.0) -> None:
-        """A fetch's counts and the blocks with a disk copy it served at ``when``, at once (one lock)."""
+    def observe(self, name: str, seconds: float, count: Optional[str] = None) -> None:
+        """``seconds`` into the ``name`` latency histogram (and the counter ``count`` + 1: a put times and
+        counts itself in one lock)."""
         with self._lock:
+            self._observe(name, seconds)
+            if count is not None:
+                self.now[count] += 1
+                self._unsaved[count] += 1
+
+    def _observe(self, name: str, seconds: float) -> None:  # (the lock held)
+        self._hist[name][bisect_left(BOUNDS, seconds)] += 1
+        self._sums[name] += seconds
+
+    def record(self, deltas: dict[str, int], used: Iterable[bytes] = (), when: float = 0.0,
+               seconds: Optional[float] = None) -> None:
+        """A fetch's counts, the blocks with a disk copy it served at ``when`` and the ``seconds`` it took (the
+        fetch histogram), at once: one lock, the fetch path's only one here."""
+        with self._lock:
+            if seconds is not None:
+                self._observe("fetch", seconds)
             for name, k in deltas.items():
                 if k:
                     self.now[name] += k
@@ -57,8 +83,17 @@ class Counters:
                 self._uses[key] = (when, 1 + (old[1] if old else 0))
 
     def snapshot(self) -> dict:
+        """The counters, and per timed call ``NAME_seconds``: ``{"buckets": [[le, observations <= le], ...],
+        "sum", "count"}`` (the buckets cumulative, as Prometheus has them; ``count`` is the ``+Inf`` one)."""
         with self._lock:
-            return dict(self.now)
+            out = dict(self.now)
+            for name, counts in self._hist.items():
+                total, buckets = 0, []
+                for le, k in zip(BOUNDS, counts):
+                    total += k
+                    buckets.append([le, total])
+                out[f"{name}_seconds"] = {"buckets": buckets, "sum": self._sums[name], "count": total + counts[-1]}
+            return out
 
     def drain(self) -> tuple[dict[bytes, Use], dict[str, int]]:
         """Uses and lifetime deltas not saved yet (and forget them)."""
