@@ -32,6 +32,7 @@ from .fingerprints import adapter_fingerprint, loaded_model_fingerprint, model_f
 from .gguf import gguf_fingerprint, is_gguf
 from .mlx_lm import caches_to_layers, layers_to_caches
 from .model_source import describe, loaded_from, watch_loads
+from .request_log import log_request
 
 _G = importlib.import_module("mlx_lm.generate")  # the module (the package's attribute of that name is the function)
 watch_loads()  # models mlx-lm loads from now on say which files they came from: they key by them (model_key)
@@ -149,6 +150,7 @@ def fetch_cache(store: PrefixStore, model: nn.Module, key: str, tokens: Sequence
     calibrate_once(store, key, models)
     quant = (kv_bits, kv_group_size) if kv_bits else None
     hit = store.fetch(key, tokens, limit=len(tokens) - 1, quantized=quant)
+    log_request(len(tokens), hit)
     if not hit:
         return Restored([c for m in models for c in C.make_prompt_cache(m, max_kv_size=max_kv_size)], 0)
     cache = layers_to_caches(hit.layers, models, length=hit.length, kv_bits=kv_bits, kv_group_size=kv_group_size,

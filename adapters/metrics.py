@@ -11,8 +11,9 @@ from __future__ import annotations
 from typing import Iterator
 
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.registry import Collector
+from prometheus_client.utils import floatToGoString
 
 from kvstore import PrefixStore
 from kvstore.errors import StoreClosedError
@@ -23,8 +24,9 @@ COUNTERS = (
     ("kvstore_hits", "Lookups that served a cached prefix.", "hits"),
     ("kvstore_misses", "Lookups that served nothing.", "misses"),
     ("kvstore_tokens_requested", "Prompt tokens looked up.", "tokens_requested"),
-    ("kvstore_tokens_served", "Prompt tokens served from the cache, by the tier they were read from "
-     "(ram includes blocks with a device copy).", {"ram": "tokens_ram", "ssd": "tokens_ssd", "remote": "tokens_remote"}),
+    ("kvstore_tokens_served", "Prompt tokens served from the cache, by the tier they were read from (device: "
+     "copies in GPU memory; ram excludes those, so the tiers add up to the tokens served).",
+     {"device": "tokens_device", "ram": "tokens_ram", "ssd": "tokens_ssd", "remote": "tokens_remote"}),
     ("kvstore_tokens_declined", "Cached tokens not served: the cost model predicted recomputing faster.",
      "tokens_skipped_cost"),
     ("kvstore_puts", "Caches offered to the store.", "puts"),
@@ -41,6 +43,17 @@ COUNTERS = (
     ("kvstore_write_errors", "Failed writes to the SSD tier.", "write_errors"),
     ("kvstore_remote_errors", "Failed calls to the remote tier (refused connections, timeouts).", "remote_errors"),
     ("kvstore_remote_refused", "Remote values refused (checksum, key binding, shape).", "remote_bad"),
+)
+# name (without "_total"), help, the stats() key of a {label value: count} dict, and the label
+BY_LABEL = (
+    ("kvstore_tokens_not_served", "Prompt tokens not served, by reason (docs/engines.md, Metrics); served plus "
+     "not served is kvstore_tokens_requested_total.", "tokens_not_served", "reason"),
+)
+# name, help, the stats() key of a histogram ({"buckets": [[le, cumulative count], ...], "sum", "count"})
+HISTOGRAMS = (
+    ("kvstore_fetch_seconds", "Seconds a fetch took on the engine's thread.", "fetch_seconds"),
+    ("kvstore_put_seconds", "Seconds a put took on the engine's thread (the writer stores its blocks later).",
+     "put_seconds"),
 )
 GAUGES = (
     ("kvstore_bytes", "Bytes held, by tier.", {"device": "device_bytes", "ram": "ram_bytes", "ssd": "ssd_bytes"}),
@@ -67,6 +80,23 @@ def _families(kind: type, table: tuple, stats: dict) -> Iterator[Metric]:
             yield kind(name, doc, value=stats[key])
 
 
+def _labelled(stats: dict) -> Iterator[Metric]:
+    for name, doc, key, label in BY_LABEL:
+        if key in stats:
+            m = CounterMetricFamily(name, doc, labels=[label])
+            for value, k in stats[key].items():
+                m.add_metric([value], k)
+            yield m
+
+
+def _histograms(stats: dict) -> Iterator[Metric]:
+    for name, doc, key in HISTOGRAMS:
+        if key in stats:
+            h = stats[key]
+            buckets = [(floatToGoString(le), k) for le, k in h["buckets"]] + [("+Inf", h["count"])]
+            yield HistogramMetricFamily(name, doc, buckets=buckets, sum_value=h["sum"])
+
+
 class StoreCollector(Collector):
     """The ``kvstore_*`` series of one store, read from its ``stats()``."""
 
@@ -78,7 +108,11 @@ class StoreCollector(Collector):
             stats = self.store.stats()
         except StoreClosedError:  # a scrape racing the server's shutdown
             return
+        if "tokens_device" in stats:  # tiers apart: the store's tokens_ram counts the device-served tokens too
+            stats["tokens_ram"] -= stats["tokens_device"]
         yield from _families(CounterMetricFamily, COUNTERS, stats)
+        yield from _labelled(stats)
+        yield from _histograms(stats)
         yield from _families(GaugeMetricFamily, GAUGES, stats)
 
 

@@ -119,7 +119,19 @@ def parse_args(argv: Sequence[str]) -> tuple[dict, list[str]]:
         bits = parse_kv_bits(opts.store_kv_bits)
     except ValueError as e:
         parser.error(f"--store-kv-bits: {e}")
-    return store_args(opts, budget_gb, bits), rest
+    return store_args(opts, budget_gb, bits), _log_level_upper(rest)
+
+
+def _log_level_upper(rest: list[str]) -> list[str]:
+    """mlx-lm's ``--log-level`` takes DEBUG, INFO, ... only: ``--log-level debug`` (each request's
+    served and not-served tokens, ``request_log``) reads as DEBUG too."""
+    out = list(rest)
+    for i, arg in enumerate(out):
+        if arg == "--log-level" and i + 1 < len(out):
+            out[i + 1] = out[i + 1].upper()
+        elif arg.startswith("--log-level="):
+            out[i] = arg.upper().replace("--LOG-LEVEL=", "--log-level=")
+    return out
 
 
 def store_args(opts: argparse.Namespace, budget_gb: float, bits: Union[None, int, tuple[int, int]]) -> dict:

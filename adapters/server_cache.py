@@ -28,6 +28,7 @@ from .gguf import TRAINED, is_gguf, resolve_model
 from .inserts import Inserts
 from .mlx_lm import cache_offset, layers_to_caches, snapshot
 from .model_source import key_files, loaded_from
+from .request_log import log_request
 
 __all__ = ["StorePromptCache"]
 
@@ -238,10 +239,11 @@ class StorePromptCache:
         while True:
             hit = self.store.fetch(key, tokens, limit=limit, quantized=quantized)
             whole = _whole_images(tokens, hit.length)
+            if whole == 0 < hit.length:  # it ends inside the first image: nothing of it is usable (a limit of ours)
+                hit = Hit(not_served={**hit.not_served, "limit": hit.not_served.get("limit", 0) + hit.length})
             if whole == hit.length:
+                log_request(len(tokens), hit)
                 return hit
-            if whole == 0:
-                return Hit()
             limit = whole
 
     def _resolve(self, model: Any) -> Optional[_Models]:

@@ -46,6 +46,7 @@ from kvstore.errors import ConfigError
 from .generate import calibrate_once, named_key, needs_snapshots, prefill
 from .inserts import Inserts
 from .mlx_lm import cache_offset, layers_to_cache, snapshot
+from .request_log import log_request
 from . import vllm_usage
 
 __all__ = ["StorePrefixCache", "StoreTrieCache"]
@@ -113,6 +114,7 @@ class StorePrefixCache:
             self.settle()  # a follow-up sent as its predecessor ends still finds it
             try:
                 hit = self.prefix_store.fetch(self.key, tokens, limit=len(tokens) - 1)
+                log_request(len(tokens), hit)
                 if hit:
                     cache = layers_to_cache(hit.layers, self.model, length=hit.length,
                                             max_kv_size=self.max_kv_size)
