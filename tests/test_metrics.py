@@ -3,7 +3,8 @@ process test is tests/test_server.py::test_metrics_endpoint_counts_what_the_serv
 
 from prometheus_client import CollectorRegistry, generate_latest
 
-from kvstore.adapters.metrics import COUNTERS, GAUGES, StoreCollector
+from kvstore.adapters.metrics import BY_LABEL, COUNTERS, GAUGES, HISTOGRAMS, StoreCollector
+from kvstore.flow.reasons import REASONS
 
 from ._helpers import M, put, toks
 from ._redis import free_port
@@ -22,8 +23,9 @@ def test_every_series_reads_a_stats_key_of_a_store_with_every_tier(ssd):
     for _, _, key in COUNTERS + GAUGES:
         keys = key.values() if isinstance(key, dict) else key if isinstance(key, tuple) else [key]
         assert set(keys) <= set(stats), keys
+    assert {key for _, _, key, _ in BY_LABEL} | {key for _, _, key in HISTOGRAMS} <= set(stats)
     names = {m.name for m in registry(store).collect()}
-    assert len(names) == len(COUNTERS + GAUGES) and all(n.startswith("kvstore_") for n in names)
+    assert len(names) == len(COUNTERS + GAUGES + BY_LABEL + HISTOGRAMS) and all(n.startswith("kvstore_") for n in names)
 
 
 def test_each_store_has_its_own_series_read_at_scrape_time(ssd, store):
@@ -40,3 +42,29 @@ def test_each_store_has_its_own_series_read_at_scrape_time(ssd, store):
                                                                                        {"tier": "ssd"}) is None
     store.close()
     assert b"kvstore_" not in generate_latest(other)  # a scrape racing shutdown: empty, not an error
+
+
+def test_every_token_requested_is_served_by_a_tier_or_not_served_for_a_reason(ssd):
+    """Issue 53: the tiers (device apart from ram) and the reasons add up to the tokens requested, each
+    reason has a series (0 included), and the latency histograms count every fetch and put."""
+    store = ssd()
+    r = registry(store)
+    value = r.get_sample_value
+    assert {value("kvstore_tokens_not_served_total", {"reason": why}) for why in REASONS} == {0}
+    put(store, toks(40))
+    store.flush()
+    prompts = [toks(40), toks(50), toks(40), toks(30, start=5000)]
+    hits = [store.fetch(M, p, limit=20 if i == 2 else None) for i, p in enumerate(prompts)]
+    assert [h.length + sum(h.not_served.values()) for h in hits] == [len(p) for p in prompts]
+    assert hits[0].length == 40 and hits[3].length == 0 and "limit" in hits[2].not_served
+    served = sum(value("kvstore_tokens_served_total", {"tier": t}) for t in ("device", "ram", "ssd"))
+    why = {w: value("kvstore_tokens_not_served_total", {"reason": w}) for w in REASONS}
+    assert served == sum(h.length for h in hits) and why == {w: sum(h.not_served.get(w, 0) for h in hits)
+                                                             for w in REASONS}
+    assert served + sum(why.values()) == value("kvstore_tokens_requested_total") == sum(map(len, prompts))
+    assert why["new"] > 0 and why["limit"] > 0
+    assert value("kvstore_fetch_seconds_count") == 4 == value("kvstore_fetch_seconds_bucket", {"le": "+Inf"})
+    assert value("kvstore_put_seconds_count") == 1 == value("kvstore_puts_total")
+    assert value("kvstore_fetch_seconds_sum") > 0 and value("kvstore_put_seconds_sum") > 0
+    buckets = [value("kvstore_fetch_seconds_bucket", {"le": le}) for le in ("0.0001", "0.001", "0.01", "10.0")]
+    assert buckets == sorted(buckets)  # cumulative

@@ -2,6 +2,7 @@
 
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -131,13 +132,14 @@ def test_models_endpoint_answers_without_a_hugging_face_cache(tmp_path):
 
 
 def scrape(port) -> dict:
-    """``GET /metrics``, parsed: {(name, tier): value} of the ``kvstore_`` samples."""
+    """``GET /metrics``, parsed: {(name, its label's value: tier, reason or le): value} of the ``kvstore_``
+    samples."""
     from prometheus_client.parser import text_string_to_metric_families
 
     with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=60) as r:
         assert r.headers["Content-Type"].startswith("text/plain; version=")
         text = r.read().decode()
-    return {(s.name, s.labels.get("tier")): s.value for f in text_string_to_metric_families(text)
+    return {(s.name, next(iter(s.labels.values()), None)): s.value for f in text_string_to_metric_families(text)
             for s in f.samples if s.name.startswith("kvstore_")}
 
 
@@ -167,3 +169,46 @@ def test_metrics_endpoint_counts_what_the_server_serves(tmp_path):
     assert served == second["prompt_tokens_details"]["cached_tokens"] > 0
     assert after[("kvstore_hits_total", None)] + after[("kvstore_misses_total", None)] == \
         after[("kvstore_requests_total", None)]
+
+
+REQUEST_LINE = re.compile(r"kvstore: request ([\d,]+) tokens: served ([\d,]+)(?: \((.*?)\))?; "
+                          r"not served ([\d,]+)(?: \((.*?)\))?$", re.M)
+
+
+def counts(text: str) -> dict:
+    """``ram 3,840, ssd 64`` as {"ram": 3840, "ssd": 64}."""
+    return {k: int(v.replace(",", "")) for k, v in (p.rsplit(" ", 1) for p in text.split(", "))} if text else {}
+
+
+def test_why_tokens_were_not_served_in_metrics_and_the_debug_log(tmp_path):
+    """Issue 53 through the server: every prompt token requested is served by a tier or not served for a
+    reason (/metrics, summed, and each request's debug line); the latency histograms count each fetch and
+    put; ``--log-level debug`` (lower case, as operators type it) turns the line on."""
+    from kvstore.flow.reasons import REASONS
+
+    model = make_tiny_model("llama", tmp_path / "model")
+    port = free_port()
+    with open(tmp_path / "server.log", "wb") as log:
+        proc = start(model, tmp_path / "store", port, log, "--log-level", "debug")
+        try:
+            first = chat(port, "hello there")
+            second = chat(port, "how are you today")
+            m = scrape(port)
+        finally:
+            stop(proc)
+    why = {w: m[("kvstore_tokens_not_served_total", w)] for w in REASONS}
+    served = sum(m.get(("kvstore_tokens_served_total", t), 0) for t in ("device", "ram", "ssd", "remote"))
+    assert served + sum(why.values()) == m[("kvstore_tokens_requested_total", None)]
+    assert served == second["prompt_tokens_details"]["cached_tokens"] > 0
+    assert why["new"] > 0 and why["limit"] == 2  # the first prompt new; each request's last token the engine's
+    fetches = m[("kvstore_requests_total", None)]
+    assert m[("kvstore_fetch_seconds_count", None)] == m[("kvstore_fetch_seconds_bucket", "+Inf")] == fetches >= 2
+    assert m[("kvstore_put_seconds_count", None)] == m[("kvstore_puts_total", None)] >= 2
+
+    lines = REQUEST_LINE.findall((tmp_path / "server.log").read_text())
+    assert len(lines) == fetches, lines
+    for (tokens, got, tiers, missed, reasons), usage in zip(lines, (first, second)):
+        tokens, got, missed = (int(x.replace(",", "")) for x in (tokens, got, missed))
+        assert tokens == usage["prompt_tokens"] and got == usage["prompt_tokens_details"]["cached_tokens"]
+        assert got + missed == tokens and sum(counts(tiers).values()) == got
+        assert sum(counts(reasons).values()) == missed and counts(reasons).get("limit") == 1

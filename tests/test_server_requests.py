@@ -118,10 +118,11 @@ def test_image_prompt_its_follow_up_and_a_text_prompt_sharing_its_start_hit(mode
 
 
 @needs_vision_server
-def test_a_prefix_ending_inside_an_image_is_served_up_to_the_image(models):
+def test_a_prefix_ending_inside_an_image_is_served_up_to_the_image(models, caplog):
     """The server feeds an image's pixels only when its first patch token is
     past the cached prefix, so a stored prefix that ends among an image's
-    patch tokens is served only up to the image's start."""
+    patch tokens is served only up to the image's start (the rest, in the
+    request's debug line, past the limit the server set)."""
     tok = load_tokenizer(models["vlm"])
     patch = tok.convert_tokens_to_ids("<|patch|>")
     text = tok.encode(SYSTEM)[:100]
@@ -135,10 +136,14 @@ def test_a_prefix_ending_inside_an_image_is_served_up_to_the_image(models):
         model(mx.array(ids[:108])[None], cache=cache)  # through the 8th patch token of the image
         mx.eval([c.state for c in cache])
         pc.insert_cache(pc.provider.model_key, key[:108], cache)
+        caplog.set_level(logging.DEBUG, logger="kvstore")
         got, rest = pc.fetch_nearest_cache(pc.provider.model_key, key)
+        line = [r.getMessage() for r in caplog.records if r.getMessage().startswith("kvstore: request ")][-1]
         short = key[:104] + [5, 6]
         _, rest_short = pc.fetch_nearest_cache(pc.provider.model_key, short)
     assert got is not None and len(key) - len(rest) == 100 and got[0].offset == 100
+    assert line == f"kvstore: request {len(key)} tokens: served 100 (ram 100); not served {len(key) - 100} " \
+                   f"(limit {len(key) - 100})"
     assert len(short) - len(rest_short) == 104  # a prompt whose patches end where the stored ones go on
 
 
