@@ -1,5 +1,6 @@
 """What a store counts: this process's counters, the part of them not yet
-added to the store's lifetime totals on disk, and block uses not yet saved."""
+added to the store's lifetime totals on disk, block uses not yet saved, and
+the latency of the engine-thread calls (this process's histograms only)."""
 
 from __future__ import annotations
 
