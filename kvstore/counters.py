@@ -4,9 +4,10 @@ added to the store's lifetime totals on disk, and block uses not yet saved."""
 from __future__ import annotations
 
 import threading
-from typing import Iterable
+from typing import Iterable, Optional
 
 from .blocks.record import Use
+from .hit import REASONS
 
 NAMES = ("hits", "misses", "tokens_requested", "tokens_ram", "tokens_ssd", "puts", "blocks_written",
          "bytes_written",  # payload bytes of the blocks written to the SSD tier (blocks_written)
@@ -28,7 +29,9 @@ NAMES = ("hits", "misses", "tokens_requested", "tokens_ram", "tokens_ssd", "puts
          "remote_errors",  # failed calls: refused connections, timeouts
          "remote_bad",  # remote values refused: checksum, key binding, record or tokens that do not fit
          "remote_unauthenticated",  # remote blocks skipped: no valid MAC under this store's remote_secret
-         "remote_block_size_mismatch")  # models the remote holds in blocks of another size (shared with nothing)
+         "remote_block_size_mismatch",  # models the remote holds in blocks of another size (shared with nothing)
+         "tokens_device",  # of tokens_ram, tokens served from device copies
+         ) + tuple("not_served_" + r for r in REASONS)  # prompt tokens not served, by reason (``Hit.not_served``)
 
 
 class Counters:
@@ -45,8 +48,12 @@ class Counters:
             self.now[name] += k
             self._unsaved[name] += k
 
-    def record(self, deltas: dict[str, int], used: Iterable[bytes] = (), when: float = 0.0) -> None:
-        """A fetch's counts and the blocks with a disk copy it served at ``when``, at once (one lock)."""
+    def record(self, deltas: dict[str, int], used: Iterable[bytes] = (), when: float = 0.0,
+               not_served: Optional[dict[str, int]] = None) -> None:
+        """A fetch's counts, its tokens not served by reason and the blocks with a disk copy it served at
+        ``when``, at once (one lock)."""
+        if not_served:
+            deltas = dict(deltas, **{"not_served_" + r: k for r, k in not_served.items()})
         with self._lock:
             for name, k in deltas.items():
                 if k:
@@ -57,8 +64,11 @@ class Counters:
                 self._uses[key] = (when, 1 + (old[1] if old else 0))
 
     def snapshot(self) -> dict:
+        """The counts, with the tokens not served as one dict (``tokens_not_served``: reason -> tokens)."""
         with self._lock:
-            return dict(self.now)
+            out = dict(self.now)
+        out["tokens_not_served"] = {r: out.pop("not_served_" + r) for r in REASONS}
+        return out
 
     def drain(self) -> tuple[dict[bytes, Use], dict[str, int]]:
         """Uses and lifetime deltas not saved yet (and forget them)."""
