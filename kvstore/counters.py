@@ -9,6 +9,7 @@ from bisect import bisect_left
 from typing import Iterable, Optional
 
 from .blocks.record import Use
+from .hit import REASONS
 
 NAMES = ("hits", "misses", "tokens_requested", "tokens_ram", "tokens_ssd", "puts", "blocks_written",
          "bytes_written",  # payload bytes of the blocks written to the SSD tier (blocks_written)
@@ -30,7 +31,9 @@ NAMES = ("hits", "misses", "tokens_requested", "tokens_ram", "tokens_ssd", "puts
          "remote_errors",  # failed calls: refused connections, timeouts
          "remote_bad",  # remote values refused: checksum, key binding, record or tokens that do not fit
          "remote_unauthenticated",  # remote blocks skipped: no valid MAC under this store's remote_secret
-         "remote_block_size_mismatch")  # models the remote holds in blocks of another size (shared with nothing)
+         "remote_block_size_mismatch",  # models the remote holds in blocks of another size (shared with nothing)
+         "tokens_device",  # of tokens_ram, tokens served from device copies
+         ) + tuple("not_served_" + r for r in REASONS)  # prompt tokens not served, by reason (``Hit.not_served``)
 
 # Upper bounds (seconds) of the latency histograms' buckets: a RAM hit's tenth of a millisecond to a cold
 # remote fetch's seconds. Fixed, so a process's histograms add up across processes (Prometheus' ``le``).
@@ -69,9 +72,11 @@ class Counters:
         self._sums[name] += seconds
 
     def record(self, deltas: dict[str, int], used: Iterable[bytes] = (), when: float = 0.0,
-               seconds: Optional[float] = None) -> None:
-        """A fetch's counts, the blocks with a disk copy it served at ``when`` and the ``seconds`` it took (the
-        fetch histogram), at once: one lock, the fetch path's only one here."""
+               not_served: Optional[dict[str, int]] = None, seconds: Optional[float] = None) -> None:
+        """A fetch's counts, its tokens not served by reason, the blocks with a disk copy it served at ``when``
+        and the ``seconds`` it took (the fetch histogram), at once: one lock, the fetch path's only one here."""
+        if not_served:
+            deltas = dict(deltas, **{"not_served_" + r: k for r, k in not_served.items()})
         with self._lock:
             if seconds is not None:
                 self._observe("fetch", seconds)
@@ -84,8 +89,9 @@ class Counters:
                 self._uses[key] = (when, 1 + (old[1] if old else 0))
 
     def snapshot(self) -> dict:
-        """The counters, and per timed call ``NAME_seconds``: ``{"buckets": [[le, observations <= le], ...],
-        "sum", "count"}`` (the buckets cumulative, as Prometheus has them; ``count`` is the ``+Inf`` one)."""
+        """The counts, with the tokens not served as one dict (``tokens_not_served``: reason -> tokens), and
+        per timed call ``NAME_seconds``: ``{"buckets": [[le, observations <= le], ...], "sum", "count"}``
+        (the buckets cumulative, as Prometheus has them; ``count`` is the ``+Inf`` one)."""
         with self._lock:
             out = dict(self.now)
             for name, counts in self._hist.items():
@@ -94,7 +100,8 @@ class Counters:
                     total += k
                     buckets.append([le, total])
                 out[f"{name}_seconds"] = {"buckets": buckets, "sum": self._sums[name], "count": total + counts[-1]}
-            return out
+        out["tokens_not_served"] = {r: out.pop("not_served_" + r) for r in REASONS}
+        return out
 
     def drain(self) -> tuple[dict[bytes, Use], dict[str, int]]:
         """Uses and lifetime deltas not saved yet (and forget them)."""

@@ -58,10 +58,12 @@ Near = Optional[tuple[bytes, np.ndarray]]  # the block a prompt ends or diverges
 
 class Found(NamedTuple):
     """Blocks a fetch found on the remote, by key, and the hit's arrays with
-    them placed (``None``: ``gather`` places them)."""
+    them placed (``None``: ``gather`` places them); ``unreachable``: the
+    remote was not asked (down) or did not answer."""
 
     blocks: dict = {}
     fill: Optional[HostFill] = None
+    unreachable: bool = False
 
 
 class Discovery:
@@ -89,7 +91,7 @@ class Discovery:
         first = len(match.full.path)
         probed = self._probe(root, chain, n, first)
         if probed is None:
-            return Found()
+            return Found(unreachable=True)
         last, raw, children, near = probed
         run = self._run(root, chain, first, raw)
         stop = first + len(run)  # the first block not found by key

@@ -39,6 +39,7 @@ from ..state.index import BlockRef
 from ..state.lookup import shared_prefix
 from ..state.plans import Candidate, Lookup, Pinned
 from ..state.table import BlockTable
+from . import reasons
 from .discovery import Discovery, Found
 from .disk import Disk
 from .priority import EngineFirst
@@ -53,6 +54,16 @@ class Match(NamedTuple):
     full: Lookup
     path: list[BlockRef]
     matched: int
+
+
+class Narrowed(NamedTuple):
+    """How far a fetch got at each step (``reasons.spans``): served, planned, servable, matched, asked."""
+
+    served: int
+    planned: int
+    servable: int
+    matched: int
+    limit: int
 
 
 class FetchPath:
@@ -137,22 +148,24 @@ class FetchPath:
         self.reader.wait_promotions([p.key for p in match.path])
         pinned = self.table.pin(match.path, match.matched, found.blocks)
         try:
-            return self._serve(root, toks, pinned, found, quantized)
+            return self._serve(chain, n, match.matched, pinned, found, quantized)
         finally:
             if not pinned.done:  # (not handed back to ``served``)
                 self.table.release(pinned)
             for pending in copies:
                 self.writer.submit(pending)
 
-    def _serve(self, root: bytes, toks: np.ndarray, pinned: Pinned, found: Found,
+    def _serve(self, chain: KeyChain, n: int, matched: int, pinned: Pinned, found: Found,
                quantized: Optional[tuple[int, int]]) -> Hit:
+        root, toks = chain.root, chain.tokens
         length, jobs = pinned.length, pinned.pending
         tail = None  # rows [cut, length) taken from a put the writer has not stored yet: no wait for it
         if jobs and self.from_queued and quantized is None and not found.blocks:
             with self.engine.engine():
                 tail = self.writer.queued_rows(jobs, toks, pinned.queued_from, length)
                 if tail is not None and pinned.queued_from == 0:
-                    return self._queued_hit(len(toks), length, owned(tail))
+                    why = self._not_served(chain, Narrowed(length, length, length, matched, n), found, "")
+                    return self._queued_hit(len(toks), length, owned(tail), why)
         cut = length if tail is None else pinned.queued_from
         waited = self._wait(pinned, found) if jobs and tail is None else 0
         with self.engine.engine():  # (not around the wait above: the writer would wait for it)
@@ -169,9 +182,34 @@ class FetchPath:
                 got = replace(got, layers=joined(got.layers, tail), length=length)
             else:
                 tail = None
+        why = self._not_served(chain, Narrowed(got.length, plan.length, length, matched, n), found, got.short)
         return self._account(pinned, got, found, plan, tail, cut,
                              {"tokens_requested": len(toks), "tokens_skipped_cost": plan.skipped,
-                              "fetch_waited_us": waited}, t_load)
+                              "fetch_waited_us": waited}, t_load, why)
+
+    def _not_served(self, chain: KeyChain, at: "Narrowed", found: Found, short: str) -> dict[str, int]:
+        """Why each prompt token past ``at.served`` was not served (``reasons``): what is not stored is looked
+        up only here, on the part not served."""
+        why, start, stop = reasons.spans(*at, len(chain.tokens), short)
+        blocks = reasons.whole_blocks(start, stop, self.block_size)
+        if not blocks:
+            reasons.unmatched(why, start, stop, self.block_size, [], 0, found.unreachable)
+            return why
+        known, others = self.table.missing([chain.key(i) for i in blocks], chain.root)
+        elsewhere = 0
+        if None in known:
+            elsewhere = self._elsewhere(chain, others, stop)
+        reasons.unmatched(why, start, stop, self.block_size, known, elsewhere, found.unreachable)
+        return why
+
+    def _elsewhere(self, chain: KeyChain, others: list[bytes], stop: int) -> int:
+        """How far another model key of this store (or the remote, in blocks of another size) holds the prompt."""
+        if self.discovery is not None and self.discovery.remote.other_block_size(chain.root):
+            return stop
+        best = 0
+        for other in others[: reasons.OTHER_ROOTS]:
+            best = max(best, self.table.lookup(other, KeyChain(other, chain.tokens, self.block_size), stop).length)
+        return best
 
     def _wait(self, pinned: Pinned, found: Found) -> int:
         """Wait for the puts still storing blocks of ``pinned`` (their rows not taken); returns the µs waited."""
@@ -181,7 +219,7 @@ class FetchPath:
         return int((time.perf_counter() - t0) * 1e6)
 
     def _account(self, pinned: Pinned, got, found: Found, plan, tail, cut: int, counts: dict[str, int],
-                 t_load: float) -> Hit:
+                 t_load: float, why: dict[str, int]) -> Hit:
         """Tell the table what was served (one lock) and the counters (one lock); the hit as the engine gets it."""
         now = time.time()
         touched = self.table.served(pinned, got.used, [p for p, r in zip(got.used, got.from_ram) if not r],
@@ -189,14 +227,15 @@ class FetchPath:
         self.reader.promote_later(touched.promote)
         if got.length == 0:
             counts["misses"] = 1
-            self.counters.record(counts, touched.disk_keys, now)
-            return Hit(skipped_tokens=counts["tokens_skipped_cost"], skip_reason=plan.reason)
+            self.counters.record(counts, touched.disk_keys, now, not_served=why)
+            return Hit(skipped_tokens=counts["tokens_skipped_cost"], skip_reason=plan.reason, not_served=why)
         hit = self._hit(got, found, plan, tail, cut, counts["tokens_skipped_cost"])
+        hit.not_served = why
         hit.source_bytes = self.planner.observe(got.used, got.nbytes, got.from_ram, min(got.length, cut), plan,
                                                 t_load, counts)
         counts.update(hits=1, tokens_ram=hit.ram_tokens, tokens_ssd=hit.ssd_tokens, tokens_remote=hit.remote_tokens,
-                      tokens_queued=0 if tail is None else got.length - cut)
-        self.counters.record(counts, touched.disk_keys, now)
+                      tokens_device=hit.device_tokens, tokens_queued=0 if tail is None else got.length - cut)
+        self.counters.record(counts, touched.disk_keys, now, not_served=why)
         if self.reuse is not None:  # asked for again: its chain may go to disk
             self.table.admissions.reused(got.used[-1])
             self.reuse()
@@ -209,11 +248,13 @@ class FetchPath:
         remote = sum(m for p, m, _ in spans if p.key in found.blocks)
         ram = sum(m for p, m, r in spans if r and p.key not in found.blocks)
         ram += 0 if tail is None else length - cut  # (a queued put's rows count as RAM's)
+        device = sum(m for (p, m, _), d in zip(spans, got.device) if d)
         return Hit(length, got.layers, ram_tokens=ram, ssd_tokens=length - ram - remote, skipped_tokens=skipped,
                    skip_reason=plan.reason, predicted_s=plan.load_s if length == plan.length else 0.0,
-                   remote_tokens=remote)
+                   remote_tokens=remote, device_tokens=device)
 
-    def _queued_hit(self, n: int, length: int, layers: list) -> Hit:
+    def _queued_hit(self, n: int, length: int, layers: list, why: dict[str, int]) -> Hit:
         """A hit copied from a put the writer has not stored yet (``queued``)."""
-        self.counters.record({"tokens_requested": n, "hits": 1, "tokens_ram": length, "tokens_queued": length})
-        return Hit(length, layers, ram_tokens=length)
+        self.counters.record({"tokens_requested": n, "hits": 1, "tokens_ram": length, "tokens_queued": length},
+                             not_served=why)
+        return Hit(length, layers, ram_tokens=length, not_served=why)

@@ -14,12 +14,13 @@ from __future__ import annotations
 import logging
 import threading
 from concurrent.futures import Future, wait
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from typing import Optional, Sequence
 
 import numpy as np
 
 from ..background import Pools
+from ..blocks.ondevice import DeviceBlock
 from ..blocks.wire import Stored
 from ..counters import Counters
 from .disk import Disk
@@ -45,6 +46,8 @@ class Served:
     nbytes: list[int]
     used: list[BlockRef]
     on_device: list
+    device: list[bool] = field(default_factory=list)  # per block used, whether it was a device copy
+    short: str = ""  # why it serves less than asked, where a block failed: "corrupt", "evicted", "unavailable"
 
 
 class Reader:
@@ -87,14 +90,21 @@ class Reader:
             except Exception as e:
                 self.disk.read_failed("read", e)
                 k = next((i for i, p in enumerate(path) if not from_ram[i] and p.key not in (found or ())), len(path))
-                served = self._serve(path[:k], items[:k], from_ram[:k], toks, length, quantized, bad)
+                served = replace(self._serve(path[:k], items[:k], from_ram[:k], toks, length, quantized, bad),
+                                 short="unavailable")
             finally:
                 wait(ahead)  # (outside the read transaction: a read-ahead may wait on a resize that waits on it)
+        return self._faults(served, bad, gone)
+
+    def _faults(self, served: Served, bad: list[tuple[BlockRef, str]], gone: list[BlockRef]) -> Served:
+        """Drop the blocks found bad (and forget those another process removed); say why the read stopped."""
         for p, why in bad:
             self._drop_bad(p, why)
         for p in gone:
             self.counters.count("blocks_gone")
             self.table.disk.gone(p)
+        if bad or gone:
+            served.short = "corrupt" if bad else "evicted"
         return served
 
     def _from_disk(self, txn, path: list[BlockRef], items: list, bad: list, gone: list) -> None:
@@ -147,7 +157,7 @@ class Reader:
             bad.append((path_used[got.bad], "payload checksum mismatch"))
             good = got.bad
         return Served(got.layers, got.length, from_ram[:k], [it.nbytes for it in items[:k]], path_used,
-                      got.on_device or [])
+                      got.on_device or [], [isinstance(it, DeviceBlock) for it in items[:k]])
 
     def _drop_bad(self, node: BlockRef, why: str) -> None:
         self.counters.count("corrupt_blocks")

@@ -22,11 +22,9 @@ Eviction takes leaves first, without a scan, in both tiers:
 - Disk: a heap of blocks on disk with no child on disk, by last use
   (``DiskOrder``): O(log n) per evicted block.
 
-Two parts, made here with the index, the lock and what else they need, own
-the rest: ``disk`` (``DiskSide``: which blocks are on disk, their LRU,
-adopting blocks found there) and ``admissions`` (``ssd_admit="reuse"``'s
-queue). Each question the other paths ask, and each result they hand back, is a method
-with a typed answer.
+Two parts made here with the index and the lock own the rest: ``disk``
+(``DiskSide``: blocks on disk, their LRU, adoption) and ``admissions``
+(``ssd_admit="reuse"``'s queue); ``Gone`` remembers why blocks left.
 """
 
 from __future__ import annotations
@@ -41,6 +39,7 @@ from ..blocks.wire import Stored
 from ..counters import Counters
 from .table_admit import Admissions
 from .table_disk import DiskSide
+from .gone import Gone
 from ..blocks.hashing import KeyChain
 from .index import BlockRef, Node, RadixIndex
 from .plans import Candidate, Lookup, Pinned, Placed, Touched
@@ -61,6 +60,7 @@ class BlockTable:
         self._has_disk = has_disk
         self._writable = writable
         self._new: dict[int, list[Node]] = {}  # a put's new blocks until the writer takes their refs
+        self._gone = Gone()  # why blocks left the index (a later miss on them is told)
         self.disk = DiskSide(self._index, self._lock, self._forget)
         self.admissions = Admissions(self._index, self._lock, self._ram.get, admit_on_reuse and has_disk and writable)
 
@@ -76,9 +76,7 @@ class BlockTable:
     def leaves(self) -> int:
         return self._index.leaves
 
-    @staticmethod
-    def servable(path: Sequence[BlockRef], matched: int) -> int:
-        return lookup.servable(path, matched)
+    servable = staticmethod(lookup.servable)
 
     def in_ram(self, refs: Sequence[BlockRef]) -> list[bool]:
         with self._lock:
@@ -193,7 +191,7 @@ class BlockTable:
                 if node.pending == pid:
                     node.pending = 0
                 if not node.in_ram and not node.on_disk:
-                    self._forget(node)
+                    self._forget(node, "skipped" if dropped else "evicted")
 
     def put_released(self, pending: int, refs: Sequence[BlockRef]) -> None:
         """The put ``pending`` no longer holds these blocks (a fetch need not wait for it)."""
@@ -216,6 +214,12 @@ class BlockTable:
             cands = [Candidate(c.ref(), self._tokens_held(c), c.pending)
                      for c in lookup.partial_candidates(stop, chain, w.length, n)]
             return Lookup(stop.ref(), RadixIndex.refs(w.nodes), cands)
+
+    def missing(self, keys: Sequence[bytes], root: bytes) -> tuple[list[Optional[str]], list[bytes]]:
+        """Why each of ``keys`` (blocks no tier holds) left the index, where this process knows (``None``:
+        never held here, or forgotten), and the other roots (models) the table holds blocks of."""
+        with self._lock:
+            return self._gone.why(keys), [r.key for r in self._index.roots() if r.key != root and r.children]
 
     def _tokens_held(self, node: Node) -> Optional[np.ndarray]:
         return block.tokens if node.in_ram and (block := self._ram.get(node.key)) is not None else None
@@ -364,7 +368,7 @@ class BlockTable:
         those with a disk copy (for the caller to delete, unlocked)."""
         with self._lock:
             node = self._index.node(ref)
-            return self._forget(node) if node is not None else []
+            return self._forget(node, "corrupt") if node is not None else []
 
     def clear(self) -> None:
         with self._lock:
@@ -434,8 +438,9 @@ class BlockTable:
                 self._counters.count("evicted_unadmitted")
             self._forget(node)
 
-    def _forget(self, node: Node) -> list[bytes]:
+    def _forget(self, node: Node, why: str = "evicted") -> list[bytes]:
         dropped = self._index.remove(node)
+        self._gone.add((d.key for d in dropped), why)
         for d in dropped:
             self._ram.pop(d.key)
             self._dev.pop(d.key)

@@ -104,6 +104,7 @@ class Remote:
         self.config = config
         self.queue_bytes = config.tuning.remote_queue_bytes
         self._warned = False
+        self._other_sizes: dict[bytes, int] = {}  # model root -> the block size the remote holds it in, not ours
         self._cond = threading.Condition()
         self._queue: "deque[Union[Entry, ModelInfo]]" = deque()
         self._queued = 0  # payload bytes queued or being sent (what the bound counts)
@@ -209,7 +210,12 @@ class Remote:
             self._cond.notify()
         self._ensure_thread()
 
-    def _same_blocks(self, ours: dict, theirs: Optional[dict]) -> None:
+    def other_block_size(self, root: bytes) -> Optional[int]:
+        """The block size the hosts before this one store the model ``root`` in, where it is not this store's
+        (a dict read: the remote thread writes it)."""
+        return self._other_sizes.get(root)
+
+    def _same_blocks(self, root: bytes, ours: dict, theirs: Optional[dict]) -> None:
         """Warn where the hosts before this one store the model in blocks of another size: a block's key
         hashes its tokens, so the two share nothing (never wrong KV: every hit is checked token by token)."""
         size = (theirs or {}).get("block_size")
@@ -218,6 +224,7 @@ class Remote:
                         "they share nothing. Give every host of a namespace one block size (block_size / "
                         "--block-size).", self.url, ours.get("model_key"), size, ours.get("block_size"))
             self.counters.count("remote_block_size_mismatch")
+            self._other_sizes[root] = size
 
     def flush(self, timeout: Optional[float] = None) -> bool:
         """Wait until the queue is written (or skipped); True when it is."""
@@ -283,7 +290,7 @@ class Remote:
         blocks = [(e.record, e.payload) for e in batch if isinstance(e, Entry)]
         for m in batch:
             if isinstance(m, ModelInfo):
-                self._same_blocks(m.info, self.call(self._tier.register_model, m.root, m.info))
+                self._same_blocks(m.root, m.info, self.call(self._tier.register_model, m.root, m.info))
         if not blocks:
             return
         try:
