@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import lmdb
 import numpy as np
-import pytest
 
 from kvstore.blocks.hashing import KeyChain, as_tokens, root_key
 from kvstore.config import GB
@@ -19,7 +18,6 @@ from kvstore.hit import REASONS
 from kvstore.store import PrefixStore
 
 from ._helpers import BLOCK_BYTES, BS, M, assert_hit_is, block_by_block, kv_layers, put, state_at, toks
-from ._redis import RedisServer, need_redis
 
 
 def why(store, tokens, model=M, **kw) -> dict[str, int]:
@@ -166,36 +164,28 @@ def _prompt(n: int, seed: int) -> list[int]:
     return np.random.default_rng(seed).integers(1, 5000, size=n).tolist()
 
 
-@pytest.fixture
-def server(tmp_path):
-    need_redis()
-    s = RedisServer(tmp_path / "redis").start()
-    yield s
-    s.kill()
-
-
 def _host(tmp_path, name: str, url: str, **kw) -> PrefixStore:
     return PrefixStore(**dict(dict(budget_gb=0.25, ssd_path=tmp_path / name, block_size=RBS, remote=url), **kw))
 
 
-def test_blocks_on_a_remote_that_is_down_are_unavailable(server, tmp_path):
+def test_blocks_on_a_remote_that_is_down_are_unavailable(redis_server, tmp_path):
     """Host a stored the prompt on the remote; host b has none of it locally and the server is stopped:
     its whole blocks are ``unavailable`` (not ``new``), its last part block ``tail``."""
     p = _prompt(200, seed=1)
-    with _host(tmp_path, "a", server.url) as a:
+    with _host(tmp_path, "a", redis_server.url) as a:
         a.put(M, p, kv_layers(p))
         a.flush()
-    with _host(tmp_path, "b", server.url) as b:
-        server.kill()
+    with _host(tmp_path, "b", redis_server.url) as b:
+        redis_server.kill()
         assert why(b, p) == {"unavailable": 192, "tail": 8}
 
 
-def test_the_same_tokens_on_the_remote_in_blocks_of_another_size_are_other_model(server, tmp_path):
+def test_the_same_tokens_on_the_remote_in_blocks_of_another_size_are_other_model(redis_server, tmp_path):
     """Host b keeps blocks of 128 tokens, the remote holds the model in blocks of 64: b is served the remote's
     first block as a part of its own first one (64 tokens, the rest of that block ``tail``); its next whole
     block is held on the remote in blocks of another size: ``other_model``."""
     p, q = _prompt(300, seed=2), _prompt(300, seed=3)
-    with _host(tmp_path, "a", server.url) as a, _host(tmp_path, "b", server.url, block_size=2 * RBS) as b:
+    with _host(tmp_path, "a", redis_server.url) as a, _host(tmp_path, "b", redis_server.url, block_size=2 * RBS) as b:
         for t in (p, q):
             a.put(M, t, kv_layers(t))
         a.flush()
