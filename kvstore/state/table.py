@@ -1,30 +1,22 @@
-"""BlockTable: which blocks the store knows, where each one lives, and the
-one lock over all of it.
+"""BlockTable: which blocks the store knows, where each one lives, and the one lock over all of it.
 
-A block is a ``Node`` of the radix index, and nodes never leave the table:
-it hands out ``BlockRef``s (immutable: which block, where it sits, where it
-was when handed out) and takes them back to act on the blocks, ignoring a ref
-to a block dropped meanwhile. The table alone changes nodes and the places
-that hold them: the RAM and device tiers' bytes and LRU order, the disk
-tier's LRU of leaves, pins of readers in flight, and the id of the put that
-has not yet made a block durable (the writer owns the put). Every method
-takes the lock itself and does no I/O, so the read, write, discovery and
-costing paths are siblings that ask the table, never each other. Lock
-order: a thread may hold an LMDB transaction (the tier's gate) when it calls
-the table, never the other way round.
+A block is a ``Node`` of the radix index, and nodes never leave the table: it hands out ``BlockRef``s (immutable:
+which block, where it sits, where it was when handed out) and takes them back to act on the blocks, ignoring a ref
+to a block dropped meanwhile. The table alone changes nodes and the places that hold them: the RAM and device tiers'
+bytes and LRU order, the disk tier's LRU of leaves, pins of readers in flight, and the id of the put that has not
+yet made a block durable (the writer owns the put). Every method takes the lock itself and does no I/O, so the read,
+write, discovery and costing paths are siblings that ask the table, never each other. Lock order: a thread may hold
+an LMDB transaction (the tier's gate) when it calls the table, never the other way round.
 
 Eviction takes leaves first, without a scan, in both tiers:
 
-- RAM: ancestors are touched after their descendants, so the least recently
-  used end of the RAM order holds leaves; eviction walks from there, skipping
-  pinned blocks. A block evicted before its disk write finished stays indexed
+- RAM: ancestors are touched after their descendants, so the least recently used end of the RAM order holds leaves;
+  eviction walks from there, skipping pinned blocks. A block evicted before its disk write finished stays indexed
   (the writer holds it and writes it).
-- Disk: a heap of blocks on disk with no child on disk, by last use
-  (``DiskOrder``): O(log n) per evicted block.
+- Disk: a heap of blocks on disk with no child on disk, by last use (``DiskOrder``): O(log n) per evicted block.
 
-Two parts made here with the index and the lock own the rest: ``disk``
-(``DiskSide``: blocks on disk, their LRU, adoption) and ``admissions``
-(``ssd_admit="reuse"``'s queue); ``Gone`` remembers why blocks left.
+Two parts made here with the index and the lock own the rest: ``disk`` (``DiskSide``: blocks on disk, their LRU,
+adoption) and ``admissions`` (``ssd_admit="reuse"``'s queue); ``Gone`` remembers why blocks left.
 """
 
 from __future__ import annotations
@@ -125,11 +117,9 @@ class BlockTable:
 
     def plan_put(self, root_key: bytes, chain: KeyChain, n: int, has_state: bool, late: Sequence[KVLayer],
                  pending: Callable[[int], int]) -> int:
-        """Index the blocks of a put the store lacks; ``pending(count)`` gives
-        them the writer's id of their put (registered there first, so a fetch
-        that finds the id can wait for it). Returns that id, 0 when nothing is
-        new. Their refs are made on the writer's thread (``new_refs``): a put
-        of 128 new blocks would pay a tenth of a millisecond for them here."""
+        """Index the blocks of a put the store lacks; ``pending(count)`` gives them the writer's id of their put
+        (registered there first: a fetch that finds the id can wait for it). Returns that id, 0 when nothing is
+        new. Their refs are made on the writer's thread (``new_refs``), not here."""
         with self._lock:
             root = self._index.root(root_key)
             new = lookup.new_blocks(self._index, root, chain, n, has_state, late)
@@ -142,6 +132,18 @@ class BlockTable:
                 node.pending = pid
             self._new[pid] = new
             return pid
+
+    def hand_over(self, older: Sequence[int], pending: int) -> list[int]:
+        """The blocks of queued puts ``older`` the writer has not taken yet become the put ``pending``'s (whose
+        arrays hold their rows too: a longer prompt of the same prefix); returns the ids handed over."""
+        with self._lock:
+            moved = [o for o in older if o in self._new]
+            nodes = [n for o in moved for n in self._new.pop(o)]
+            for n in nodes:
+                if n.pending in moved:
+                    n.pending = pending
+            self._new[pending] = sorted(nodes + self._new.get(pending, []), key=lambda n: n.start)
+            return moved
 
     def new_refs(self, pending: int) -> list[BlockRef]:
         """The refs of the blocks ``plan_put`` indexed for the put ``pending`` (once: the writer takes them)."""
@@ -306,11 +308,9 @@ class BlockTable:
 
     def keep_found(self, parent: BlockRef, found: Sequence[tuple[BlockRecord, Stored]], now: float,
                    pending: Optional[Callable[[list[BlockRef]], int]]) -> list[BlockRef]:
-        """Index blocks read from the remote as a chain below ``parent``, into
-        RAM as far as they fit; returns the nodes that were new. They wait for
-        the put ``pending(new)`` registers with the writer (their disk copy);
-        without one, those held nowhere leave the index (with what is below
-        them)."""
+        """Index blocks read from the remote as a chain below ``parent``, into RAM as far as they fit; returns
+        the nodes that were new. They wait for the put ``pending(new)`` registers with the writer (their disk
+        copy); without one, those held nowhere leave the index (with what is below them)."""
         fresh: list[Node] = []
         pinned: list[Node] = []
         with self._lock:
