@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import replace
+from functools import partial
 from typing import Callable, NamedTuple, Optional
 
 import numpy as np
@@ -225,6 +226,8 @@ class FetchPath:
         touched = self.table.served(pinned, got.used, [p for p, r in zip(got.used, got.from_ram) if not r],
                                     got.on_device, now)
         self.reader.promote_later(touched.promote)
+        if touched.demote:  # (copied back on the writer's thread, its own stream)
+            self.writer.later(partial(self.table.device.copy_back, touched.demote))
         if got.length == 0:
             counts["misses"] = 1
             self.counters.record(counts, touched.disk_keys, now, not_served=why)

@@ -30,6 +30,7 @@ from . import lookup
 from ..blocks.wire import Stored
 from ..counters import Counters
 from .table_admit import Admissions
+from .table_device import DeviceSide
 from .table_disk import DiskSide
 from .gone import Gone
 from ..blocks.hashing import KeyChain
@@ -37,7 +38,6 @@ from .index import BlockRef, Node, RadixIndex
 from .plans import Candidate, Lookup, Pinned, Placed, Touched
 from ..blocks.layers import KVLayer
 from ..blocks.record import BlockRecord
-from ..tiers.device import DeviceTier
 from ..tiers.ram import RamTier
 
 
@@ -47,13 +47,13 @@ class BlockTable:
         self._lock = threading.RLock()
         self._index = RadixIndex()
         self._ram = RamTier(ram_budget)
-        self._dev = DeviceTier(device_budget)  # copies of RAM or disk blocks in GPU memory (CUDA only)
         self._counters = counters
         self._has_disk = has_disk
         self._writable = writable
         self._new: dict[int, list[Node]] = {}  # a put's new blocks until the writer takes their refs
         self._gone = Gone()  # why blocks left the index (a later miss on them is told)
         self.disk = DiskSide(self._index, self._lock, self._forget)
+        self.device = DeviceSide(self._index, self._lock, device_budget, has_disk, self._promote, self._forget)
         self.admissions = Admissions(self._index, self._lock, self._ram.get, admit_on_reuse and has_disk and writable)
 
     # ---------------------------------------------------------------- reads
@@ -84,7 +84,7 @@ class BlockTable:
     def keys_held(self) -> tuple[tuple[bytes, ...], tuple[bytes, ...]]:
         """The keys of the blocks in RAM (least recently used first) and in the device tier, at one moment."""
         with self._lock:
-            return tuple(k for k, _ in self._ram.oldest()), self._dev.keys()
+            return tuple(k for k, _ in self._ram.oldest()), self.device.keys()
 
     def held(self, key: bytes) -> Optional[Stored]:
         """A block's bytes in RAM (a dict read: no lock needed)."""
@@ -92,17 +92,12 @@ class BlockTable:
 
     @property
     def device_budget(self) -> int:
-        return self._dev.budget
-
-    def trim_device(self, keep_bytes: int) -> None:
-        """Drop device copies, least recently used first, until at most ``keep_bytes`` are held."""
-        with self._lock:
-            self._dev.shrink(keep_bytes)
+        return self.device.budget
 
     def stats(self) -> dict:
         with self._lock:
             return dict(ram_bytes=self._ram.nbytes, ram_blocks=len(self._ram), ram_budget=self._ram.budget,
-                        device_bytes=self._dev.nbytes, device_blocks=len(self._dev), device_budget=self._dev.budget,
+                        **self.device.stats(),
                         blocks_indexed=len(self._index))
 
     @property
@@ -192,7 +187,7 @@ class BlockTable:
                     continue
                 if node.pending == pid:
                     node.pending = 0
-                if not node.in_ram and not node.on_disk:
+                if not node.held:
                     self._forget(node, "skipped" if dropped else "evicted")
 
     def put_released(self, pending: int, refs: Sequence[BlockRef]) -> None:
@@ -224,7 +219,8 @@ class BlockTable:
             return self._gone.why(keys), [r.key for r in self._index.roots() if r.key != root and r.children]
 
     def _tokens_held(self, node: Node) -> Optional[np.ndarray]:
-        return block.tokens if node.in_ram and (block := self._ram.get(node.key)) is not None else None
+        block = self._ram.get(node.key) if node.in_ram else None
+        return self.device.tokens(node) if block is None else block.tokens
 
     def pin(self, path: Sequence[BlockRef], matched: int, found: Mapping[bytes, Stored] = {}) -> Pinned:
         """The blocks of ``path`` that serve a prefix (of at most ``matched`` tokens), pinned, with the
@@ -235,7 +231,7 @@ class BlockTable:
         with self._lock:
             nodes = self._index.nodes(refs)
             RadixIndex.pin(nodes)
-            held = [p for p in nodes if p.pending and not p.in_ram and p.key not in found]
+            held = [p for p in nodes if p.pending and not p.in_ram and not p.on_device and p.key not in found]
             pinned = Pinned(refs, length, tuple(dict.fromkeys(p.pending for p in held)),
                             min((p.start for p in held), default=length))
             self._look(pinned, found)
@@ -250,7 +246,7 @@ class BlockTable:
         items, sizes, on_disk = [], [], {}
         path = self._index.as_found(pinned.path)
         keys = [p.key for p in path]
-        for p, dev, ram in zip(path, self._dev.get_many(keys), self._ram.get_many(keys)):
+        for p, dev, ram in zip(path, self.device.get_many(keys), self._ram.get_many(keys)):
             b = dev or (ram if p.in_ram else None)
             got = b if b is not None else found.get(p.key)
             items.append(b)
@@ -263,22 +259,21 @@ class BlockTable:
     def served(self, pinned: Pinned, used: Sequence[BlockRef], from_disk: Sequence[BlockRef],
                on_device: Sequence, when: float) -> Touched:
         """A fetch served ``used`` at ``when`` (ancestors end up more recent than descendants: eviction takes
-        leaves first), made device copies (``DeviceBlock``s, kept as room allows) and unpins ``pinned``. Says
-        which used blocks have a disk copy and which of ``from_disk`` to copy into RAM (fit its budget)."""
+        leaves first), made device copies (``DeviceBlock``s, kept as room allows: a block kept there leaves RAM)
+        and unpins ``pinned``. Says which used blocks have a disk copy, which of ``from_disk`` to copy into RAM
+        (fit its budget) and which device copies it evicted to copy back to RAM (held nowhere else)."""
         with self._lock:
-            for b in on_device:
-                if b is not None and self._index.get(b.key) is not None:
-                    self._dev.add(b, self._pinned)
+            demote = self.device.keep(on_device, self._pinned, self._leave_ram) if on_device else []
             on_disk = [p for p in self._index.nodes(used) if p.on_disk]
             if on_disk and self._has_disk:
                 self.disk.used(on_disk, when)
             disk_keys = [p.key for p in on_disk]
             self._ram.touch([p.key for p in reversed(used)])
-            self._dev.touch([p.key for p in used])
+            self.device.touch([p.key for p in used])
             promote = [r for r in from_disk if (n := self._index.node(r)) is not None and n.on_disk
-                       and n.nbytes <= self._ram.budget]
+                       and not n.on_device and n.nbytes <= self._ram.budget]
             self._release(pinned)
-        return Touched(disk_keys, promote)
+        return Touched(disk_keys, promote, demote)
 
     def release(self, pinned: Pinned) -> None:
         """Unpin a fetch's blocks (nothing served)."""
@@ -425,10 +420,15 @@ class BlockTable:
             elif node.in_ram:  # not dropped with an evicted ancestor's subtree meanwhile
                 self._evict(node)
 
+    def _leave_ram(self, node: Node) -> None:
+        if node.in_ram:
+            self._ram.pop(node.key)
+            node.in_ram = False
+
     def _evict(self, node: Node) -> None:
         self._counters.count("evictions_ram")
         unwritten = node.pending and not node.on_disk and self._has_disk and self._writable
-        if node.on_disk or unwritten:
+        if node.on_disk or unwritten or node.on_device:
             if unwritten:
                 self._counters.count("evicted_unwritten")
             self._ram.pop(node.key)
@@ -443,7 +443,7 @@ class BlockTable:
         self._gone.add((d.key for d in dropped), why)
         for d in dropped:
             self._ram.pop(d.key)
-            self._dev.pop(d.key)
-            d.in_ram = False
+            self.device.dropped(d.key)
+            d.in_ram = d.on_device = False
         self.disk.dropped(dropped)
         return [d.key for d in dropped if d.on_disk]
