@@ -191,6 +191,8 @@ class FetchPath:
     def _not_served(self, chain: KeyChain, at: "Narrowed", found: Found, short: str) -> dict[str, int]:
         """Why each prompt token past ``at.served`` was not served (``reasons``): what is not stored is looked
         up only here, on the part not served."""
+        if at.served >= len(chain.tokens):
+            return {}
         why, start, stop = reasons.spans(*at, len(chain.tokens), short)
         blocks = reasons.whole_blocks(start, stop, self.block_size)
         if not blocks:

@@ -22,6 +22,7 @@ adoption) and ``admissions`` (``ssd_admit="reuse"``'s queue); ``Gone`` remembers
 from __future__ import annotations
 
 import threading
+from itertools import repeat
 from typing import Callable, Mapping, Optional, Sequence
 
 import numpy as np
@@ -48,8 +49,7 @@ class BlockTable:
         self._index = RadixIndex()
         self._ram = RamTier(ram_budget)
         self._counters = counters
-        self._has_disk = has_disk
-        self._writable = writable
+        self._has_disk, self._writable, self._on_device = has_disk, writable, device_budget > 0
         self._new: dict[int, list[Node]] = {}  # a put's new blocks until the writer takes their refs
         self._gone = Gone()  # why blocks left the index (a later miss on them is told)
         self.disk = DiskSide(self._index, self._lock, self._forget)
@@ -78,8 +78,7 @@ class BlockTable:
         """Whether the block (or, ``parent``, its parent) has a disk copy now."""
         with self._lock:
             node = self._index.node(ref)
-            node = node.parent if node is not None and parent else node
-            return node is not None and node.on_disk
+            return (node := node.parent if parent and node is not None else node) is not None and node.on_disk
 
     def keys_held(self) -> tuple[tuple[bytes, ...], tuple[bytes, ...]]:
         """The keys of the blocks in RAM (least recently used first) and in the device tier, at one moment."""
@@ -246,7 +245,8 @@ class BlockTable:
         items, sizes, on_disk = [], [], {}
         path = self._index.as_found(pinned.path)
         keys = [p.key for p in path]
-        for p, dev, ram in zip(path, self.device.get_many(keys), self._ram.get_many(keys)):
+        for p, dev, ram in zip(path, self.device.get_many(keys) if self._on_device else repeat(None),
+                               self._ram.get_many(keys)):
             b = dev or (ram if p.in_ram else None)
             got = b if b is not None else found.get(p.key)
             items.append(b)
@@ -269,7 +269,8 @@ class BlockTable:
                 self.disk.used(on_disk, when)
             disk_keys = [p.key for p in on_disk]
             self._ram.touch([p.key for p in reversed(used)])
-            self.device.touch([p.key for p in used])
+            if self._on_device:
+                self.device.touch([p.key for p in used])
             promote = [r for r in from_disk if (n := self._index.node(r)) is not None and n.on_disk
                        and not n.on_device and n.nbytes <= self._ram.budget]
             self._release(pinned)
