@@ -9,8 +9,8 @@ the next hit cuts its layers on the GPU (``gather``). A later hit of the same
 blocks at the same rows gets views of the arrays, so the engine's own
 first write is the only device-side copy. Blocks of one hit share its memory,
 which is freed once its last block leaves, so the budget counts it whole
-while any of them is kept. A block is always also in RAM or on disk: the tier is a cache
-over them, and any block may leave it. On Apple silicon and CPUs memory is
+while any of them is kept. A block kept here leaves RAM (the table's ``DeviceSide``), and one
+evicted goes back there where no other tier holds it. On Apple silicon and CPUs memory is
 one: the RAM tier is the device tier there and this one stays empty (budget
 0). The ``BlockTable`` owns it.
 """
