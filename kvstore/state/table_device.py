@@ -32,6 +32,7 @@ class DeviceSide:
         self._take = take  # the table's: a block's host bytes into RAM, as room allows
         self._forget = forget
         self._demoting: dict[bytes, DeviceBlock] = {}  # evicted copies whose host copy is being made
+        self._demoting_bytes = 0  # (bounded by the budget: past it, an evicted copy is dropped, not copied back)
 
     @property
     def budget(self) -> int:
@@ -73,7 +74,8 @@ class DeviceSide:
     def dropped(self, key: bytes) -> None:
         """The table dropped the block."""
         self._tier.pop(key)
-        self._demoting.pop(key, None)
+        if (d := self._demoting.pop(key, None)) is not None:
+            self._demoting_bytes -= d.nbytes
 
     def _back(self, evicted: list[DeviceBlock]) -> list[DeviceBlock]:
         out = []
@@ -83,8 +85,12 @@ class DeviceSide:
                 continue
             if node.in_ram or node.on_disk or (node.pending and self._has_disk):
                 node.on_device = False
+            elif self._demoting_bytes + d.nbytes > self._tier.budget:  # the writer far behind: GPU memory first
+                node.on_device = False
+                self._forget(node)
             else:
                 self._demoting[d.key] = d
+                self._demoting_bytes += d.nbytes
                 out.append(d)
         return out
 
@@ -116,6 +122,7 @@ class DeviceSide:
             if self._demoting.get(block.key) is not block:
                 return  # dropped meanwhile
             del self._demoting[block.key]
+            self._demoting_bytes -= block.nbytes
             node = self._index.get(block.key)
             if node is None or self._tier.get(block.key) is not None:
                 return  # (kept on the device again meanwhile)
