@@ -151,8 +151,8 @@ def fetch_cache(store: PrefixStore, model: nn.Module, key: str, tokens: Sequence
     quant = (kv_bits, kv_group_size) if kv_bits else None
     hit = store.fetch(key, tokens, limit=len(tokens) - 1, quantized=quant)
     log_request(len(tokens), hit)
-    if not hit:
-        return Restored([c for m in models for c in C.make_prompt_cache(m, max_kv_size=max_kv_size)], 0)
+    if not hit:  # (the miss handed over too: its reasons, ``hit.not_served``)
+        return Restored([c for m in models for c in C.make_prompt_cache(m, max_kv_size=max_kv_size)], 0, hit=hit)
     cache = layers_to_caches(hit.layers, models, length=hit.length, kv_bits=kv_bits, kv_group_size=kv_group_size,
                              quantized_kv_start=quantized_kv_start, max_kv_size=max_kv_size)
     return Restored(cache, hit.length, hit.ram_tokens, hit.ssd_tokens, hit.remote_tokens, hit)

@@ -20,6 +20,7 @@ NAMES = ("hits", "misses", "tokens_requested", "tokens_ram", "tokens_ssd", "puts
          "fetch_waited_us",  # time fetches waited for the writer to store blocks they serve (put just before)
          "tokens_queued",  # of tokens_ram, tokens copied from a put's own arrays before the writer stored them
          "puts_skipped", "blocks_skipped",  # puts not stored (whole): queued puts held past the bound (a burst)
+         "puts_superseded",  # queued puts whose blocks a later put of a longer prompt took over (their arrays let go)
          "evicted_unwritten",  # blocks evicted from RAM before their write to disk finished (the writer holds them)
          "tokens_skipped_cost",  # stored tokens not served: recomputing was predicted faster (or a near tie)
          "predicted_us", "actual_us",  # predicted and measured load time of hits served as planned

@@ -262,7 +262,9 @@ class PrefixStore(Inspection):
         needs the memory; the blocks stay in RAM or on disk). The budget stays: ``device_budget_gb``."""
         self._check_open()
         _count(n_bytes, "n_bytes")
-        self._table.trim_device(int(n_bytes))
+        back = self._table.device.trim(int(n_bytes))
+        if back:  # (copied back to RAM on the writer's thread)
+            self._writer.later(partial(self._table.device.copy_back, back))
 
     def trim_disk(self, n_bytes: int) -> int:
         """Evict least recently used disk blocks (leaves first) until the disk tier uses at most

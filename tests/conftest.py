@@ -56,3 +56,14 @@ def ssd(tmp_path):
     yield open_
     for s in opened:
         s.close()
+
+
+@pytest.fixture
+def redis_server(tmp_path):
+    """A real redis-server of the test's own on a free port, killed after it (skips where none is installed)."""
+    from ._redis import RedisServer, need_redis
+
+    need_redis()
+    s = RedisServer(tmp_path / "redis").start()
+    yield s
+    s.kill()

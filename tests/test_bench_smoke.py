@@ -175,6 +175,9 @@ def test_live_replay_runs_each_cache_in_its_own_process_and_writes_rows_and_summ
     assert store["budget_bytes"] == int(0.5 * store["unique_kv_bytes"])
     assert store["tokens_computed"] < runs["none"]["tokens_computed"] == runs["none"]["prompt_tokens"]
     assert sum(row["ram_tokens"] for row in store["rows"]) == store["cached_tokens"] > 0
+    for row in store["rows"]:  # why each token not served was not (issue 53): they add up to the prompt
+        assert row["cached_tokens"] + sum(row["not_served"].values()) == row["prompt_tokens"]
+        assert row["not_served"].get("limit") == 1  # (the engine computes the last token itself)
 
     summary = json.loads((out / "summary.json").read_text())
     s = summary["runs"]["kvstore_fp16-0.5"]
@@ -188,6 +191,8 @@ def test_live_replay_runs_each_cache_in_its_own_process_and_writes_rows_and_summ
     assert s["warm_vs_lru"] == pytest.approx(s["warm_ttft_total_s"] / summary["runs"]["lru-0.5"]["warm_ttft_total_s"])
     assert s["floor_s"] < s["ttft_total_s"] / s["vs_floor"] * 1.0001
     assert any(k.startswith("kvstore_fp16-0.5 put p99") for k in summary["checks"])
+    assert summary["checks"]["kvstore_fp16-0.5 served + not served = prompt, every request"] is True
+    assert s["not_served"]["limit"] == n and s["not_served"].get("new", 0) > 0
     # `live_replay compare`: a change's check that every request got the same tokens
     other = tmp_path / "other"
     other.mkdir()

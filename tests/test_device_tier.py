@@ -22,7 +22,9 @@ from kvstore.blocks import wire
 from kvstore.blocks.hashing import KeyChain, as_tokens, root_key
 from kvstore.blocks.layers import Quantized
 
-from ._helpers import BS, M, assert_hit_is, bits_of, kv_layers, toks
+from kvstore.config import GB
+
+from ._helpers import BLOCK_BYTES, BS, M, assert_hit_is, bits_of, kv_layers, toks
 from .test_cuda_staging import PinnedHostRuntime, _drain_pool
 
 
@@ -48,7 +50,7 @@ def test_a_hit_keeps_device_copies_and_the_next_hit_is_cut_from_them(on_gpu):
         first = s.fetch(M, p)
         assert_hit_is(first, p, 4 * BS, heads=2, dim=64)
         st = s.stats()
-        assert st["device_blocks"] == 4 and 0 < st["device_bytes"] <= st["ram_bytes"]
+        assert st["device_blocks"] == 4 and st["device_bytes"] > 0 and st["ram_blocks"] == 0  # (distinct tiers)
         rt = cuda.runtime()
         moved = getattr(rt, "copies", None)
         again = s.fetch(M, p)  # from the device copies: nothing crosses the bus
@@ -93,7 +95,7 @@ def test_conversations_sharing_a_prefix_are_counted_for_the_memory_they_hold(on_
         s.flush()
         for p in prompts:
             assert_hit_is(s.fetch(M, p), p, 4 * BS, heads=2, dim=64)
-            held = {id(d.arrays): d.arrays.nbytes for d in s._table._dev._blocks.values()}
+            held = {id(d.arrays): d.arrays.nbytes for d in s._table.device._tier._blocks.values()}
             st = s.stats()
             assert st["device_bytes"] == sum(held.values()) <= st["device_budget"]
         assert len(held) > 1  # the first conversations' own blocks still hold their arrays
@@ -125,6 +127,7 @@ def test_a_hit_of_blocks_two_hits_kept_is_copied_into_one_set_of_arrays_then_ser
     with _store(device_budget_gb=0.01) as s:
         s.put(M, p, kv_layers(p, heads=2, dim=64))
         s.flush()
+        stored = {k: s.held_bytes(k) for k in s.debug().ram_keys}  # (a block kept on the device leaves RAM)
         assert_hit_is(s.fetch(M, p[: 2 * BS] + [7]), p, 2 * BS, heads=2, dim=64)
         assert s.stats()["device_blocks"] == 2
         hit = s.fetch(M, p)
@@ -134,8 +137,8 @@ def test_a_hit_of_blocks_two_hits_kept_is_copied_into_one_set_of_arrays_then_ser
         moved = getattr(rt, "copies", None)
         assert_hit_is(s.fetch(M, p), p, 4 * BS, heads=2, dim=64)
         assert moved is None or rt.copies == moved
-        for d in list(s._table._dev._blocks.values()):  # a kept block's bytes, read back, are the stored ones
-            assert bytes(d.to_stored().buf) == bytes(s._table.held(d.key).buf)
+        for d in list(s._table.device._tier._blocks.values()):  # a kept block's bytes, read back, are the stored ones
+            assert bytes(d.to_stored().buf) == stored[d.key]
 
 
 def test_blocks_from_disk_are_checked_staged_and_kept_and_a_bad_one_is_never_served(on_gpu, tmp_path):
@@ -211,7 +214,7 @@ def test_quantized_blocks_on_the_gpu_path_give_what_the_host_path_gives(on_gpu, 
         ref, qref = on_host(lambda h: h.fetch(M, p)), on_host(lambda h: h.fetch(M, p, quantized=(bits, 32)))
         assert same_hit(s.fetch(M, p), ref)  # from RAM
         assert s.stats()["device_blocks"] == 4
-        kept = list(s._table._dev._blocks.values())
+        kept = list(s._table.device._tier._blocks.values())
         assert all((d.arrays is not None and len(d.arrays.kinds) == 3) == (bits == 8) for d in kept)
         assert same_hit(s.fetch(M, p), ref)  # from the device tier
         assert same_hit(s.fetch(M, p, quantized=(bits, 32)), qref)
@@ -260,3 +263,66 @@ def test_the_backend_is_chosen_from_the_runtime_installed_at_each_call(monkeypat
     assert host.device_memory() == 0
     cfg = StoreConfig(device_budget_gb=0.5)
     assert cfg.device_bytes(host) == 0 and cfg.device_bytes(gpu) == GB // 2
+
+
+# ------------------------------------------------------------ tiers that hold different blocks (issue 54)
+
+
+def _arrays_of_a_hit(p) -> int:
+    """The GPU memory one hit of ``p`` keeps (its arrays, counted whole)."""
+    with _store(device_budget_gb=0.01) as s:
+        s.put(M, p, kv_layers(p))
+        s.flush()
+        s.fetch(M, p)
+        return s.stats()["device_bytes"]
+
+
+def test_a_block_kept_on_the_device_leaves_ram_so_both_budgets_hold_distinct_blocks(on_gpu):
+    """RAM-only, RAM for one prompt's blocks, the device for one hit's arrays: a hit moves a's blocks to the
+    device and out of RAM, so b, put next, fits in RAM without evicting a. Both are then hits: a from its device
+    copies, b from RAM; b's hit takes the device, and a's evicted copies go back to RAM (a's in place of b's)."""
+    a, b = toks(4 * BS), toks(4 * BS, start=5000)
+    arrays = _arrays_of_a_hit(a)
+    with _store(budget_gb=4.5 * BLOCK_BYTES / GB, device_budget_gb=1.5 * arrays / GB) as s:
+        s.put(M, a, kv_layers(a))
+        s.flush()
+        assert_hit_is(s.fetch(M, a), a, 4 * BS)
+        st = s.stats()
+        assert (st["device_blocks"], st["ram_blocks"]) == (4, 0)
+        s.put(M, b, kv_layers(b))
+        s.flush()
+        assert s.stats()["ram_blocks"] == 4  # b's, beside a's on the device: eight distinct blocks
+        hit = s.fetch(M, a)
+        assert_hit_is(hit, a, 4 * BS) and hit.device_tokens == 4 * BS
+        hit = s.fetch(M, b)  # b to the device; a's copies evicted to make room go back to RAM
+        assert_hit_is(hit, b, 4 * BS) and hit.device_tokens == 0
+        s.flush()
+        st = s.stats()
+        assert st["device_blocks"] == 4 and st["ram_blocks"] == 4 and st["tokens_device"] == 4 * BS
+        assert set(s.debug().device_keys).isdisjoint(s.debug().ram_keys)
+        hit = s.fetch(M, a)
+        assert_hit_is(hit, a, 4 * BS) and hit.device_tokens == 0 and hit.not_served == {}
+
+
+def test_device_copies_trimmed_go_back_to_ram_unless_the_disk_holds_them(on_gpu, tmp_path):
+    p = toks(3 * BS)
+    with _store(device_budget_gb=0.01) as s:  # RAM-only: the device copy is the block's only one
+        s.put(M, p, kv_layers(p))
+        s.flush()
+        s.fetch(M, p)
+        assert (s.stats()["device_blocks"], s.stats()["ram_blocks"]) == (3, 0)
+        s.trim_device(0)
+        s.flush()
+        assert (s.stats()["device_blocks"], s.stats()["ram_blocks"]) == (0, 3)
+        assert_hit_is(s.fetch(M, p), p, 3 * BS)
+    with _store(device_budget_gb=0.01, ssd_path=tmp_path / "s") as s:  # the disk holds them: no copy back
+        s.put(M, p, kv_layers(p))
+        s.flush()
+        s.fetch(M, p)
+        written = s.stats()["blocks_written"]
+        s.trim_device(0)
+        s.flush()
+        st = s.stats()
+        assert (st["device_blocks"], st["ram_blocks"], st["blocks_written"]) == (0, 0, written)
+        hit = s.fetch(M, p)
+        assert_hit_is(hit, p, 3 * BS) and hit.ssd_tokens == 3 * BS

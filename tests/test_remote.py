@@ -34,11 +34,8 @@ MODEL = "remote-test-model"
 
 
 @pytest.fixture
-def server(tmp_path):
-    need_redis()
-    s = RedisServer(tmp_path / "redis").start()
-    yield s
-    s.kill()
+def server(redis_server):
+    return redis_server
 
 
 @pytest.fixture

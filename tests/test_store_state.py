@@ -21,6 +21,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule, run_state_machine_as_test
 
 from kvstore.config import GB
+from kvstore.hit import REASONS
 from kvstore.store import PrefixStore
 
 from ._helpers import assert_hit_is, kv_layers
@@ -44,6 +45,12 @@ def lcp(a, b) -> int:
             break
         n += 1
     return n
+
+
+def assert_reasons_add_up(hit, p: tuple) -> None:
+    """Issue 53: every token not served has a reason; with what was served they are the prompt's tokens."""
+    assert all(k in REASONS and v > 0 for k, v in hit.not_served.items()), hit.not_served
+    assert hit.length + sum(hit.not_served.values()) == len(p), (hit.length, hit.not_served, len(p))
 
 
 def blocks_of(p: tuple) -> set[tuple]:
@@ -94,10 +101,13 @@ class StoreMachine(RuleBasedStateMachine):
         limit = None if cut is None else max(0, len(p) - cut)
         hit = self.store.fetch(MODEL, list(p), limit=limit)
         n = len(p) if limit is None else limit
+        assert_reasons_add_up(hit, p)
+        assert hit.not_served.get("limit", 0) == len(p) - max(n, hit.length)
         best = self.longest_put(p[:n])
         assert 0 <= hit.length <= best, f"hit of {hit.length} tokens, at most {best} were ever put"
         if self.lossless:
             assert hit.length == best, f"lost data: hit of {hit.length} tokens, {best} were put"
+            assert not {"evicted", "skipped", "corrupt", "unavailable"} & set(hit.not_served), hit.not_served
         assert_hit_is(hit, p, hit.length, self.config.kv_bits)
 
     @precondition(lambda self: self.puts)
@@ -106,6 +116,7 @@ class StoreMachine(RuleBasedStateMachine):
         """A prompt put before (possibly continued) is served in full when nothing was lost."""
         p = data.draw(st.sampled_from(self.puts)) + tuple(extra)
         hit = self.store.fetch(MODEL, list(p))
+        assert_reasons_add_up(hit, p)
         best = self.longest_put(p)
         assert hit.length <= best
         if self.lossless:

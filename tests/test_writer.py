@@ -30,7 +30,7 @@ from kvstore.blocks.layers import KVLayer
 from kvstore.store import PrefixStore
 
 from ._helpers import (BLOCK_BYTES, BS, M, assert_hit_is, bits_of, block_by_block, blocks_on_disk, kv_layers, lmdb_of,
-                       put, toks)
+                       put, state_at, toks)
 
 # ------------------------------------------------------------ the queue bound
 
@@ -493,3 +493,42 @@ def test_an_interrupt_while_the_engine_thread_encodes_leaves_no_transaction_open
     done = threading.Event()
     threading.Thread(target=lambda: (s.close(), done.set()), daemon=True).start()
     assert done.wait(30)
+
+
+def test_a_burst_of_one_conversations_turns_keeps_them_all_the_later_put_taking_over_the_earlier(ssd, monkeypatch):
+    """Issue 54: a fast engine's puts come faster than the writer stores them. A later turn of a conversation
+    (a longer prompt starting with a queued one) takes the queued put's blocks over, with its own arrays,
+    instead of being skipped: every turn is stored (``puts_superseded``), nothing skipped, and each is a
+    bit-exact hit. A put of another prompt past the bound is still skipped whole, and counted."""
+    block_by_block(monkeypatch)
+    s = ssd(max_pending_bytes=1)
+    turns = [toks(12 + 10 * i) for i in range(4)]  # each turn's prompt extends the one before
+    other = toks(20, start=7000)
+    with s.pause_writer():  # the writer is held: every put stays queued
+        for t in turns:
+            assert put(s, t) > 0
+        assert put(s, other) == 0  # another prompt: past the bound, skipped
+    s.flush()
+    st = s.stats()
+    assert (st["puts_superseded"], st["puts_skipped"]) == (3, 1)
+    for t in turns:
+        assert_hit_is(s.fetch(M, t), t, len(t))
+    assert s.fetch(M, other).not_served == {"skipped": 16, "tail": 4}
+    s.close()
+    s = ssd()  # written through to disk, as any put
+    for t in turns:
+        assert_hit_is(s.fetch(M, t), t, len(t))
+
+
+def test_a_later_turn_of_a_model_with_state_does_not_take_an_earlier_put_over(ssd, monkeypatch):
+    """A state snapshot is valid at its own length only: a longer put cannot stand in for a shorter one's
+    snapshot, so past the bound it is skipped, as before."""
+    block_by_block(monkeypatch)
+    s = ssd(max_pending_bytes=1)
+    a, b = toks(16), toks(24)
+    with s.pause_writer():
+        assert s.put(M, a, [kv_layers(a, n_layers=1)[0], state_at(a)]) > 0
+        assert s.put(M, b, [kv_layers(b, n_layers=1)[0], state_at(b)]) == 0
+    s.flush()
+    assert (s.stats()["puts_superseded"], s.stats()["puts_skipped"]) == (0, 1)
+    assert s.fetch(M, a).length == 16

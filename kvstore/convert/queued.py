@@ -37,12 +37,17 @@ def rows_of_queued(jobs: Sequence, tokens: np.ndarray, start: int, length: int, 
         if not layers or job.found is not None or len(job.tokens) < length \
                 or not np.array_equal(job.tokens[:length], tokens[:length]):
             continue
-        if all(isinstance(l, KVLayer) and l.start == 0 and l.window is None and l.stop >= length
-               and not isinstance(l.keys, Quantized) and not isinstance(l.values, Quantized) for l in layers):
+        if plain(layers) and all(l.stop >= length and not isinstance(l.keys, Quantized)
+                                 and not isinstance(l.values, Quantized) for l in layers):
             return [KVLayer(densify(codec.compress_keys(take_rows(l.keys, start, length))),
                             densify(codec.compress_values(take_rows(l.values, start, length))), start)
                     for l in layers]
     return None
+
+
+def plain(layers: Sequence[Layer]) -> bool:
+    """Attention rows from the first token on, no window, no state: what a longer prompt's arrays hold too."""
+    return all(isinstance(l, KVLayer) and l.start == 0 and l.window is None for l in layers)
 
 
 def owned(rows: list[Layer]) -> list[Layer]:

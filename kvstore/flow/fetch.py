@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import replace
+from functools import partial
 from typing import Callable, NamedTuple, Optional
 
 import numpy as np
@@ -190,6 +191,8 @@ class FetchPath:
     def _not_served(self, chain: KeyChain, at: "Narrowed", found: Found, short: str) -> dict[str, int]:
         """Why each prompt token past ``at.served`` was not served (``reasons``): what is not stored is looked
         up only here, on the part not served."""
+        if at.served >= len(chain.tokens):
+            return {}
         why, start, stop = reasons.spans(*at, len(chain.tokens), short)
         blocks = reasons.whole_blocks(start, stop, self.block_size)
         if not blocks:
@@ -225,6 +228,8 @@ class FetchPath:
         touched = self.table.served(pinned, got.used, [p for p, r in zip(got.used, got.from_ram) if not r],
                                     got.on_device, now)
         self.reader.promote_later(touched.promote)
+        if touched.demote:  # (copied back on the writer's thread, its own stream)
+            self.writer.later(partial(self.table.device.copy_back, touched.demote))
         if got.length == 0:
             counts["misses"] = 1
             self.counters.record(counts, touched.disk_keys, now, not_served=why)

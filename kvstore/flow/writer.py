@@ -1,26 +1,20 @@
-"""The background writer: encodes the blocks a ``put`` queued (slice,
-quantize, serialize out of the engine's buffers: one copy, to host memory on
-every backend), admits those bytes to RAM and writes the same bytes through
-to disk in large transactions on the commit thread (``commit``): the next
-batch is encoded while one is written.
+"""The background writer: encodes the blocks a ``put`` queued (slice, quantize, serialize out of the engine's buffers:
+one copy, to host memory on every backend), admits those bytes to RAM and writes the same bytes through to disk in
+large transactions on the commit thread (``commit``): the next batch is encoded while one is written.
 
-``put`` only hashes, indexes and queues, so the engine waits well under a
-millisecond; blocks another process wrote meanwhile are found here, not on
-the engine's thread. The queue is bounded by the bytes of the engine's
-arrays that queued puts keep alive (a job lets go of them once encoded):
-past the bound a put is skipped whole, never done on the engine's thread
-and never kept in part (a prefix cache may keep less under a burst; it must
-not make the engine wait). The writer runs its device work on a stream of
-its own and waits between blocks while an engine call runs
-(``priority``). The writer owns every put it was handed until it is done
-(``Job``, known elsewhere by its id alone): the table marks a put's blocks
-with that id until each is durable where it is going (RAM for a RAM-only
-store, disk otherwise), and a fetch that needs a block not in RAM asks the
-writer for the put's rows (``queued_rows``) or waits for it (``wait``).
+``put`` only hashes, indexes and queues, so the engine waits well under a millisecond; blocks another process wrote
+meanwhile are found here, not on the engine's thread. The queue is bounded by the bytes of the engine's arrays that
+queued puts keep alive (a job lets go of them once encoded): past the bound a put is skipped whole, never done on
+the engine's thread and never kept in part (a prefix cache may keep less under a burst; it must not make the engine
+wait), unless it takes over queued puts of shorter prompts it starts with (a conversation's earlier turns): their
+blocks become its own and their arrays are let go. The writer runs its device work on a stream of its own and waits
+between blocks while an engine call runs (``priority``). The writer owns every put it was handed until it is done
+(``Job``, known elsewhere by its id alone): the table marks a put's blocks with that id until each is durable where
+it is going (RAM for a RAM-only store, disk otherwise), and a fetch that needs a block not in RAM asks the writer
+for the put's rows (``queued_rows``) or waits for it (``wait``).
 
-With a remote tier, each batch is offered to its write-behind queue after
-the local write. A job of blocks read from the remote (``found``) is only
-kept locally: nothing to encode, nothing to send back.
+With a remote tier, each batch is offered to its write-behind queue after the local write. A job of blocks read from
+the remote (``found``) is only kept locally: nothing to encode, nothing to send back.
 """
 
 from __future__ import annotations
@@ -47,7 +41,7 @@ from ..counters import Counters
 from .disk import Disk
 from ..convert.encode import About, Rows, encoded
 from ..state.index import BlockRef
-from ..convert.queued import rows_of_queued
+from ..convert.queued import plain, rows_of_queued
 from ..state.plans import Placed
 from ..blocks.layers import Layer
 from .priority import EngineFirst
@@ -143,14 +137,13 @@ class Writer:
         job = self._pending.get(pending)
         if job is None:
             return 0
-        count = job.count or len(job.nodes or ())
         with self.lock:
             if self._pid != os.getpid():  # a forked child: the parent's queued jobs are the parent's to write
                 self._pid, self.pending_bytes = os.getpid(), 0
-            skip = self.pending_bytes > 0 and self.pending_bytes + job.held > self.max_pending
-            if not skip:
-                self.pending_bytes += job.held
-                job.holding = True
+            skip = self._hold(job)
+        if skip:
+            skip = not self._supersede(job)
+        count = job.count or len(job.nodes or ())
         if skip:
             self.counters.count("puts_skipped")
             self.counters.count("blocks_skipped", count)
@@ -159,6 +152,36 @@ class Writer:
         if not self._queued(job):
             self.run(job)  # no thread can start (an interpreter exiting, Python 3.12+): done here
         return count
+
+    def _hold(self, job: Job) -> bool:
+        """Count ``job``'s arrays against the bound; True (not counted) where they would pass it. Under the lock."""
+        if self.pending_bytes > 0 and self.pending_bytes + job.held > self.max_pending:
+            return True
+        self.pending_bytes += job.held
+        job.holding = True
+        return False
+
+    def _supersede(self, job: Job) -> bool:
+        """Queued puts of shorter prompts ``job``'s starts with (a conversation's earlier turns, in a burst) hand
+        their blocks over to it, whose arrays hold their rows too, and let go of their own arrays; then ``job``
+        is held if it fits. Plain KV only: a state snapshot or a window is valid at its own length alone."""
+        if job.found is not None or not plain(job.layers):
+            return False
+        n = len(job.tokens)
+        older = [o for o in list(self._pending.values()) if o is not job and o.holding and o.found is None
+                 and o.root == job.root and len(o.tokens) <= n and plain(o.layers)
+                 and np.array_equal(o.tokens, job.tokens[: len(o.tokens)])]
+        moved = set(self.table.hand_over([o.ident for o in older], job.ident)) if older else set()
+        with self.lock:
+            for o in older:
+                if o.ident in moved and o.holding:
+                    o.holding, o.layers, o.compressed = False, [], {}
+                    self.pending_bytes -= o.held
+                    job.count += o.count
+            fits = not self._hold(job)
+        if moved:
+            self.counters.count("puts_superseded", len(moved))
+        return fits
 
     # ------------------------------------------------- what a fetch asks of a put not yet stored
 

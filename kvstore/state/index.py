@@ -63,7 +63,7 @@ class Node:
     """
 
     __slots__ = ("key", "parent", "children", "start", "length", "first", "snap", "gap", "rows_from",
-                 "end", "in_ram", "on_disk", "pins", "pending", "nbytes", "used", "disk_kids", "offset", "reused", "record", "ident")
+                 "end", "in_ram", "on_disk", "on_device", "pins", "pending", "nbytes", "used", "disk_kids", "offset", "reused", "record", "ident")
 
     def __init__(self, key: bytes, parent: Optional["Node"], start: int, length: int,
                  first: int = -1, snap: Optional[bool] = None, gap: int = NO_GAP,
@@ -80,6 +80,7 @@ class Node:
         self.rows_from = start if rows_from is None else rows_from
         self.in_ram = False
         self.on_disk = False
+        self.on_device = False  # a device copy (CUDA), the table's own (RAM holds what the device does not)
         self.pins = 0
         self.pending = 0  # the writer's id of the put that has not yet made this block durable (0: none)
         self.nbytes = 0  # payload bytes on disk (disk eviction frees about this much)
@@ -98,6 +99,11 @@ class Node:
                                    self.in_ram, self.on_disk, self.nbytes, self.offset, self.end))
 
     is_root = BlockRef.is_root  # (the same property: a ref and its node answer alike)
+
+    @property
+    def held(self) -> bool:
+        """In a tier: RAM, disk or the device (a block in none leaves the index)."""
+        return self.in_ram or self.on_disk or self.on_device
 
     def path(self) -> list["Node"]:
         """Blocks from the first to this one (the root sentinel excluded)."""

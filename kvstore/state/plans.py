@@ -57,10 +57,12 @@ class Pinned:
 
 
 class Touched(NamedTuple):
-    """``BlockTable.served``: the keys of the used blocks with a disk copy, and the blocks to promote to RAM."""
+    """``BlockTable.served``: the keys of the used blocks with a disk copy, the blocks to promote to RAM, and
+    the device copies evicted to copy back to RAM (``BlockTable.demoted``)."""
 
     disk_keys: list[bytes]
     promote: list[BlockRef]
+    demote: list = []
 
 
 class Placed(enum.Enum):

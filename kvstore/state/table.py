@@ -1,35 +1,28 @@
-"""BlockTable: which blocks the store knows, where each one lives, and the
-one lock over all of it.
+"""BlockTable: which blocks the store knows, where each one lives, and the one lock over all of it.
 
-A block is a ``Node`` of the radix index, and nodes never leave the table:
-it hands out ``BlockRef``s (immutable: which block, where it sits, where it
-was when handed out) and takes them back to act on the blocks, ignoring a ref
-to a block dropped meanwhile. The table alone changes nodes and the places
-that hold them: the RAM and device tiers' bytes and LRU order, the disk
-tier's LRU of leaves, pins of readers in flight, and the id of the put that
-has not yet made a block durable (the writer owns the put). Every method
-takes the lock itself and does no I/O, so the read, write, discovery and
-costing paths are siblings that ask the table, never each other. Lock
-order: a thread may hold an LMDB transaction (the tier's gate) when it calls
-the table, never the other way round.
+A block is a ``Node`` of the radix index, and nodes never leave the table: it hands out ``BlockRef``s (immutable:
+which block, where it sits, where it was when handed out) and takes them back to act on the blocks, ignoring a ref
+to a block dropped meanwhile. The table alone changes nodes and the places that hold them: the RAM and device tiers'
+bytes and LRU order, the disk tier's LRU of leaves, pins of readers in flight, and the id of the put that has not
+yet made a block durable (the writer owns the put). Every method takes the lock itself and does no I/O, so the read,
+write, discovery and costing paths are siblings that ask the table, never each other. Lock order: a thread may hold
+an LMDB transaction (the tier's gate) when it calls the table, never the other way round.
 
 Eviction takes leaves first, without a scan, in both tiers:
 
-- RAM: ancestors are touched after their descendants, so the least recently
-  used end of the RAM order holds leaves; eviction walks from there, skipping
-  pinned blocks. A block evicted before its disk write finished stays indexed
+- RAM: ancestors are touched after their descendants, so the least recently used end of the RAM order holds leaves;
+  eviction walks from there, skipping pinned blocks. A block evicted before its disk write finished stays indexed
   (the writer holds it and writes it).
-- Disk: a heap of blocks on disk with no child on disk, by last use
-  (``DiskOrder``): O(log n) per evicted block.
+- Disk: a heap of blocks on disk with no child on disk, by last use (``DiskOrder``): O(log n) per evicted block.
 
-Two parts made here with the index and the lock own the rest: ``disk``
-(``DiskSide``: blocks on disk, their LRU, adoption) and ``admissions``
-(``ssd_admit="reuse"``'s queue); ``Gone`` remembers why blocks left.
+Two parts made here with the index and the lock own the rest: ``disk`` (``DiskSide``: blocks on disk, their LRU,
+adoption) and ``admissions`` (``ssd_admit="reuse"``'s queue); ``Gone`` remembers why blocks left.
 """
 
 from __future__ import annotations
 
 import threading
+from itertools import repeat
 from typing import Callable, Mapping, Optional, Sequence
 
 import numpy as np
@@ -38,6 +31,7 @@ from . import lookup
 from ..blocks.wire import Stored
 from ..counters import Counters
 from .table_admit import Admissions
+from .table_device import DeviceSide
 from .table_disk import DiskSide
 from .gone import Gone
 from ..blocks.hashing import KeyChain
@@ -45,7 +39,6 @@ from .index import BlockRef, Node, RadixIndex
 from .plans import Candidate, Lookup, Pinned, Placed, Touched
 from ..blocks.layers import KVLayer
 from ..blocks.record import BlockRecord
-from ..tiers.device import DeviceTier
 from ..tiers.ram import RamTier
 
 
@@ -55,13 +48,12 @@ class BlockTable:
         self._lock = threading.RLock()
         self._index = RadixIndex()
         self._ram = RamTier(ram_budget)
-        self._dev = DeviceTier(device_budget)  # copies of RAM or disk blocks in GPU memory (CUDA only)
         self._counters = counters
-        self._has_disk = has_disk
-        self._writable = writable
+        self._has_disk, self._writable, self._on_device = has_disk, writable, device_budget > 0
         self._new: dict[int, list[Node]] = {}  # a put's new blocks until the writer takes their refs
         self._gone = Gone()  # why blocks left the index (a later miss on them is told)
         self.disk = DiskSide(self._index, self._lock, self._forget)
+        self.device = DeviceSide(self._index, self._lock, device_budget, has_disk, self._promote, self._forget)
         self.admissions = Admissions(self._index, self._lock, self._ram.get, admit_on_reuse and has_disk and writable)
 
     # ---------------------------------------------------------------- reads
@@ -86,13 +78,12 @@ class BlockTable:
         """Whether the block (or, ``parent``, its parent) has a disk copy now."""
         with self._lock:
             node = self._index.node(ref)
-            node = node.parent if node is not None and parent else node
-            return node is not None and node.on_disk
+            return (node := node.parent if parent and node is not None else node) is not None and node.on_disk
 
     def keys_held(self) -> tuple[tuple[bytes, ...], tuple[bytes, ...]]:
         """The keys of the blocks in RAM (least recently used first) and in the device tier, at one moment."""
         with self._lock:
-            return tuple(k for k, _ in self._ram.oldest()), self._dev.keys()
+            return tuple(k for k, _ in self._ram.oldest()), self.device.keys()
 
     def held(self, key: bytes) -> Optional[Stored]:
         """A block's bytes in RAM (a dict read: no lock needed)."""
@@ -100,17 +91,12 @@ class BlockTable:
 
     @property
     def device_budget(self) -> int:
-        return self._dev.budget
-
-    def trim_device(self, keep_bytes: int) -> None:
-        """Drop device copies, least recently used first, until at most ``keep_bytes`` are held."""
-        with self._lock:
-            self._dev.shrink(keep_bytes)
+        return self.device.budget
 
     def stats(self) -> dict:
         with self._lock:
             return dict(ram_bytes=self._ram.nbytes, ram_blocks=len(self._ram), ram_budget=self._ram.budget,
-                        device_bytes=self._dev.nbytes, device_blocks=len(self._dev), device_budget=self._dev.budget,
+                        **self.device.stats(),
                         blocks_indexed=len(self._index))
 
     @property
@@ -125,11 +111,9 @@ class BlockTable:
 
     def plan_put(self, root_key: bytes, chain: KeyChain, n: int, has_state: bool, late: Sequence[KVLayer],
                  pending: Callable[[int], int]) -> int:
-        """Index the blocks of a put the store lacks; ``pending(count)`` gives
-        them the writer's id of their put (registered there first, so a fetch
-        that finds the id can wait for it). Returns that id, 0 when nothing is
-        new. Their refs are made on the writer's thread (``new_refs``): a put
-        of 128 new blocks would pay a tenth of a millisecond for them here."""
+        """Index the blocks of a put the store lacks; ``pending(count)`` gives them the writer's id of their put
+        (registered there first: a fetch that finds the id can wait for it). Returns that id, 0 when nothing is
+        new. Their refs are made on the writer's thread (``new_refs``), not here."""
         with self._lock:
             root = self._index.root(root_key)
             new = lookup.new_blocks(self._index, root, chain, n, has_state, late)
@@ -142,6 +126,18 @@ class BlockTable:
                 node.pending = pid
             self._new[pid] = new
             return pid
+
+    def hand_over(self, older: Sequence[int], pending: int) -> list[int]:
+        """The blocks of queued puts ``older`` the writer has not taken yet become the put ``pending``'s (whose
+        arrays hold their rows too: a longer prompt of the same prefix); returns the ids handed over."""
+        with self._lock:
+            moved = [o for o in older if o in self._new]
+            nodes = [n for o in moved for n in self._new.pop(o)]
+            for n in nodes:
+                if n.pending in moved:
+                    n.pending = pending
+            self._new[pending] = sorted(nodes + self._new.get(pending, []), key=lambda n: n.start)
+            return moved
 
     def new_refs(self, pending: int) -> list[BlockRef]:
         """The refs of the blocks ``plan_put`` indexed for the put ``pending`` (once: the writer takes them)."""
@@ -190,7 +186,7 @@ class BlockTable:
                     continue
                 if node.pending == pid:
                     node.pending = 0
-                if not node.in_ram and not node.on_disk:
+                if not node.held:
                     self._forget(node, "skipped" if dropped else "evicted")
 
     def put_released(self, pending: int, refs: Sequence[BlockRef]) -> None:
@@ -222,7 +218,8 @@ class BlockTable:
             return self._gone.why(keys), [r.key for r in self._index.roots() if r.key != root and r.children]
 
     def _tokens_held(self, node: Node) -> Optional[np.ndarray]:
-        return block.tokens if node.in_ram and (block := self._ram.get(node.key)) is not None else None
+        block = self._ram.get(node.key) if node.in_ram else None
+        return self.device.tokens(node) if block is None else block.tokens
 
     def pin(self, path: Sequence[BlockRef], matched: int, found: Mapping[bytes, Stored] = {}) -> Pinned:
         """The blocks of ``path`` that serve a prefix (of at most ``matched`` tokens), pinned, with the
@@ -233,7 +230,7 @@ class BlockTable:
         with self._lock:
             nodes = self._index.nodes(refs)
             RadixIndex.pin(nodes)
-            held = [p for p in nodes if p.pending and not p.in_ram and p.key not in found]
+            held = [p for p in nodes if p.pending and not p.in_ram and not p.on_device and p.key not in found]
             pinned = Pinned(refs, length, tuple(dict.fromkeys(p.pending for p in held)),
                             min((p.start for p in held), default=length))
             self._look(pinned, found)
@@ -248,7 +245,8 @@ class BlockTable:
         items, sizes, on_disk = [], [], {}
         path = self._index.as_found(pinned.path)
         keys = [p.key for p in path]
-        for p, dev, ram in zip(path, self._dev.get_many(keys), self._ram.get_many(keys)):
+        for p, dev, ram in zip(path, self.device.get_many(keys) if self._on_device else repeat(None),
+                               self._ram.get_many(keys)):
             b = dev or (ram if p.in_ram else None)
             got = b if b is not None else found.get(p.key)
             items.append(b)
@@ -261,22 +259,22 @@ class BlockTable:
     def served(self, pinned: Pinned, used: Sequence[BlockRef], from_disk: Sequence[BlockRef],
                on_device: Sequence, when: float) -> Touched:
         """A fetch served ``used`` at ``when`` (ancestors end up more recent than descendants: eviction takes
-        leaves first), made device copies (``DeviceBlock``s, kept as room allows) and unpins ``pinned``. Says
-        which used blocks have a disk copy and which of ``from_disk`` to copy into RAM (fit its budget)."""
+        leaves first), made device copies (``DeviceBlock``s, kept as room allows: a block kept there leaves RAM)
+        and unpins ``pinned``. Says which used blocks have a disk copy, which of ``from_disk`` to copy into RAM
+        (fit its budget) and which device copies it evicted to copy back to RAM (held nowhere else)."""
         with self._lock:
-            for b in on_device:
-                if b is not None and self._index.get(b.key) is not None:
-                    self._dev.add(b, self._pinned)
+            demote = self.device.keep(on_device, self._pinned, self._leave_ram) if on_device else []
             on_disk = [p for p in self._index.nodes(used) if p.on_disk]
             if on_disk and self._has_disk:
                 self.disk.used(on_disk, when)
             disk_keys = [p.key for p in on_disk]
             self._ram.touch([p.key for p in reversed(used)])
-            self._dev.touch([p.key for p in used])
+            if self._on_device:
+                self.device.touch([p.key for p in used])
             promote = [r for r in from_disk if (n := self._index.node(r)) is not None and n.on_disk
-                       and n.nbytes <= self._ram.budget]
+                       and not n.on_device and n.nbytes <= self._ram.budget]
             self._release(pinned)
-        return Touched(disk_keys, promote)
+        return Touched(disk_keys, promote, demote)
 
     def release(self, pinned: Pinned) -> None:
         """Unpin a fetch's blocks (nothing served)."""
@@ -306,11 +304,9 @@ class BlockTable:
 
     def keep_found(self, parent: BlockRef, found: Sequence[tuple[BlockRecord, Stored]], now: float,
                    pending: Optional[Callable[[list[BlockRef]], int]]) -> list[BlockRef]:
-        """Index blocks read from the remote as a chain below ``parent``, into
-        RAM as far as they fit; returns the nodes that were new. They wait for
-        the put ``pending(new)`` registers with the writer (their disk copy);
-        without one, those held nowhere leave the index (with what is below
-        them)."""
+        """Index blocks read from the remote as a chain below ``parent``, into RAM as far as they fit; returns
+        the nodes that were new. They wait for the put ``pending(new)`` registers with the writer (their disk
+        copy); without one, those held nowhere leave the index (with what is below them)."""
         fresh: list[Node] = []
         pinned: list[Node] = []
         with self._lock:
@@ -425,10 +421,15 @@ class BlockTable:
             elif node.in_ram:  # not dropped with an evicted ancestor's subtree meanwhile
                 self._evict(node)
 
+    def _leave_ram(self, node: Node) -> None:
+        if node.in_ram:
+            self._ram.pop(node.key)
+            node.in_ram = False
+
     def _evict(self, node: Node) -> None:
         self._counters.count("evictions_ram")
         unwritten = node.pending and not node.on_disk and self._has_disk and self._writable
-        if node.on_disk or unwritten:
+        if node.on_disk or unwritten or node.on_device:
             if unwritten:
                 self._counters.count("evicted_unwritten")
             self._ram.pop(node.key)
@@ -443,7 +444,7 @@ class BlockTable:
         self._gone.add((d.key for d in dropped), why)
         for d in dropped:
             self._ram.pop(d.key)
-            self._dev.pop(d.key)
-            d.in_ram = False
+            self.device.dropped(d.key)
+            d.in_ram = d.on_device = False
         self.disk.dropped(dropped)
         return [d.key for d in dropped if d.on_disk]

@@ -68,7 +68,7 @@ class DiskSide:
                     self._order.push(v)  # another process removed it first, or it survived: keep it known
                     continue
                 self._order.mark(v, False)
-                if not v.in_ram and not v.pending:
+                if not v.in_ram and not v.on_device and not v.pending:
                     self._forget(v)
 
     def adopted(self, parent: BlockRef, records: Sequence[BlockRecord]) -> int:
@@ -128,7 +128,7 @@ class DiskSide:
         removed it): it leaves the index with the blocks under it."""
         with self._lock:
             node = self._index.node(ref)
-            if node is not None and not node.in_ram and not node.pending:
+            if node is not None and not node.in_ram and not node.on_device and not node.pending:
                 self._forget(node)
 
     def offset_found(self, ref: BlockRef, offset: int) -> None:

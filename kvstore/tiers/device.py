@@ -9,8 +9,8 @@ the next hit cuts its layers on the GPU (``gather``). A later hit of the same
 blocks at the same rows gets views of the arrays, so the engine's own
 first write is the only device-side copy. Blocks of one hit share its memory,
 which is freed once its last block leaves, so the budget counts it whole
-while any of them is kept. A block is always also in RAM or on disk: the tier is a cache
-over them, and any block may leave it. On Apple silicon and CPUs memory is
+while any of them is kept. A block kept here leaves RAM (the table's ``DeviceSide``), and one
+evicted goes back there where no other tier holds it. On Apple silicon and CPUs memory is
 one: the RAM tier is the device tier there and this one stays empty (budget
 0). The ``BlockTable`` owns it.
 """
@@ -84,9 +84,9 @@ class DeviceTier:
             return id(block.arrays), block.arrays.nbytes
         return id(block.data), block.data.nbytes
 
-    def add(self, block: DeviceBlock, pinned: Callable[[bytes], bool]) -> bool:
-        """Keep ``block``, evicting the least recently used blocks not
-        ``pinned`` to make room; False when it does not fit."""
+    def add(self, block: DeviceBlock, pinned: Callable[[bytes], bool], evicted: Optional[list] = None) -> bool:
+        """Keep ``block``, evicting the least recently used blocks not ``pinned`` to make room (added to
+        ``evicted``); False when it does not fit."""
         mem, size = self._memory(block)
         if size > self.budget:
             return False
@@ -95,7 +95,7 @@ class DeviceTier:
             if self.nbytes + (0 if mem in self._held else size) <= self.budget:
                 break
             if not pinned(key):
-                self.pop(key)
+                _out(evicted, self.pop(key))
         cost = 0 if mem in self._held else size
         if self.nbytes + cost > self.budget:
             return False
@@ -104,7 +104,7 @@ class DeviceTier:
         self.nbytes += cost
         return True
 
-    def pop(self, key: bytes) -> None:
+    def pop(self, key: bytes) -> Optional[DeviceBlock]:
         block = self._blocks.pop(key, None)
         if block is not None:
             mem, _ = self._memory(block)
@@ -113,13 +113,19 @@ class DeviceTier:
             if held[1] == 0:
                 del self._held[mem]
                 self.nbytes -= held[0]
+        return block
 
     def touch(self, keys: Iterable[bytes]) -> None:
         for key in keys:
             if key in self._blocks:
                 self._blocks.move_to_end(key)
 
-    def shrink(self, keep_bytes: int) -> None:
-        """Least recently used blocks out until at most ``keep_bytes`` are held."""
+    def shrink(self, keep_bytes: int, evicted: Optional[list] = None) -> None:
+        """Least recently used blocks out (added to ``evicted``) until at most ``keep_bytes`` are held."""
         while self._blocks and self.nbytes > keep_bytes:
-            self.pop(next(iter(self._blocks)))
+            _out(evicted, self.pop(next(iter(self._blocks))))
+
+
+def _out(evicted: Optional[list], block: Optional[DeviceBlock]) -> None:
+    if evicted is not None and block is not None:
+        evicted.append(block)

@@ -73,6 +73,7 @@ class FetchTrace:
     def __init__(self) -> None:
         self.modules: set[str] = set()
         self.transitions = 0
+        self.pairs: Counter[str] = Counter()  # "a -> b": where the transitions are
         self.locks: Counter[str] = Counter()
         self.kinds: Counter[str] = Counter()
         self._last: Optional[str] = None  # the module of the last kvstore frame's call or return
@@ -81,6 +82,7 @@ class FetchTrace:
     def _event(self, module: str) -> None:
         if self._last is not None and module != self._last:
             self.transitions += 1
+            self.pairs[f"{self._last} -> {module}"] += 1
         self._last = module
 
     def _lock(self, frame, kind: str) -> None:
@@ -115,7 +117,8 @@ class FetchTrace:
 
     def report(self) -> dict[str, Any]:
         return {"modules": sorted(self.modules), "module_count": len(self.modules),
-                "transitions": self.transitions, "lock_acquisitions": sum(self.locks.values()),
+                "transitions": self.transitions, "transitions_by_pair": dict(self.pairs.most_common()),
+                "lock_acquisitions": sum(self.locks.values()),
                 "locks_by_caller": dict(self.locks.most_common()), "locks_by_kind": dict(self.kinds)}
 
 

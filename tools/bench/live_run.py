@@ -141,7 +141,8 @@ def replay(system: str, trace: dict, model: Any, mkey: str, budget: int, ssd: Op
                 cache, got, hit = r.cache, r.cached_tokens, r.hit
                 row.update(ram_tokens=r.ram_tokens, ssd_tokens=r.ssd_tokens,
                            source_bytes=dict(hit.source_bytes) if hit else {},
-                           skipped_tokens=hit.skipped_tokens if hit else 0)
+                           skipped_tokens=hit.skipped_tokens if hit else 0,
+                           not_served=dict(hit.not_served) if hit is not None else {})
             else:
                 cache, got = C.make_prompt_cache(model), 0
             t1 = time.perf_counter()

@@ -43,6 +43,10 @@ def _round(r: dict, none: Optional[dict], bus: list[Optional[float]]) -> dict:
     stats = r.get("store_stats")
     if stats:
         s.update({k: stats[k] for k in STAT_KEYS if k in stats})
+        s["not_served"] = {k: v for k, v in stats.get("tokens_not_served", {}).items() if v}
+        # every request: the tokens served plus those not served, by reason, are its prompt's
+        s["reasons_add_up"] = all(x["cached_tokens"] + sum(x.get("not_served", {}).values()) == x["prompt_tokens"]
+                                  for x in r["rows"])
         ram = stats["cost"]["rates"].get("ram", {})
         s["store_ram_gbps"] = ram.get("gb_per_s") if ram.get("observed") else None
         s["bus_gbps"] = max(x for x in (*bus, s["store_ram_gbps"]) if x)
@@ -98,6 +102,8 @@ def summarize(runs: dict[str, dict]) -> dict:
             checks[f"{name} fresh vs warm <= {want}"] = s["fresh_vs_warm"] <= want
         if "vs_cold_max" in s:
             checks[f"{name} no request over {TARGETS['vs_cold']}x cold"] = s["vs_cold_over_1_1"] == 0
+        if "reasons_add_up" in s:
+            checks[f"{name} served + not served = prompt, every request"] = s["reasons_add_up"]
         checks[f"{name} put p99 <= 2 ms, max <= 10 ms"] = (s["put_p99_s"] <= TARGETS["put_p99_s"]
                                                           and s["put_max_s"] <= TARGETS["put_max_s"])
     return out
