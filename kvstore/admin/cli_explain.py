@@ -20,6 +20,7 @@ from .tokens import encode, tokenizer
 from .ui import flag, out
 
 SEEN_HERE = "an engine's RAM and device copies are its own process's: not seen from here"
+LOADS = {"ram": "loads from memory", "ssd_cached": "loads from the page cache", "ssd_cold": "loads from SSD (cold)"}
 
 
 def explain_(
@@ -128,7 +129,7 @@ def _show(path: Path, e) -> None:
         for b in run:
             for r, k in b.not_served.items():
                 missed[r] = missed.get(r, 0) + k
-        note = f"held by {first.held_by}" if first.held_by else first.loads_from.replace("_", " ")
+        note = f"held by {first.held_by}" if first.held_by else LOADS.get(first.loads_from, "")
         table.add_row(str(first.index) if len(run) == 1 else f"{first.index}-{last.index}",
                       f"{first.start}-{last.end}", first.where, str(sum(b.served for b in run)),
                       ", ".join(f"{r} {k}" for r, k in missed.items()), escape(note))
@@ -143,9 +144,11 @@ def verdict(v) -> str:
     if not v.servable:
         return "nothing to weigh: no stored block serves the prompt"
     said = f"serve {v.length} of {v.servable} servable tokens"
-    if v.recompute_s is not None and (v.load_s or v.prefill_s):  # (weighed: not decided by the policy alone)
+    if v.recompute_s is not None and v.length and (v.load_s or v.prefill_s):  # (weighed, not the policy's)
         said += (f": loading them {v.load_s * 1e3:.1f} ms + prefilling the rest {v.prefill_s * 1e3:.1f} ms, "
                  f"against {v.recompute_s * 1e3:.1f} ms to recompute the whole prompt (predicted)")
+    elif v.recompute_s is not None and v.prefill_s:
+        said += f": recompute the whole prompt, {v.recompute_s * 1e3:.1f} ms (predicted)"
     return said + (f"; {v.reason}" if v.reason else "")
 
 
