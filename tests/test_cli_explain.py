@@ -10,13 +10,13 @@ import sys
 import textwrap
 import time
 
-import lmdb
 import mlx.core as mx
 import pytest
 
 from kvstore import KVLayer, PrefixStore
 from kvstore.blocks.hashing import KeyChain, as_tokens, root_key
 
+from ._helpers import flip_a_byte
 from ._redis import RedisServer, need_redis
 
 MODEL = "explain-model"
@@ -128,13 +128,7 @@ def test_a_flipped_byte_shows_on_disk(store_path, tmp_path):
     """explain reads no payload: the damaged block shows where it is, served; the fetch that reads it will
     find it corrupt (`kvstore verify` finds it now)."""
     key = KeyChain(root_key(MODEL), as_tokens(list(range(100))), BS).key(2)
-    env = lmdb.open(str(store_path), max_dbs=8)
-    with env.begin(write=True) as txn:
-        blocks = env.open_db(b"blocks", txn=txn, create=False)
-        value = bytearray(txn.get(key, db=blocks))
-        value[-3] ^= 0xFF
-        txn.put(key, bytes(value), db=blocks)
-    env.close()
+    flip_a_byte(store_path, key)
     (tmp_path / "ids").write_text(json.dumps(list(range(96))))
     e = explained(store_path, "--model", "tiny", "--tokens", tmp_path / "ids")
     assert e["served"] == 96 and {b["where"] for b in e["blocks"]} == {"disk"}

@@ -3,13 +3,12 @@ real stores (LMDB files, a real Redis server): the explanation's served tokens a
 right after it serves and puts in ``Hit.not_served``, block by block they add up to the prompt, and the dry
 run loads nothing, indexes nothing and counts nothing."""
 
-import lmdb
 import pytest
 
 from kvstore import PrefixStore
 from kvstore.blocks.hashing import KeyChain, as_tokens, root_key
 
-from ._helpers import BS, BLOCK_BYTES, M, kv_layers, put, state_at, toks
+from ._helpers import BS, BLOCK_BYTES, M, flip_a_byte, kv_layers, put, state_at, toks
 from ._redis import RedisServer, need_redis
 
 OTHER = "other-model"
@@ -113,13 +112,7 @@ def test_a_corrupt_block_reads_as_on_disk_until_a_fetch_finds_it(tmp_path):
     with PrefixStore(ssd_path=path, block_size=BS) as store:
         put(store, p)
     key = KeyChain(root_key(M), as_tokens(p), BS).key(2)
-    env = lmdb.open(str(path), max_dbs=8)
-    with env.begin(write=True) as txn:
-        blocks = env.open_db(b"blocks", txn=txn, create=False)
-        value = bytearray(txn.get(key, db=blocks))
-        value[-3] ^= 0xFF
-        txn.put(key, bytes(value), db=blocks)
-    env.close()
+    flip_a_byte(path, key)
     with PrefixStore(budget_gb=0, ssd_path=path, block_size=BS) as store:
         before = store.explain(M, p)
         assert before.served == 40 and wheres(before) == ["disk"] * 5
@@ -154,16 +147,16 @@ def test_explain_changes_nothing(tmp_path):
 # ---------------------------------------------------------------------- remote
 
 
-@pytest.fixture
-def server(tmp_path):
+def test_remote_blocks_are_explained_from_their_records_and_not_indexed(tmp_path):
     need_redis()
-    s = RedisServer(tmp_path / "redis").start()
-    yield s
-    s.kill()
+    server, p = RedisServer(tmp_path / "redis").start(), toks(40)
+    try:
+        remote_cases(tmp_path, server, p)
+    finally:
+        server.kill()
 
 
-def test_remote_blocks_are_explained_from_their_records_and_not_indexed(tmp_path, server):
-    p = toks(40)
+def remote_cases(tmp_path, server, p):
     with PrefixStore(ssd_path=tmp_path / "a", block_size=BS, remote=server.url) as a:
         put(a, p)
         a.flush()
