@@ -167,7 +167,11 @@ def remote_cases(tmp_path, server, p):
         assert len(b) == 0 and counts["remote_lookups"] == 0  # nothing indexed, nothing counted
         agrees(b, p[:36] + [5] * 10)
         assert len(b) == 5  # the fetch indexed them
-        agrees(b, p)  # local and remote
+        assert wheres(agrees(b, p)) == ["ram"] * 5  # all local now
+    with PrefixStore(ssd_path=tmp_path / "d", block_size=BS, remote=server.url) as d:
+        put(d, p[:16])
+        d.flush()
+        assert wheres(agrees(d, p[:38])) == ["ram"] * 2 + ["remote"] * 3  # the local blocks, then the remote's
     with PrefixStore(ssd_path=tmp_path / "c", block_size=BS, remote=server.url) as c:
         server.kill()
         e = agrees(c, p)
