@@ -17,7 +17,6 @@ from kvstore import KVLayer, PrefixStore
 from kvstore.blocks.hashing import KeyChain, as_tokens, root_key
 
 from ._helpers import flip_a_byte
-from ._redis import RedisServer, need_redis
 
 MODEL = "explain-model"
 BS = 16
@@ -135,26 +134,21 @@ def test_a_flipped_byte_shows_on_disk(store_path, tmp_path):
     assert kvstore("verify", store_path).returncode == 1
 
 
-def test_the_remote_stopped_and_running(store_path, tmp_path):
-    need_redis()
-    server = RedisServer(tmp_path / "redis").start()
-    try:
-        p = list(range(1000, 1048))
-        with PrefixStore(ssd_path=tmp_path / "host", block_size=BS, remote=server.url) as host:
-            host.register_model(MODEL, {"name": "tiny"})
-            host.put(MODEL, p, layers(48))
-            host.flush()
-        (tmp_path / "ids").write_text(json.dumps(p))
-        args = (store_path, "--model", "tiny", "--tokens", tmp_path / "ids", "--remote", server.url)
-        e = explained(*args)
-        assert e["served"] == 48 and [b["where"] for b in e["blocks"]] == ["remote"] * 3
-        assert e["tiers"] == ["ram", "disk", "remote"]
-        server.kill()
-        e = explained(*args)
-        assert e["served"] == 0 and e["not_served"] == {"unavailable": 48}
-        assert "unavailable 48" in kvstore("explain", *args).stdout
-    finally:
-        server.kill()
+def test_the_remote_stopped_and_running(store_path, tmp_path, redis_server):
+    p = list(range(1000, 1048))
+    with PrefixStore(ssd_path=tmp_path / "host", block_size=BS, remote=redis_server.url) as host:
+        host.register_model(MODEL, {"name": "tiny"})
+        host.put(MODEL, p, layers(48))
+        host.flush()
+    (tmp_path / "ids").write_text(json.dumps(p))
+    args = (store_path, "--model", "tiny", "--tokens", tmp_path / "ids", "--remote", redis_server.url)
+    e = explained(*args)
+    assert e["served"] == 48 and [b["where"] for b in e["blocks"]] == ["remote"] * 3
+    assert e["tiers"] == ["ram", "disk", "remote"]
+    redis_server.kill()
+    e = explained(*args)
+    assert e["served"] == 0 and e["not_served"] == {"unavailable": 48}
+    assert "unavailable 48" in kvstore("explain", *args).stdout
 
 
 def test_errors_are_one_line(store_path, tmp_path):

@@ -9,7 +9,6 @@ from kvstore import PrefixStore
 from kvstore.blocks.hashing import KeyChain, as_tokens, root_key
 
 from ._helpers import BS, BLOCK_BYTES, M, flip_a_byte, kv_layers, put, state_at, toks
-from ._redis import RedisServer, need_redis
 
 OTHER = "other-model"
 
@@ -147,16 +146,8 @@ def test_explain_changes_nothing(tmp_path):
 # ---------------------------------------------------------------------- remote
 
 
-def test_remote_blocks_are_explained_from_their_records_and_not_indexed(tmp_path):
-    need_redis()
-    server, p = RedisServer(tmp_path / "redis").start(), toks(40)
-    try:
-        remote_cases(tmp_path, server, p)
-    finally:
-        server.kill()
-
-
-def remote_cases(tmp_path, server, p):
+def test_remote_blocks_are_explained_from_their_records_and_not_indexed(tmp_path, redis_server):
+    server, p = redis_server, toks(40)
     with PrefixStore(ssd_path=tmp_path / "a", block_size=BS, remote=server.url) as a:
         put(a, p)
         a.flush()
