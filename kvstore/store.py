@@ -48,8 +48,10 @@ from .config import DEFAULT_BLOCK, StoreConfig, gib, init_signature, store_confi
 from .cost.model import CostModel
 from .cost.planner import Planner
 from .counters import Counters
+from .admin.catalog import display_names
 from .errors import InputError, ReadOnlyError, StoreClosedError
 from .flow.discovery import Discovery
+from .flow.explain import Explanation, explain
 from .flow.disk import Disk
 from .flow.fetch import FetchPath
 from .flow.priority import EngineFirst
@@ -166,11 +168,24 @@ class PrefixStore(Inspection):
         ``Hit(0, None)``. Never raises for what is stored.
         """
         self._check_open()
-        toks = as_tokens(tokens)
-        if limit is not None:
-            _count(limit, "limit")
-        n = len(toks) if limit is None else min(len(toks), int(limit))
+        toks, n = _asked(tokens, limit)
         return self._fetch.fetch(self._root(model_key, register=False), toks, n, quantized)
+
+    def explain(self, model_key: Union[str, bytes], tokens, *, limit: Optional[int] = None) -> Explanation:
+        """What ``fetch`` would serve of ``tokens`` now and why, block by block, loading and changing nothing
+        (a dry run: ``kvstore.flow.explain``): where each block is, what the cost model would choose, and a
+        reason for every token it would not serve (``Explanation.not_served`` is what ``Hit.not_served``
+        would say, where no read fails). Read-only beside engines: ``PrefixStore(ssd_path=..., readonly=True)``
+        sees the disk (and the remote), not their RAM."""
+        self._check_open()
+        toks, n = _asked(tokens, limit)
+        root = self._root(model_key, register=False)
+        names = display_names(self._disk.models()) if self._disk is not None else {}
+        tiers = ["device"] * (self.config.device_bytes(self.backend) > 0) + ["ram"] + ["disk"] * (
+            self._disk is not None) + ["remote"] * (self._remote is not None)
+        model = names.get(root) or (model_key if isinstance(model_key, str) else model_key.hex())
+        return explain(self._fetch, KeyChain(root, toks, self.block_size), n, model=model, tiers=tiers,
+                       name_of=lambda r: names.get(r) or r.hex()[:16])
 
     def knows_prefill(self, model_key: Union[str, bytes]) -> bool:
         """Whether prefills of this model have been observed (here or by an earlier run on this machine)."""
@@ -367,6 +382,14 @@ class PrefixStore(Inspection):
             raise StoreClosedError("this PrefixStore is closed; open a new one")
         if write and self.readonly:
             raise ReadOnlyError("this PrefixStore was opened read-only; open it without readonly=True to write")
+
+
+def _asked(tokens, limit: Optional[int]) -> tuple[np.ndarray, int]:
+    """A fetch's prompt as tokens, and how many of them it asks for (``InputError`` for a bad ``limit``)."""
+    toks = as_tokens(tokens)
+    if limit is not None:
+        _count(limit, "limit")
+    return toks, len(toks) if limit is None else min(len(toks), int(limit))
 
 
 def _count(value, name: str) -> None:

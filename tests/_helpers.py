@@ -191,6 +191,22 @@ def blocks_on_disk(path) -> dict[bytes, bytes]:
         return {bytes(k): bytes(v) for k, v in txn.cursor()}
 
 
+def flip_a_byte(path, key: bytes) -> None:
+    """Flip a byte near the end of the block ``key``'s stored value in the closed store at ``path`` (its
+    payload: the block fails its checksum when read)."""
+    import lmdb
+
+    env = lmdb.open(str(path), max_dbs=8)
+    try:
+        with env.begin(write=True) as txn:
+            blocks = env.open_db(b"blocks", txn=txn, create=False)
+            value = bytearray(txn.get(key, db=blocks))
+            value[-3] ^= 0xFF
+            txn.put(key, bytes(value), db=blocks)
+    finally:
+        env.close()
+
+
 @contextmanager
 def small_tmpfs(folder: Path, size: str) -> Iterator[Path]:
     """A tmpfs of ``size`` mounted at ``folder``: a device that fills up for real (needs Linux, root and mount

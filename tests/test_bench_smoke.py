@@ -153,6 +153,28 @@ def test_put_cost_and_gc_pauses_run_and_write_their_json(tmp_path):
         "count", "total_ms", "longest_ms"}
 
 
+def test_new_shapes_runs_each_setting_in_its_own_process_and_compares_outputs(tmp_path):
+    """``kvstore bench new-shapes`` (a GPU's figures) at a tiny size on this machine: each setting's process with
+    its variables, every shape timed and digested, and outputs compared with the first setting's (no CUDA here:
+    nothing throws, and the check-off settings give the same bits)."""
+    out = tmp_path / "ns.json"
+    proc = subprocess.run([sys.executable, "-m", "kvstore.tools.bench", "new-shapes", "--parts", "sdpa", "prefill",
+                           "--settings", "mlx-default", "check-off", "check-off-late", "--shapes", "3", "--low", "20",
+                           "--high", "60", "--repeat-every", "2", "--hidden", "256", "--layers", "1",
+                           "--out", str(out)], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    got = json.loads(out.read_text())
+    for part in ("sdpa", "prefill"):
+        default, off, late = got["parts"][part]["summary"]
+        check = [s["env"]["MLX_ENABLE_CACHE_THRASHING_CHECK"] for s in (default, off, late)]
+        assert check == ["1", "0", "0"]  # (late: as the child saw it, after turning it off)
+        for s in (default, off, late):
+            assert s["survived"] and s["shapes_done"] == 3 and s["new_ms_median"] > 0 and s["again_ms_median"] > 0
+        assert off["outputs_equal"] == late["outputs_equal"] == 1.0 and off["compared_shapes"] == 3
+        assert len({r["n"] for r in got["parts"][part]["shapes"]["check-off"]}) == 3
+    assert got["parts"]["prefill"]["summary"][1]["next_token_equal"] == 1.0
+
+
 def test_live_replay_runs_each_cache_in_its_own_process_and_writes_rows_and_summary(tmp_path):
     """Issue 42's replay (``tools/live_replay.py``) at smoke size: none, LRU and kvstore fp16 in fresh
     processes, each twice (``--warm``); per-request rows, the summary's figures for both rounds, and a store

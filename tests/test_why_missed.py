@@ -9,7 +9,6 @@ through ``kvstore explain``: tests/test_explain.py.)"""
 
 from __future__ import annotations
 
-import lmdb
 import numpy as np
 
 from kvstore.blocks.hashing import KeyChain, as_tokens, root_key
@@ -17,7 +16,7 @@ from kvstore.config import GB
 from kvstore.hit import REASONS
 from kvstore.store import PrefixStore
 
-from ._helpers import BLOCK_BYTES, BS, M, assert_hit_is, block_by_block, kv_layers, put, state_at, toks
+from ._helpers import BLOCK_BYTES, BS, M, assert_hit_is, block_by_block, flip_a_byte, kv_layers, put, state_at, toks
 
 
 def why(store, tokens, model=M, **kw) -> dict[str, int]:
@@ -116,16 +115,6 @@ def test_a_put_the_writer_skipped_in_a_burst_is_skipped(ssd, monkeypatch):
     assert why(s, a) == {}
 
 
-def _flip_last_byte(path, key: bytes) -> None:
-    env = lmdb.open(str(path), max_dbs=8, subdir=True)
-    db = env.open_db(b"blocks", create=False)
-    with env.begin(write=True) as txn:
-        buf = bytearray(txn.get(key, db=db))
-        buf[-1] ^= 0xFF
-        txn.put(key, bytes(buf), db=db)
-    env.close()
-
-
 def test_a_block_failing_its_checks_is_corrupt_on_that_fetch_and_after(ssd, tmp_path):
     """A flipped byte in block 2: the fetch serves the two blocks before it; the bad block and the one
     after it (served only through it) are ``corrupt``, then and on the next fetch."""
@@ -133,7 +122,7 @@ def test_a_block_failing_its_checks_is_corrupt_on_that_fetch_and_after(ssd, tmp_
     s = ssd()
     put(s, p)
     s.close()
-    _flip_last_byte(tmp_path / "store", KeyChain(root_key(M), as_tokens(p), BS).key(2))
+    flip_a_byte(tmp_path / "store", KeyChain(root_key(M), as_tokens(p), BS).key(2))
     s = ssd()
     assert why(s, p) == {"corrupt": 16}
     assert why(s, p) == {"corrupt": 16}

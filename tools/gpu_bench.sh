@@ -10,6 +10,8 @@
 #                                                          some rows only: SOURCES="device ram")
 #   bash tools/gpu_bench.sh put OUT        # what storing a cache blocks the caller, through the adapters
 #   bash tools/gpu_bench.sh gc OUT         # the garbage collector's pauses during puts (kvstore bench gc-pauses)
+#   bash tools/gpu_bench.sh new-shapes OUT # what a new prompt shape costs mlx and whether 600 end a process, per setting
+#                                          # (kvstore bench new-shapes), then tests/test_cuda_new_shapes.py
 #   BUDGETS="0.25 0.1" bash tools/gpu_bench.sh replay OUT   # issue 42's live replay on it (tools/live_replay.py):
 #                                                           each cache in a fresh process, --warm rounds (WARM=0: none),
 #                                                           the H200 table's trace (TRACE=gpu45); some caches only:
@@ -39,6 +41,10 @@ case $1 in
           --repeats "${REPEATS:-3}" ${FRESH:+--fresh} ${SOURCES:+--sources $SOURCES} --out "$2" ;;
   put) python3 -m kvstore.tools.put_cost --repeats "${REPEATS:-7}" --first-puts "${FIRST_PUTS:-5}" --out "$2" ;;
   gc) python3 -m kvstore.tools.bench gc-pauses --puts "${PUTS:-10}" --out "$2/gc.json" ;;
+  new-shapes) python3 -m kvstore.tools.bench new-shapes --parts sdpa --shapes "${SHAPES:-600}" --out "$2/new-shapes-sdpa.json"
+              python3 -m kvstore.tools.bench new-shapes --parts prefill --settings mlx-default check-off cudnn-off \
+                --shapes "${SHAPES:-600}" --out "$2/new-shapes-prefill.json"
+              python3 -m pytest -q -s -p no:cacheprovider tests/test_cuda_new_shapes.py 2>&1 | tail -5 ;;
   replay) [[ -f $M/config.json ]] || bash "$0" model "$2"
           python3 -m kvstore.tools.live_replay --model "$M" --trace "${TRACE:-gpu45}" --budgets ${BUDGETS:-0.25 0.1} \
             --systems ${SYSTEMS:-none lru kvstore_fp16 kvstore_q8} --fresh-process \

@@ -11,7 +11,7 @@ import json
 import sys
 from enum import Enum
 from pathlib import Path
-from typing import Any, Callable, Optional
+from typing import Optional
 
 import typer
 from rich.markup import escape
@@ -26,7 +26,9 @@ from ..tiers.disk.lmdb import LmdbTier
 from .cli_transfer import export_, import_
 from .cli_remote import (clear_remote as _clear_remote, path_or_remote as _path_or_remote,
                          print_remote_stats as _print_remote_stats, remote_catalog as _remote_catalog)
+from .cli_explain import explain_
 from .exits import run_app
+from .tokens import TOKENIZER_LOADERS, tokenizer as _tokenizer  # (TOKENIZER_LOADERS: kvstore.adapters adds to it)
 from .ui import err, flag, out, size as _size
 from ..tiers.disk.users import other_processes
 
@@ -77,19 +79,6 @@ def _open(path: Path, readonly: bool = True) -> LmdbTier:
 
 def _when(t: float) -> str:
     return dt.datetime.fromtimestamp(t).strftime("%Y-%m-%d %H:%M:%S") if t else "-"
-
-
-# Where a model's tokenizer is not a tokenizer.json in its folder: functions of the registered path giving a
-# tokenizer (``decode(ids, skip_special_tokens=False)``) or None. kvstore.adapters adds GGUF files'.
-TOKENIZER_LOADERS: list[Callable[[Path], Any]] = []
-
-
-def _tokenizer(path: Path):
-    if Path(path, "tokenizer.json").exists():
-        # the tokenizers library alone: transformers would say on stderr that PyTorch is missing
-        from tokenizers import Tokenizer
-        return Tokenizer.from_file(str(Path(path, "tokenizer.json")))
-    return next((t for load in TOKENIZER_LOADERS if (t := load(path)) is not None), None)
 
 
 def _decoder(catalog: Catalog):
@@ -339,6 +328,7 @@ def _checked(disk, cat: Catalog) -> tuple[dict[bytes, str], list[bytes]]:
 
 app.command("export")(export_)  # (kvstore/admin/cli_transfer.py)
 app.command("import")(import_)
+app.command("explain")(explain_)  # (kvstore/admin/cli_explain.py)
 
 
 @app.command()

@@ -66,6 +66,25 @@ class Found(NamedTuple):
     unreachable: bool = False
 
 
+class Located(NamedTuple):
+    """Where the remote's blocks of a prompt are (``Discovery._locate``): the run of its whole blocks found by
+    key (records, up to block ``stop``), the probed records, the block the prompt ends or diverges inside
+    (``near``) and the stored child sharing most with it, as ``(key, shared tokens, member)``."""
+
+    stop: int
+    run: list[BlockRecord]
+    raw: list
+    near: Near
+    part: Optional[tuple[bytes, int, bytes]]
+
+
+class Peeked(NamedTuple):
+    """``Discovery.peek``: the records ``find`` would read, and the partial child's with the tokens it shares."""
+
+    run: list[BlockRecord]
+    part: Optional[tuple[BlockRecord, int]]
+
+
 class Discovery:
     def __init__(self, remote: Remote, table: BlockTable, counters: Counters, config: StoreConfig,
                  keep_on_disk: bool, register: Callable[..., int], backend: Optional[Backend] = None):
@@ -87,30 +106,55 @@ class Discovery:
         copies (for the caller to submit once the hit is served: they would
         only compete with it). Never raises; a down remote costs at most one
         timeout (then the breaker skips it)."""
-        bs = chain.block_size
-        first = len(match.full.path)
-        probed = self._probe(root, chain, n, first)
-        if probed is None:
+        got = self._locate(root, chain, n, len(match.full.path))
+        if got is None:
             return Found(unreachable=True)
-        last, raw, children, near = probed
-        run = self._run(root, chain, first, raw)
-        stop = first + len(run)  # the first block not found by key
-        if stop < last:  # the prompt diverges inside block `stop`: its nearest stored sibling may share a prefix
-            near = (chain.parent(stop), chain.tokens[stop * bs : min(n, (stop + 1) * bs)])
-            children = self.remote.neighbours(root, *near)
-        part = self._best_new_child(children, near)
-        if not run and not part:
+        if not got.run and not got.part:
             return Found()
-        got_blocks, fill = self._read_found(root, chain, n, stop, run, raw, near, part, quantized)
+        got_blocks, fill = self._read_found(root, chain, n, got.stop, got.run, got.raw, got.near, got.part, quantized)
         if not got_blocks:
             return Found()
         self.counters.count("remote_blocks_read", len(got_blocks))
         self.counters.count("remote_bytes_read", sum(len(b) for _, _, b in got_blocks))
         return Found(self._keep(match.full.stop, got_blocks, chain, copies), fill)
 
+    def peek(self, root: bytes, chain: KeyChain, n: int, match: "Match") -> Optional["Peeked"]:
+        """What ``find`` would serve from the remote, read-only (``explain``): the records of the blocks it
+        would read, payloads not read, nothing indexed, refused or counted; ``None`` when the remote could not
+        be asked."""
+        got = self._locate(root, chain, n, len(match.full.path), dry=True)
+        if got is None:
+            return None
+        part = None
+        if got.part is not None:  # its record (``find`` reads it with the payload)
+            key, shared, _ = got.part
+            probed = self.remote.probe(root, [key], None)  # (records, no children)
+            raw = probed[0][0] if probed else None
+            rec = BlockRecord.unpack(key, raw) if isinstance(raw, bytes) else None
+            if rec is not None and not _mismatch(rec, root, got.near[0], got.stop * chain.block_size, None,
+                                                 chain.tokens):
+                part = (rec, shared)
+        return Peeked(got.run, part)
+
     # ---------------------------------------------------------------- steps
 
-    def _probe(self, root: bytes, chain: KeyChain, n: int, first: int) -> Optional[tuple[int, list, list, Near]]:
+    def _locate(self, root: bytes, chain: KeyChain, n: int, first: int, dry: bool = False) -> Optional[Located]:
+        """The remote's blocks of ``chain.tokens[:n]`` from block ``first`` on, by their records (``Located``);
+        ``None`` when the remote is down or did not answer. ``dry``: count nothing, refuse nothing."""
+        bs = chain.block_size
+        probed = self._probe(root, chain, n, first, count=not dry)
+        if probed is None:
+            return None
+        last, raw, children, near = probed
+        run = self._run(root, chain, first, raw, refuse=not dry)
+        stop = first + len(run)  # the first block not found by key
+        if stop < last:  # the prompt diverges inside block `stop`: its nearest stored sibling may share a prefix
+            near = (chain.parent(stop), chain.tokens[stop * bs : min(n, (stop + 1) * bs)])
+            children = self.remote.neighbours(root, *near)
+        return Located(stop, run, raw, near, self._best_new_child(children, near))
+
+    def _probe(self, root: bytes, chain: KeyChain, n: int, first: int, count: bool = True
+               ) -> Optional[tuple[int, list, list, Near]]:
         """The first round trip: the records of the prompt's full blocks from ``first`` (at most ``max_probe``)
         and, where they reach the block the prompt ends inside, its stored children nearest the prompt (``near``:
         that block's parent key and tokens). Returns ``(end of the probed blocks, records, children, near)``;
@@ -121,12 +165,14 @@ class Discovery:
         keys = [chain.key(i) for i in range(first, last)]
         near = (chain.parent(full), chain.tokens[full * bs : n]) if last == full and n > full * bs else None
         if not self.remote.available():
-            self.counters.count("remote_bypassed")
+            if count:
+                self.counters.count("remote_bypassed")
             return None
         got = self.remote.probe(root, keys, near)
         if got is None:
             return None
-        self.counters.count("remote_lookups")
+        if count:
+            self.counters.count("remote_lookups")
         raw, children = got
         return last, raw, children, near
 
@@ -179,8 +225,9 @@ class Discovery:
             i += 1
         return None, fill
 
-    def _run(self, root: bytes, chain: KeyChain, first: int, raw: list) -> list[BlockRecord]:
-        """The leading run of probed full blocks whose records fit the prompt."""
+    def _run(self, root: bytes, chain: KeyChain, first: int, raw: list, refuse: bool = True) -> list[BlockRecord]:
+        """The leading run of probed full blocks whose records fit the prompt (a record that does not is
+        deleted from the server, where ``refuse``)."""
         bs = chain.block_size
         run = []
         for i, r in enumerate(raw, start=first):
@@ -191,7 +238,8 @@ class Discovery:
             why = _mismatch(rec, root, chain.parent(i), i * bs, bs, chain.tokens) if rec is not None \
                 else f"not a kvstore record ({r!r:.60})"
             if why:
-                self._refuse(key, why)
+                if refuse:
+                    self._refuse(key, why)
                 break
             run.append(rec)
         return run

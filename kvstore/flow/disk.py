@@ -227,6 +227,10 @@ class Disk:
         return {"ssd_bytes": self._tier.usage(), "ssd_budget": self._tier.budget,
                 "ssd_blocks": self.table.disk.blocks, "ssd_path": str(self._tier.path)}
 
+    def models(self) -> dict[bytes, dict]:
+        """The models registered in the store: root key -> description (``register_model``)."""
+        return self._tier.models()
+
     def register_model(self, root: bytes, info: dict) -> None:
         try:
             self._tier.register_model(root, info)

@@ -67,6 +67,16 @@ class Narrowed(NamedTuple):
     limit: int
 
 
+class Unstored(NamedTuple):
+    """``FetchPath.unstored``: per whole block, why this process dropped it (``None``: not known); the token up to
+    which another model key of the store holds the prompt (``other_model``), and that key (``None``: nobody, or
+    the remote in blocks of another size)."""
+
+    known: list[Optional[str]]
+    elsewhere: int = 0
+    holder: Optional[bytes] = None
+
+
 class FetchPath:
     """The store's fetch, from a prompt's tokens to a ``Hit``: it sequences the table, the disk, the remote,
     the planner, the reader and the writer's queued puts; it owns none of their state."""
@@ -165,7 +175,7 @@ class FetchPath:
             with self.engine.engine():
                 tail = self.writer.queued_rows(jobs, toks, pinned.queued_from, length)
                 if tail is not None and pinned.queued_from == 0:
-                    why = self._not_served(chain, Narrowed(length, length, length, matched, n), found, "")
+                    why = self.not_served(chain, Narrowed(length, length, length, matched, n), found.unreachable)
                     return self._queued_hit(len(toks), length, owned(tail), why)
         cut = length if tail is None else pinned.queued_from
         waited = self._wait(pinned, found) if jobs and tail is None else 0
@@ -183,36 +193,42 @@ class FetchPath:
                 got = replace(got, layers=joined(got.layers, tail), length=length)
             else:
                 tail = None
-        why = self._not_served(chain, Narrowed(got.length, plan.length, length, matched, n), found, got.short)
+        why = self.not_served(chain, Narrowed(got.length, plan.length, length, matched, n), found.unreachable,
+                              got.short)
         return self._account(pinned, got, found, plan, tail, cut,
                              {"tokens_requested": len(toks), "tokens_skipped_cost": plan.skipped,
                               "fetch_waited_us": waited}, t_load, why)
 
-    def _not_served(self, chain: KeyChain, at: "Narrowed", found: Found, short: str) -> dict[str, int]:
+    def not_served(self, chain: KeyChain, at: Narrowed, unreachable: bool, short: str = "") -> dict[str, int]:
         """Why each prompt token past ``at.served`` was not served (``reasons``): what is not stored is looked
-        up only here, on the part not served."""
+        up only here, on the part not served (``unreachable``: the remote could not be asked). ``explain``'s
+        dry run asks the same."""
         if at.served >= len(chain.tokens):
             return {}
         why, start, stop = reasons.spans(*at, len(chain.tokens), short)
-        blocks = reasons.whole_blocks(start, stop, self.block_size)
-        if not blocks:
-            reasons.unmatched(why, start, stop, self.block_size, [], 0, found.unreachable)
-            return why
-        known, others = self.table.missing([chain.key(i) for i in blocks], chain.root)
-        elsewhere = 0
-        if None in known:
-            elsewhere = self._elsewhere(chain, others, stop)
-        reasons.unmatched(why, start, stop, self.block_size, known, elsewhere, found.unreachable)
+        un = self.unstored(chain, start, stop)
+        reasons.unmatched(why, start, stop, self.block_size, un.known, un.elsewhere, unreachable)
         return why
 
-    def _elsewhere(self, chain: KeyChain, others: list[bytes], stop: int) -> int:
-        """How far another model key of this store (or the remote, in blocks of another size) holds the prompt."""
+    def unstored(self, chain: KeyChain, start: int, stop: int) -> "Unstored":
+        """What this store knows of the whole blocks in ``[start, stop)``, which no stored block covers."""
+        blocks = reasons.whole_blocks(start, stop, self.block_size)
+        if not blocks:
+            return Unstored([])
+        known, others = self.table.missing([chain.key(i) for i in blocks], chain.root)
+        return Unstored(known, *self._elsewhere(chain, others, stop)) if None in known else Unstored(known)
+
+    def _elsewhere(self, chain: KeyChain, others: list[bytes], stop: int) -> tuple[int, Optional[bytes]]:
+        """How far another model key of this store (or the remote, in blocks of another size) holds the prompt,
+        and that key (``None``: the remote's)."""
         if self.discovery is not None and self.discovery.remote.other_block_size(chain.root):
-            return stop
-        best = 0
+            return stop, None
+        best, holder = 0, None
         for other in others[: reasons.OTHER_ROOTS]:
-            best = max(best, self.table.lookup(other, KeyChain(other, chain.tokens, self.block_size), stop).length)
-        return best
+            got = self.table.lookup(other, KeyChain(other, chain.tokens, self.block_size), stop).length
+            if got > best:
+                best, holder = got, other
+        return best, holder
 
     def _wait(self, pinned: Pinned, found: Found) -> int:
         """Wait for the puts still storing blocks of ``pinned`` (their rows not taken); returns the µs waited."""

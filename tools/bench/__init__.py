@@ -32,7 +32,7 @@ fidelity  logit error, KL and top-1 / greedy agreement of quantized entries on
           the tiny llama, gemma3_text and qwen3_next models.
 
 The named benchmarks are modules here too (``ssd``, ``cost``, ``calibration``,
-``fingerprint``, ``evict``, ``remote``, ``gc_pauses``, ``fetch_path``, ``run_ttft`` with the
+``fingerprint``, ``evict``, ``remote``, ``gc_pauses``, ``fetch_path``, ``new_shapes``, ``run_ttft`` with the
 engines it times, ``vllm_mlx_replay``, ``vllm_mlx_ttft``) or beside this
 package (``kvstore.tools.put_cost``, ``kvstore.tools.fidelity``), each with a
 ``main(argv)``; docs/benchmarks.md gives each one's command, machine and table.

@@ -36,6 +36,7 @@ BENCHES = {
     "put-cost": ("kvstore.tools.put_cost", "what storing a cache blocks the engine's thread, through the adapters"),
     "fetch-path": ("kvstore.tools.bench.fetch_path", "one fetch on the engine's thread: modules, transitions, locks"),
     "gc-pauses": ("kvstore.tools.bench.gc_pauses", "the garbage collector's pauses during puts"),
+    "new-shapes": ("kvstore.tools.bench.new_shapes", "CUDA: what a new prompt shape costs mlx, and whether 600 end a process"),
     "fidelity-text": ("kvstore.tools.fidelity", "fidelity of stored KV on a trained model and real text"),
     "run-ttft": ("kvstore.tools.bench.run_ttft", "an unchanged mlx-lm engine's first token under kvstore run"),
     "vllm-mlx-replay": ("kvstore.tools.bench.vllm_mlx_replay", "the multi-user replay through vllm-mlx's engine"),
