@@ -211,6 +211,7 @@ def test_live_replay_runs_each_cache_in_its_own_process_and_writes_rows_and_summ
         assert len(r["repeat_prefill_s"]) == n and min(r["repeat_prefill_s"]) > 0
     store = runs["kvstore_fp16-0.5"]
     assert store["calibrate_s"] > 0 and store["store_stats"]["puts"] == n and store["copy_gbps"] > 0 and store["ssd"]
+    assert isinstance(store["ssd_fs"], str)  # (the file system --dir is on: tmpfs would be no disk)
     assert store["budget_bytes"] == int(0.5 * store["unique_kv_bytes"])
     assert store["tokens_computed"] < runs["none"]["tokens_computed"] == runs["none"]["prompt_tokens"]
     assert sum(row["ram_tokens"] + row["ssd_tokens"] for row in store["rows"]) == store["cached_tokens"] > 0

@@ -83,7 +83,7 @@ def write_summary(files: list[Path], out: Path, **settings) -> int:
     summary = summarize(runs)
     first = next(iter(runs.values()))
     summary.update(trace=first["trace"], model=first["model"], device=first["device"], machine=first["machine"],
-                   **settings, targets_note="the issues' targets hold for an H200 or H100 and the 8B shape; on a CPU "
+                   ssd_fs=next((r["ssd_fs"] for r in runs.values() if r.get("ssd_fs")), None), **settings, targets_note="the issues' targets hold for an H200 or H100 and the 8B shape; on a CPU "
                    "with the tiny llama they are reported, not expected")
     out.mkdir(parents=True, exist_ok=True)
     (out / "summary.json").write_text(json.dumps(summary, indent=1))

@@ -314,6 +314,10 @@ def run_jobs(a: argparse.Namespace) -> int:
             res["fetch_profile"] = text.getvalue()
         if kvstore:
             res.update(copy_gbps=copy_gbps((512 if gpu else 64) << 20), pinned_gbps=pinned_gbps())
+        if ssd is not None:
+            res["ssd_fs"] = page_cache.fs_type(a.dir)
+            if res["ssd_fs"] in ("tmpfs", "ramfs"):
+                log(f"--dir {a.dir} is on {res['ssd_fs']}: the SSD tier is memory and its page cache cannot drop")
         res.update(budget_frac=frac, round=a.round, page_cache_dropped=dropped, ssd=ssd is not None, load_s=load_s,
                    model=str(path), kv_bytes_per_token=bpt, unique_kv_bytes=unique, device=str(mx.default_device()),
                    machine=machine(), mlx=mx.__version__, switch_interval_s=sys.getswitchinterval(),

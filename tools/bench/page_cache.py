@@ -88,6 +88,21 @@ def drop(ssd_path: Path, method: str = "fadvise") -> dict[str, Any]:
             "clean_after": None if after is None else max(0.0, after - (dirty or 0)), "s": time.perf_counter() - t}
 
 
+def fs_type(path: Path) -> Optional[str]:
+    """The type of the file system ``path`` lies on (``/proc/mounts``; None elsewhere): a store on
+    ``tmpfs`` lives in the page cache, which no drop can take."""
+    real, best = os.path.realpath(path), ("", None)
+    try:
+        with open("/proc/mounts") as f:
+            for line in f:
+                _, point, kind = line.split()[:3]
+                if (real == point or real.startswith(point.rstrip("/") + "/")) and len(point) > len(best[0]):
+                    best = (point, kind)
+    except OSError:
+        return None
+    return best[1]
+
+
 def _mean(xs: list) -> Optional[float]:
     xs = [x for x in xs if x is not None]
     return sum(xs) / len(xs) if xs else None
