@@ -187,10 +187,10 @@ def test_live_replay_runs_each_cache_in_its_own_process_and_writes_rows_and_summ
                            "--rounds", "fresh", "warm-engine", "--ssd", "--drop-page-cache", "--out", str(out),
                            "--dir", str(tmp_path / "d")], capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert proc.stderr.count("process for ") == 8 and "| kvstore_fp16 | 50% |" in proc.stdout
+    assert proc.stderr.count("process for ") == 8 and "| kvstore_fp16 + SSD | 50% |" in proc.stdout
     assert not list((tmp_path / "d").iterdir())  # every store's folder removed after its run
-    names = [f"{n}{v}" for n in ("none", "lru-0.5", "kvstore_fp16-0.5") for v in ("", "@warm-engine")] + [
-        "kvstore_fp16-0.5@dropped", "kvstore_fp16-0.5@warm-engine+dropped"]
+    names = [f"{n}{v}" for n in ("none", "lru-0.5") for v in ("", "@warm-engine")] + [
+        f"kvstore_fp16-0.5@{v}" for v in ("ssd", "warm-engine+ssd", "ssd+dropped", "warm-engine+ssd+dropped")]
     runs = {n: json.loads((out / f"replay-{n}.json").read_text()) for n in names}
     n = runs["none"]["trace"]["requests"]
     for name, r in runs.items():
@@ -209,7 +209,7 @@ def test_live_replay_runs_each_cache_in_its_own_process_and_writes_rows_and_summ
             assert "warm_up" not in r and len(r["warm_run"]["rows"]) == n
     for r in runs.values():  # each prefill again on its shape, without a cache: the floor's terms
         assert len(r["repeat_prefill_s"]) == n and min(r["repeat_prefill_s"]) > 0
-    store = runs["kvstore_fp16-0.5"]
+    store = runs["kvstore_fp16-0.5@ssd"]
     assert store["calibrate_s"] > 0 and store["store_stats"]["puts"] == n and store["copy_gbps"] > 0 and store["ssd"]
     assert isinstance(store["ssd_fs"], str)  # (the file system --dir is on: tmpfs would be no disk)
     assert store["budget_bytes"] == int(0.5 * store["unique_kv_bytes"])
@@ -218,11 +218,11 @@ def test_live_replay_runs_each_cache_in_its_own_process_and_writes_rows_and_summ
     for row in store["rows"]:  # why each token not served was not (issue 53): they add up to the prompt
         assert row["cached_tokens"] + sum(row["not_served"].values()) == row["prompt_tokens"]
         assert row["not_served"].get("limit") == 1  # (the engine computes the last token itself)
-    for name in ("kvstore_fp16-0.5@dropped", "kvstore_fp16-0.5@warm-engine+dropped"):  # before every request
+    for name in ("kvstore_fp16-0.5@ssd+dropped", "kvstore_fp16-0.5@warm-engine+ssd+dropped"):  # every request
         drops = runs[name]["page_cache_drops"]
         assert drops["drops"] == n and drops["methods"] == {"fadvise": n}
         assert isinstance(drops["worked"], bool) and 0 <= drops["cached_after_mean"] <= 1
-        assert "page_cache_drops" not in runs[name.removesuffix("+dropped").removesuffix("@dropped")]
+        assert "page_cache_drops" not in runs[name.removesuffix("+dropped")]
 
     summary = json.loads((out / "summary.json").read_text())
     assert set(summary["runs"]) == set(names) and set(summary["engine"]) == {"fresh", "fresh (second round)",
@@ -246,17 +246,17 @@ def test_live_replay_runs_each_cache_in_its_own_process_and_writes_rows_and_summ
             assert s["not_served"]["limit"] == n and s["not_served"].get("new", 0) > 0
             assert summary["checks"][f"{name} served + not served = prompt, every request"] is True
             assert f"{name} no fetch waits for the writer" in summary["checks"]
-    s = summary["runs"]["kvstore_fp16-0.5"]
+    s = summary["runs"]["kvstore_fp16-0.5@ssd"]
     assert s["warm_vs_lru"] == pytest.approx(s["warm_ttft_total_s"] / summary["runs"]["lru-0.5"]["warm_ttft_total_s"])
-    assert summary["runs"]["kvstore_fp16-0.5@warm-engine+dropped"]["vs_page_cached"] > 0
-    assert any(k.startswith("kvstore_fp16-0.5 put p99") for k in summary["checks"])
+    assert summary["runs"]["kvstore_fp16-0.5@warm-engine+ssd+dropped"]["vs_page_cached"] > 0
+    assert any(k.startswith("kvstore_fp16-0.5@ssd put p99") for k in summary["checks"])
     assert "page cache dropped before every request" in " ".join(summary["checks"])
     for name, r in runs.items():
         assert r["fetch_total_s"] + r["prefill_total_s"] == pytest.approx(r["ttft_total_s"])
     # `live_replay summary`: one summary of several invocations' folders (here one), the same runs
     merged = subprocess.run([sys.executable, "-m", "kvstore.tools.live_replay", "summary", str(out), "--out",
                              str(tmp_path / "merged")], capture_output=True, text=True, timeout=60)
-    assert merged.returncode == 0 and "| kvstore_fp16 | 50% |" in merged.stdout, merged.stderr[-2000:]
+    assert merged.returncode == 0 and "| kvstore_fp16 + SSD | 50% |" in merged.stdout, merged.stderr[-2000:]
     assert json.loads((tmp_path / "merged" / "summary.json").read_text())["runs"].keys() == summary["runs"].keys()
     # `live_replay compare`: a change's check that every request got the same tokens
     other = tmp_path / "other"
@@ -267,10 +267,10 @@ def test_live_replay_runs_each_cache_in_its_own_process_and_writes_rows_and_summ
     same = subprocess.run(compare, capture_output=True, text=True, timeout=60)
     assert same.returncode == 0 and "every request's tokens identical" in same.stdout, same.stdout
     store["rows"][1]["cached_tokens"] += 1
-    (other / "replay-kvstore_fp16-0.5.json").write_text(json.dumps(store))
+    (other / "replay-kvstore_fp16-0.5@ssd.json").write_text(json.dumps(store))
     moved = subprocess.run(compare, capture_output=True, text=True, timeout=60)
     assert moved.returncode == 1 and "at requests [1]" in moved.stdout
-    assert "kvstore_fp16-0.5     round 1" in moved.stdout
+    assert "kvstore_fp16-0.5@ssd round 1" in moved.stdout
 
 
 def test_first_sight_tokens_are_what_no_cache_could_have_had():
@@ -312,11 +312,21 @@ def test_the_floor_is_first_sight_at_the_steady_rate_plus_bytes_at_the_bus_plus_
                  "computed_tokens": c, "first_sight_tokens": f} for t, c, f in zip(prefills, computed, (10, 30))]
         return {"system": system, "budget_frac": 0.0 if system == "none" else 0.25, "round": "warm-engine",
                 "rows": rows, "ttft_total_s": sum(prefills), "prefill_total_s": sum(prefills), "prompt_tokens": 200,
-                "tokens_computed": sum(computed), "bytes_served": 0, "repeat_prefill_s": repeat}
+                "tokens_computed": sum(computed), "bytes_served": 0, "repeat_prefill_s": repeat, "put_p99_s": 1e-3,
+                "put_max_s": 1e-3}
 
     none = run("none", [1.5, 2.5], [100, 100], [1.0, 1.0])  # 100 tokens/s, 1 s a new shape
     lru = run("lru", [1.2, 1.8], [50, 70], [0.5, 0.7])  # 100 tokens/s, 0.9 s a new shape
-    got = summarize({"none@warm-engine": none, "lru-0.25@warm-engine": lru})
+    ram, ssd, dropped = (dict(run("kvstore_q8", [t, t], [40, 40], [0.1, 0.1]), ssd=d is not None,
+                              page_cache_dropped=bool(d)) for t, d in ((0.5, None), (0.4, False), (0.6, True)))
+    got = summarize({"none@warm-engine": none, "lru-0.25@warm-engine": lru, "kvstore_q8-0.25@warm-engine": ram,
+                     "kvstore_q8-0.25@warm-engine+ssd": ssd, "kvstore_q8-0.25@warm-engine+ssd+dropped": dropped})
+    runs = got["runs"]
+    assert runs["kvstore_q8-0.25@warm-engine+ssd"]["vs_ram_only"] == pytest.approx(0.8)
+    assert runs["kvstore_q8-0.25@warm-engine+ssd+dropped"]["vs_ram_only"] == pytest.approx(1.2)
+    assert runs["kvstore_q8-0.25@warm-engine+ssd+dropped"]["vs_page_cached"] == pytest.approx(1.5)
+    assert got["checks"]["kvstore_q8-0.25@warm-engine+ssd+dropped vs RAM only <= 1.0"] is False
+    assert runs["kvstore_q8-0.25@warm-engine+ssd"]["vs_lru"] == pytest.approx(0.8 / 3.0)
     assert got["engine"]["warm-engine"] == {"steady_tok_per_s": 100.0, "new_shape_s": 1.0,
                                             "from": "its prefills repeated"}
     s = got["runs"]["lru-0.25@warm-engine"]

@@ -30,7 +30,7 @@ round would find nothing to drop. The ``none`` runs replay their prefills again 
 (``tools/bench/live_summary.py``).
 
 The parent never loads the model itself; it writes ``replay-RUN.json`` per run (``run_key``:
-``kvstore_q8-0.1@warm-engine+dropped``), ``summary.json`` (ratios, floors, the issues' checks) and
+``kvstore_q8-0.1@warm-engine+ssd+dropped``), ``summary.json`` (ratios, floors, the issues' checks) and
 prints the tables. ``serve``: the same trace as text through ``mlx_lm.server`` and ``kvstore serve``
 (``tools/bench/live_serve.py``).
 """
@@ -72,7 +72,8 @@ def parent(a: argparse.Namespace) -> int:
         for j in jobs:
             system, _, rest = j.partition(":")
             frac, _, variant = rest.partition(":")
-            files.append(a.out / f"replay-{run_key(system, float(frac or 0), rnd, variant == 'dropped')}.json")
+            key = run_key(system, float(frac or 0), rnd, variant == "dropped", a.ssd and system.startswith("kvstore"))
+            files.append(a.out / f"replay-{key}.json")
     return write_summary(files, a.out, fresh_process=a.fresh_process, rounds=a.rounds, warm=a.warm, ssd=a.ssd,
                          drop_page_cache=a.drop_page_cache)
 

@@ -288,7 +288,7 @@ def run_jobs(a: argparse.Namespace) -> int:
         budget = int(frac * unique)
         kvstore = system.startswith("kvstore")
         dropped = variant == "dropped" and kvstore and a.ssd and a.drop_page_cache is not None
-        key = run_key(system, frac, a.round, dropped)
+        key = run_key(system, frac, a.round, dropped, a.ssd and kvstore)
         ssd = a.dir / f"ssd-{key}" if a.ssd and kvstore else None
         log(f"{key} at {frac:g} of {unique / GiB:.3f} GiB unique KV: budget {budget / GiB:.3f} GiB")
         warm = warm_up(system, a, model, mkey, budget, trace) if a.round == "warm-engine" else None

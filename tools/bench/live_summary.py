@@ -4,7 +4,8 @@ issues' checks, and the tables ``live_replay.py`` prints.
 
 A run is one (cache, budget) in one round: ``fresh`` (the first replay of a fresh process) or
 ``warm-engine`` (after a warm-up on another trace), its kvstore runs with the page cache as the OS left
-it or dropped before each request (``run_key``: ``kvstore_fp16-0.25@warm-engine+dropped``).
+it or dropped before each request, with an SSD tier or RAM only (``run_key``:
+``kvstore_fp16-0.25@warm-engine+ssd+dropped``).
 
 The floor of a run (issue 54): its prompts' first-sight tokens (``first_sight_tokens``: what no cache
 could have had) at the run's steady prefill rate, + the bytes its hits served (``Hit.source_bytes``)
@@ -25,7 +26,7 @@ SYSTEMS = ("none", "lru", "kvstore_fp16", "kvstore_q8")
 ROUNDS = ("fresh", "warm-engine")
 # the issues' "must hold" (H200 or H100, 8B shape): kvstore / LRU per budget, and the rest
 TARGETS = {"vs_lru": {0.25: 0.6, 0.1: 0.5}, "vs_floor": 1.25, "q8_vs_fp16": 1.1, "fresh_vs_warm": 1.1,
-           "vs_cold": 1.1, "put_p99_s": 2e-3, "put_max_s": 10e-3, "serve_vs_mlx_lm": 0.5}
+           "vs_cold": 1.1, "put_p99_s": 2e-3, "put_max_s": 10e-3, "serve_vs_mlx_lm": 0.5, "dropped_vs_ram_only": 1.0}
 # one replay's own figures (a run's first round, or its warm_run)
 ROUND_KEYS = ("ttft_total_s", "ttft_p50_s", "ttft_p95_s", "ttft_max_s", "tokens_computed", "bytes_served",
               "fetch_total_s", "prefill_total_s", "put_p50_s", "put_p99_s", "put_max_s", "gc_full_s", "wall_s",
@@ -39,9 +40,10 @@ def run_name(system: str, frac: float) -> str:
     return "none" if system == "none" else f"{system}-{frac:g}"
 
 
-def run_key(system: str, frac: float, rnd: str = "fresh", dropped: bool = False) -> str:
-    """A run's name: its cache and budget, then its round unless fresh and "dropped" where its page cache was."""
-    tags = ([] if rnd == "fresh" else [rnd]) + (["dropped"] if dropped else [])
+def run_key(system: str, frac: float, rnd: str = "fresh", dropped: bool = False, ssd: bool = False) -> str:
+    """A run's name: its cache and budget, then its round unless fresh, "ssd" where the store had an SSD tier
+    and "dropped" where its page cache was."""
+    tags = ([] if rnd == "fresh" else [rnd]) + (["ssd"] if ssd else []) + (["dropped"] if dropped else [])
     return run_name(system, frac) + ("@" + "+".join(tags) if tags else "")
 
 
@@ -97,22 +99,25 @@ def _round(r: dict, none: Optional[dict], bus: list[Optional[float]]) -> dict:
 
 
 def _ratios(runs: dict[str, dict], prefix: str) -> None:
-    """vs LRU, q8 vs fp16 and dropped vs page-cached, run against the runs of its round and budget, for
-    the replay whose keys start with ``prefix``."""
+    """vs LRU, q8 vs fp16, dropped vs page-cached and SSD vs RAM only, run against the runs of its round
+    and budget, for the replay whose keys start with ``prefix``."""
     total = prefix + "ttft_total_s"
     for s in runs.values():
         if not s.get(total):
             continue
-        frac, rnd, dropped = s["budget_frac"], s["round"], s["page_cache"] == "dropped"
+        frac, rnd, dropped, ssd = s["budget_frac"], s["round"], s["page_cache"] == "dropped", s["ssd"]
         lru = runs.get(run_key("lru", frac, rnd))
         if lru and lru.get(total) and s["system"] not in ("lru", "none"):
             s[prefix + "vs_lru"] = s[total] / lru[total]
-        fp16 = runs.get(run_key("kvstore_fp16", frac, rnd, dropped))
+        fp16 = runs.get(run_key("kvstore_fp16", frac, rnd, dropped, ssd))
         if fp16 and fp16.get(total) and s["system"] == "kvstore_q8":
             s[prefix + "vs_fp16"] = s[total] / fp16[total]
-        cached = runs.get(run_key(s["system"], frac, rnd))
+        cached = runs.get(run_key(s["system"], frac, rnd, ssd=True))
         if dropped and cached and cached.get(total):
             s[prefix + "vs_page_cached"] = s[total] / cached[total]
+        ram_only = runs.get(run_key(s["system"], frac, rnd))
+        if ssd and ram_only and ram_only.get(total):
+            s[prefix + "vs_ram_only"] = s[total] / ram_only[total]
 
 
 def _checks(out: dict) -> None:
@@ -141,6 +146,9 @@ def _checks(out: dict) -> None:
             checks[f"{name} no fetch waits for the writer"] = s["fetch_waited_us"] == 0
         if "page_cache_drops" in s:
             checks[f"{name} page cache dropped before every request"] = s["page_cache_drops"]["worked"]
+        if s["page_cache"] == "dropped" and "vs_ram_only" in s:
+            want = TARGETS["dropped_vs_ram_only"]
+            checks[f"{name} vs RAM only <= {want}"] = s["vs_ram_only"] <= want
         checks[f"{name} put p99 <= 2 ms, max <= 10 ms"] = (s["put_p99_s"] <= TARGETS["put_p99_s"]
                                                           and s["put_max_s"] <= TARGETS["put_max_s"])
 
@@ -160,7 +168,7 @@ def summarize(runs: dict[str, dict]) -> dict:
         none = nones.get(rnd)
         bus = [r.get("copy_gbps"), r.get("pinned_gbps")]
         s = {"system": r["system"], "budget_frac": r["budget_frac"], "round": rnd,
-             "page_cache": "dropped" if r.get("page_cache_dropped") else "as left", "ssd": r.get("ssd"),
+             "page_cache": "dropped" if r.get("page_cache_dropped") else "as left", "ssd": bool(r.get("ssd")),
              "load_s": r.get("load_s"), "copy_gbps": bus[0], "pinned_gbps": bus[1], **_round(r, none, bus)}
         if r.get("warm_up"):
             s["warm_up"] = r["warm_up"]
@@ -184,7 +192,8 @@ def _variant(s: dict) -> str:
 
 def _cell(s: dict) -> str:
     """A run's total TTFT and its ratios to LRU and its floor."""
-    ratios = [f"{s[k]:.2f}{unit}" for k, unit in (("vs_lru", " LRU"), ("vs_floor", "x floor")) if k in s]
+    ratios = [f"{s[k]:.2f}{unit}" for k, unit in (("vs_lru", " LRU"), ("vs_floor", "x floor"),
+                                                    ("vs_ram_only", " RAM only")) if k in s]
     return f"{s['ttft_total_s']:.2f}" + (f" ({', '.join(ratios)})" if ratios else "")
 
 
@@ -204,13 +213,13 @@ def table(summary: dict) -> str:
         ROUNDS.index(s["round"]), s["page_cache"]))))
     rows: dict[tuple, dict] = {}
     for s in runs.values():
-        rows.setdefault((s["system"], s["budget_frac"]), {})[_variant(s)] = s
+        rows.setdefault((s["system"], s["ssd"], s["budget_frac"]), {})[_variant(s)] = s
     out = ["| cache | B | " + " | ".join(f"{v}: total TTFT s (vs LRU, vs floor)" for v in variants) + " |",
            "|---|---|" + "---|" * len(variants)]
-    order = sorted(rows.items(), key=lambda kv: (kv[0][0] != "none", -kv[0][1], SYSTEMS.index(kv[0][0])))
-    for (system, frac), by in order:
+    order = sorted(rows.items(), key=lambda kv: (kv[0][0] != "none", -kv[0][2], SYSTEMS.index(kv[0][0]), kv[0][1]))
+    for (system, ssd, frac), by in order:
         cells = [_cell(by[v]) if v in by else "" for v in variants]
-        out.append(f"| {system} | {_f(frac or None, '{:.0%}')} | " + " | ".join(cells) + " |")
+        out.append(f"| {system}{' + SSD' if ssd else ''} | {_f(frac or None, '{:.0%}')} | " + " | ".join(cells) + " |")
     second = any("warm_ttft_total_s" in s for s in runs.values())
     out += ["", "| run | total TTFT s | p50 / p95 / max ms | tokens computed | first sight | floor s | new shape ms "
             "| fetch s | put p50 / p99 / max ms | max vs cold | warm-up s (requests, shapes seen) |"
