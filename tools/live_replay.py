@@ -4,8 +4,8 @@ box with the tiny llama, or on a GPU with the 8B-shaped llama of ``--make-model`
 
     python -m kvstore.tools.live_replay --model PATH|tiny --trace gpu45|gpu|cpu|smoke \\
         --systems none lru kvstore_fp16 kvstore_q8 --budgets 0.25 0.10 --out DIR [--fresh-process]
-        [--rounds fresh warm-engine] [--ssd [--drop-page-cache [fadvise|drop_caches]] [--ssd-admit always|reuse]] [--warm]
-        [--warm-up-cache same|none] [--warm-up-requests N] [--profile] [--switch-interval S] [--idle-writer]
+        [--rounds fresh warm-engine] [--ssd [--drop-page-cache [fadvise|drop_caches]] [--ssd-admit always|reuse]]
+        [--warm] [--warm-up-cache same|none] [--warm-up-requests N] [--profile] [--switch-interval S] [--idle-writer]
     python -m kvstore.tools.live_replay --make-model --model /tmp/llama-8b     # the 8B-shaped llama, then stop
     python -m kvstore.tools.live_replay serve --model PATH|tiny --trace gpu --clients 8 --out DIR
     python -m kvstore.tools.live_replay compare DIR_A DIR_B    # every request's tokens, run by run: a change's check
@@ -84,8 +84,9 @@ def write_summary(files: list[Path], out: Path, **settings) -> int:
     summary = summarize(runs)
     first = next(iter(runs.values()))
     summary.update(trace=first["trace"], model=first["model"], device=first["device"], machine=first["machine"],
-                   ssd_fs=next((r["ssd_fs"] for r in runs.values() if r.get("ssd_fs")), None), **settings, targets_note="the issues' targets hold for an H200 or H100 and the 8B shape; on a CPU "
-                   "with the tiny llama they are reported, not expected")
+                   ssd_fs=next((r["ssd_fs"] for r in runs.values() if r.get("ssd_fs")), None), **settings,
+                   targets_note="the issues' targets hold for an H200 or H100 and the 8B shape; on a CPU with the "
+                   "tiny llama they are reported, not expected")
     out.mkdir(parents=True, exist_ok=True)
     (out / "summary.json").write_text(json.dumps(summary, indent=1))
     print(table(summary))
