@@ -28,9 +28,9 @@ from typing import Any, Optional
 
 import numpy as np
 
+from . import page_cache
 from .common import GiB, describe_model, log, machine, pct, run_tokens
 from .live_summary import run_key
-from . import page_cache
 from .live_traces import describe, first_sight_tokens, load_trace, warm_up_trace
 from .replay import lru_fetch
 

@@ -250,7 +250,7 @@ def table(summary: dict) -> str:
                        f"{s.get('fetch_waited_us', '')} | {_drops(s.get('page_cache_drops'))} |")
     out += [""] if summary.get("engine") else []
     for rnd, e in summary.get("engine", {}).items():
-        out.append(f"engine, {rnd}: {e['steady_tok_per_s']:,.0f} tokens/s steady, a new shape "
+        out.append(f"engine (the none run), {rnd}: {e['steady_tok_per_s']:,.0f} tokens/s steady, a new shape "
                    f"{e['new_shape_s'] * 1e3:.1f} ms a request ({e['from']})")
     return "\n".join(out)
 
