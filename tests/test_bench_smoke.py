@@ -176,45 +176,88 @@ def test_new_shapes_runs_each_setting_in_its_own_process_and_compares_outputs(tm
 
 
 def test_live_replay_runs_each_cache_in_its_own_process_and_writes_rows_and_summary(tmp_path):
-    """Issue 42's replay (``tools/live_replay.py``) at smoke size: none, LRU and kvstore fp16 in fresh
-    processes, each twice (``--warm``); per-request rows, the summary's figures for both rounds, and a store
-    that computes fewer tokens than none."""
+    """Issues 42 and 54's replay (``tools/live_replay.py``) at smoke size: none, LRU and kvstore fp16 with
+    its SSD tier, in fresh processes (each twice: ``--warm``) and in processes whose engine was warmed on
+    another trace first, kvstore once more with its page cache dropped; per-request rows, the summary's
+    figures for every run, the floor from first-sight tokens, and a store that computes fewer tokens
+    than none."""
     out = tmp_path / "out"
     proc = subprocess.run([sys.executable, "-m", "kvstore.tools.live_replay", "--model", "tiny", "--trace", "smoke",
                            "--systems", "none", "lru", "kvstore_fp16", "--budgets", "0.5", "--fresh-process", "--warm",
-                           "--out", str(out), "--dir", str(tmp_path / "d")], capture_output=True, text=True, timeout=300)
+                           "--rounds", "fresh", "warm-engine", "--ssd", "--drop-page-cache", "--out", str(out),
+                           "--dir", str(tmp_path / "d")], capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert proc.stderr.count("process for ") == 3 and "| kvstore_fp16 | 50% |" in proc.stdout
-    runs = {n: json.loads((out / f"replay-{n}.json").read_text()) for n in ("none", "lru-0.5", "kvstore_fp16-0.5")}
+    assert proc.stderr.count("process for ") == 8 and "| kvstore_fp16 + SSD | 50% |" in proc.stdout
+    assert not list((tmp_path / "d").iterdir())  # every store's folder removed after its run
+    names = [f"{n}{v}" for n in ("none", "lru-0.5") for v in ("", "@warm-engine")] + [
+        f"kvstore_fp16-0.5@{v}" for v in ("ssd", "warm-engine+ssd", "ssd+dropped", "warm-engine+ssd+dropped")]
+    runs = {n: json.loads((out / f"replay-{n}.json").read_text()) for n in names}
     n = runs["none"]["trace"]["requests"]
-    for r in runs.values():
+    for name, r in runs.items():
         assert len(r["rows"]) == n and r["prompt_tokens"] == runs["none"]["trace"]["prompt_tokens"]
+        assert r["round"] == ("warm-engine" if "warm-engine" in name else "fresh")
+        assert r["page_cache_dropped"] == name.endswith("dropped")
         for row in r["rows"]:
             assert row["ttft_s"] >= row["fetch_s"] >= 0 and row["put_s"] >= 0
-            assert row["computed_tokens"] == row["prompt_tokens"] - row["cached_tokens"] >= 1
-    store = runs["kvstore_fp16-0.5"]
-    assert store["calibrate_s"] > 0 and store["store_stats"]["puts"] == n and store["copy_gbps"] > 0
+            assert row["computed_tokens"] == row["prompt_tokens"] - row["cached_tokens"] >= row["first_sight_tokens"]
+        if r["round"] == "warm-engine":  # the engine warmed on another trace first, through a cache of its kind
+            w = r["warm_up"]
+            assert w["cache"] == r["system"] and w["requests"] > 0 and w["seconds"] > 0
+            assert w["trace"]["seed"] != r["trace"]["seed"] and w["trace"]["prompt_lengths_shared"] == 0
+            assert 0 <= w["measured_shapes_seen"] <= n and "warm_run" not in r
+        else:
+            assert "warm_up" not in r and len(r["warm_run"]["rows"]) == n
+    for r in runs.values():  # each prefill again on its shape, without a cache: the floor's terms
+        assert len(r["repeat_prefill_s"]) == n and min(r["repeat_prefill_s"]) > 0
+    store = runs["kvstore_fp16-0.5@ssd"]
+    assert store["calibrate_s"] > 0 and store["store_stats"]["puts"] == n and store["copy_gbps"] > 0 and store["ssd"]
+    assert isinstance(store["ssd_fs"], str)  # (the file system --dir is on: tmpfs would be no disk)
     assert store["budget_bytes"] == int(0.5 * store["unique_kv_bytes"])
     assert store["tokens_computed"] < runs["none"]["tokens_computed"] == runs["none"]["prompt_tokens"]
-    assert sum(row["ram_tokens"] for row in store["rows"]) == store["cached_tokens"] > 0
+    assert sum(row["ram_tokens"] + row["ssd_tokens"] for row in store["rows"]) == store["cached_tokens"] > 0
     for row in store["rows"]:  # why each token not served was not (issue 53): they add up to the prompt
         assert row["cached_tokens"] + sum(row["not_served"].values()) == row["prompt_tokens"]
         assert row["not_served"].get("limit") == 1  # (the engine computes the last token itself)
+    for name in ("kvstore_fp16-0.5@ssd+dropped", "kvstore_fp16-0.5@warm-engine+ssd+dropped"):  # every request
+        drops = runs[name]["page_cache_drops"]
+        assert drops["drops"] == n and drops["methods"] == {"fadvise": n}
+        assert isinstance(drops["worked"], bool) and 0 <= drops["cached_after_mean"] <= 1
+        assert "page_cache_drops" not in runs[name.removesuffix("+dropped")]
 
     summary = json.loads((out / "summary.json").read_text())
-    s = summary["runs"]["kvstore_fp16-0.5"]
-    for key in ("ttft_total_s", "ttft_p50_s", "ttft_p95_s", "ttft_max_s", "put_p50_s", "put_p99_s", "put_max_s",
-                "tokens_computed", "open_s", "calibrate_s", "floor_s", "vs_floor", "vs_lru", "vs_cold_max"):
-        assert s[key] is not None, key
-    assert s["vs_lru"] == pytest.approx(s["ttft_total_s"] / summary["runs"]["lru-0.5"]["ttft_total_s"])
-    for name, r in runs.items():  # the second round: a new cache of the same process, every system alike
-        assert len(r["warm_run"]["rows"]) == n and summary["runs"][name]["warm_ttft_total_s"] > 0
-        assert r["fetch_total_s"] + r["prefill_total_s"] == pytest.approx(r["ttft_total_s"])
+    assert set(summary["runs"]) == set(names) and set(summary["engine"]) == {"fresh", "fresh (second round)",
+                                                                            "warm-engine"}
+    for e in summary["engine"].values():
+        assert e["steady_tok_per_s"] > 0
+    first_sight = runs["none"]["trace"]["first_sight_tokens"]
+    for name, s in summary["runs"].items():
+        for key in ("ttft_total_s", "ttft_p50_s", "ttft_p95_s", "ttft_max_s", "put_p50_s", "put_p99_s", "put_max_s",
+                    "tokens_computed", "open_s", "calibrate_s", "floor_s", "vs_floor", "vs_cold_max", "new_shape_s",
+                    "steady_tok_per_s"):
+            assert s[key] is not None, (name, key)
+        assert s["first_sight_tokens"] == first_sight <= s["tokens_computed"]
+        assert s["vs_floor"] == pytest.approx(s["ttft_total_s"] / s["floor_s"])
+        assert s["round"] in ("fresh", "warm-engine") and s["page_cache"] in ("as left", "dropped")
+        if s["system"] == "kvstore_fp16":
+            lru = summary["runs"]["lru-0.5" + ("@warm-engine" if s["round"] == "warm-engine" else "")]
+            assert s["vs_lru"] == pytest.approx(s["ttft_total_s"] / lru["ttft_total_s"])
+            for key in ("puts_skipped", "puts_superseded", "blocks_skipped", "fetch_waited_us", "ssd_tokens"):
+                assert s[key] >= 0, (name, key)
+            assert s["not_served"]["limit"] == n and s["not_served"].get("new", 0) > 0
+            assert summary["checks"][f"{name} served + not served = prompt, every request"] is True
+            assert f"{name} no fetch waits for the writer" in summary["checks"]
+    s = summary["runs"]["kvstore_fp16-0.5@ssd"]
     assert s["warm_vs_lru"] == pytest.approx(s["warm_ttft_total_s"] / summary["runs"]["lru-0.5"]["warm_ttft_total_s"])
-    assert s["floor_s"] < s["ttft_total_s"] / s["vs_floor"] * 1.0001
-    assert any(k.startswith("kvstore_fp16-0.5 put p99") for k in summary["checks"])
-    assert summary["checks"]["kvstore_fp16-0.5 served + not served = prompt, every request"] is True
-    assert s["not_served"]["limit"] == n and s["not_served"].get("new", 0) > 0
+    assert summary["runs"]["kvstore_fp16-0.5@warm-engine+ssd+dropped"]["vs_page_cached"] > 0
+    assert any(k.startswith("kvstore_fp16-0.5@ssd put p99") for k in summary["checks"])
+    assert "page cache dropped before every request" in " ".join(summary["checks"])
+    for name, r in runs.items():
+        assert r["fetch_total_s"] + r["prefill_total_s"] == pytest.approx(r["ttft_total_s"])
+    # `live_replay summary`: one summary of several invocations' folders (here one), the same runs
+    merged = subprocess.run([sys.executable, "-m", "kvstore.tools.live_replay", "summary", str(out), "--out",
+                             str(tmp_path / "merged")], capture_output=True, text=True, timeout=60)
+    assert merged.returncode == 0 and "| kvstore_fp16 + SSD | 50% |" in merged.stdout, merged.stderr[-2000:]
+    assert json.loads((tmp_path / "merged" / "summary.json").read_text())["runs"].keys() == summary["runs"].keys()
     # `live_replay compare`: a change's check that every request got the same tokens
     other = tmp_path / "other"
     other.mkdir()
@@ -224,9 +267,97 @@ def test_live_replay_runs_each_cache_in_its_own_process_and_writes_rows_and_summ
     same = subprocess.run(compare, capture_output=True, text=True, timeout=60)
     assert same.returncode == 0 and "every request's tokens identical" in same.stdout, same.stdout
     store["rows"][1]["cached_tokens"] += 1
-    (other / "replay-kvstore_fp16-0.5.json").write_text(json.dumps(store))
+    (other / "replay-kvstore_fp16-0.5@ssd.json").write_text(json.dumps(store))
     moved = subprocess.run(compare, capture_output=True, text=True, timeout=60)
-    assert moved.returncode == 1 and "kvstore_fp16-0.5     round 1" in moved.stdout and "at requests [1]" in moved.stdout
+    assert moved.returncode == 1 and "at requests [1]" in moved.stdout
+    assert "kvstore_fp16-0.5@ssd round 1" in moved.stdout
+
+
+def test_first_sight_tokens_are_what_no_cache_could_have_had():
+    """A prompt's first-sight tokens: past the longest prefix an earlier prompt + response began with,
+    and at least its last token; over a trace, the prompt tokens less what an unbounded cache serves."""
+    import numpy as np
+
+    from kvstore.tools.bench.live_traces import first_sight_tokens, load_trace
+
+    def req(prompt, response):
+        return {"prompt": np.array(prompt), "response": np.array(response)}
+
+    trace = {"requests": [req([1, 2, 3], [4]), req([1, 2, 3, 4, 5, 6], [7]), req([1, 2, 9], [1]), req([1, 2, 3], [4]),
+                          req([8], [1])]}
+    # new; 4 seen (prompt + response); 2 seen; all seen but the last token; new
+    assert first_sight_tokens(trace) == [3, 2, 1, 1, 1]
+    smoke = load_trace("smoke")
+    assert sum(first_sight_tokens(smoke)) == smoke["prompt_tokens"] - smoke["ideal_cached_tokens"]
+
+
+def test_the_warm_up_trace_shares_no_prompt_length_with_the_measured_one():
+    from kvstore.tools.bench.live_traces import SEED, SHIFT_SYSTEM, TRACES, load_trace, warm_up_trace
+
+    for name in ("smoke", "gpu45"):
+        measured = load_trace(name)
+        trace, settings = warm_up_trace(name, measured)
+        assert settings["seed"] != SEED and settings["prompt_lengths_shared"] == 0
+        assert settings["sys_lens"] == [n + SHIFT_SYSTEM for n in TRACES[name]["sys_lens"]]
+        assert not {len(r["prompt"]) for r in trace["requests"]} & {len(r["prompt"]) for r in measured["requests"]}
+
+
+def test_the_floor_is_first_sight_at_the_steady_rate_plus_bytes_at_the_bus_plus_a_new_shape_per_request():
+    """``live_summary``'s floor from made-up runs: the run's steady rate and the engine's cost of a new
+    shape come from its prefills repeated on the same shapes."""
+    from kvstore.tools.bench.live_summary import summarize
+
+    def run(system, prefills, computed, repeat):
+        rows = [{"ttft_s": t, "fetch_s": 0.0, "prefill_s": t, "prompt_tokens": 100, "cached_tokens": 100 - c,
+                 "computed_tokens": c, "first_sight_tokens": f} for t, c, f in zip(prefills, computed, (10, 30))]
+        return {"system": system, "budget_frac": 0.0 if system == "none" else 0.25, "round": "warm-engine",
+                "rows": rows, "ttft_total_s": sum(prefills), "prefill_total_s": sum(prefills), "prompt_tokens": 200,
+                "tokens_computed": sum(computed), "bytes_served": 0, "repeat_prefill_s": repeat, "put_p99_s": 1e-3,
+                "put_max_s": 1e-3}
+
+    none = run("none", [1.5, 2.5], [100, 100], [1.0, 1.0])  # 100 tokens/s, 1 s a new shape
+    lru = run("lru", [1.2, 1.8], [50, 70], [0.5, 0.7])  # 100 tokens/s, 0.9 s a new shape
+    ram, ssd, dropped = (dict(run("kvstore_q8", [t, t], [40, 40], [0.1, 0.1]), ssd=d is not None,
+                              page_cache_dropped=bool(d)) for t, d in ((0.5, None), (0.4, False), (0.6, True)))
+    got = summarize({"none@warm-engine": none, "lru-0.25@warm-engine": lru, "kvstore_q8-0.25@warm-engine": ram,
+                     "kvstore_q8-0.25@warm-engine+ssd": ssd, "kvstore_q8-0.25@warm-engine+ssd+dropped": dropped})
+    runs = got["runs"]
+    assert runs["kvstore_q8-0.25@warm-engine+ssd"]["vs_ram_only"] == pytest.approx(0.8)
+    assert runs["kvstore_q8-0.25@warm-engine+ssd+dropped"]["vs_ram_only"] == pytest.approx(1.2)
+    assert runs["kvstore_q8-0.25@warm-engine+ssd+dropped"]["vs_page_cached"] == pytest.approx(1.5)
+    assert got["checks"]["kvstore_q8-0.25@warm-engine+ssd+dropped vs RAM only <= 1.0"] is False
+    assert runs["kvstore_q8-0.25@warm-engine+ssd"]["vs_lru"] == pytest.approx(0.8 / 3.0)
+    assert got["engine"]["warm-engine"] == {"steady_tok_per_s": 100.0, "new_shape_s": 1.0,
+                                            "from": "its prefills repeated"}
+    s = got["runs"]["lru-0.25@warm-engine"]
+    assert s["first_sight_tokens"] == 40 and s["steady_tok_per_s"] == pytest.approx(100.0)
+    assert s["new_shape_s"] == pytest.approx(0.9) and s["floor_s"] == pytest.approx(40 / 100 + 2 * 0.9)
+    assert s["vs_floor"] == pytest.approx(3.0 / 2.2)
+    assert got["checks"]["lru-0.25@warm-engine computes at least its first-sight tokens, every request"] is True
+
+
+def test_a_page_cache_drop_takes_a_mapped_lmdb_file_out_of_the_page_cache(tmp_path):
+    """``page_cache.drop`` on an LMDB file read through its map (which fadvise alone leaves cached): the
+    file's pages out of the page cache, measured."""
+    import os
+
+    import lmdb
+
+    from kvstore.tools.bench import page_cache
+
+    env = lmdb.open(str(tmp_path), map_size=64 << 20, writemap=True)
+    with env.begin(write=True) as txn:
+        for i in range(16):
+            txn.put(b"%d" % i, os.urandom(1 << 20))
+    env.sync(True)
+    with env.begin() as txn:
+        assert sum(len(txn.get(b"%d" % i)) for i in range(16)) == 16 << 20
+    got = page_cache.drop(tmp_path)
+    env.close()
+    assert got["method"] == "fadvise" and got["bytes"] == 64 << 20
+    if got["cached_before"] is not None:  # (mincore or cachestat: Linux)
+        assert got["cached_before"] >= 0.2 and got["clean_after"] <= page_cache.WORKED
+    assert page_cache.drop(tmp_path / "none")["method"] == "none"
 
 
 def test_live_replay_serve_replays_sessions_in_order_through_both_servers(tmp_path):

@@ -12,11 +12,14 @@
 #   bash tools/gpu_bench.sh gc OUT         # the garbage collector's pauses during puts (kvstore bench gc-pauses)
 #   bash tools/gpu_bench.sh new-shapes OUT # what a new prompt shape costs mlx and whether 600 end a process, per setting
 #                                          # (kvstore bench new-shapes), then tests/test_cuda_new_shapes.py
-#   BUDGETS="0.25 0.1" bash tools/gpu_bench.sh replay OUT   # issue 42's live replay on it (tools/live_replay.py):
+#   BUDGETS="0.25 0.1" bash tools/gpu_bench.sh replay OUT   # issues 42/54's live replay on it (tools/live_replay.py):
 #                                                           each cache in a fresh process, --warm rounds (WARM=0: none),
 #                                                           the H200 table's trace (TRACE=gpu45); some caches only:
-#                                                           SYSTEMS="lru kvstore_fp16"; PROFILE=1, SWITCH=S, IDLE=1:
-#                                                           diagnoses (live_replay --help)
+#                                                           SYSTEMS="lru kvstore_fp16"; ROUNDS="fresh warm-engine",
+#                                                           SSD=1 (kvstore's SSD tier), DROP=fadvise|drop_caches
+#                                                           (once more, page cache dropped), WARMUP=N (warm-up's first
+#                                                           N requests), DIR (stores: a disk, not tmpfs); PROFILE=1,
+#                                                           SWITCH=S, IDLE=1: diagnoses
 #   bash tools/gpu_bench.sh serve OUT      # 8 clients on the servers' trace (gpu): mlx_lm.server against kvstore serve
 #   bash tools/gpu_bench.sh live OUT       # `replay` on the servers' trace (TRACE=gpu, into OUT/live), then `serve`
 #                                          # (~6 min; `model` first, under a minute);
@@ -49,7 +52,8 @@ case $1 in
           python3 -m kvstore.tools.live_replay --model "$M" --trace "${TRACE:-gpu45}" --budgets ${BUDGETS:-0.25 0.1} \
             --systems ${SYSTEMS:-none lru kvstore_fp16 kvstore_q8} --fresh-process \
             $([[ ${WARM:-1} == 1 ]] && echo --warm) ${PROFILE:+--profile} ${SWITCH:+--switch-interval $SWITCH} \
-            ${IDLE:+--idle-writer} --dir /tmp/live-replay --out "$2" ;;
+            --rounds ${ROUNDS:-fresh} ${SSD:+--ssd} ${DROP:+--drop-page-cache $DROP} ${WARMUP:+--warm-up-requests $WARMUP} \
+            ${IDLE:+--idle-writer} --dir "${DIR:-/tmp/live-replay}" --out "$2" ;;
   live) TRACE=gpu bash "$0" replay "$2/live"
         bash "$0" serve "$2" ;;
   serve) [[ -f $M/config.json ]] || bash "$0" model "$2"   # 8 clients: mlx_lm.server against kvstore serve

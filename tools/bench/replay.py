@@ -56,10 +56,21 @@ def make_trace(c: dict, seed: int = 50) -> dict:
             active.pop(i)
             if pending:
                 active.append(pending.pop(0))
-    # what a cache of unbounded size could serve: the longest prefix shared with any
-    # earlier prompt + response (leaving the last token to compute)
+    # what a cache of unbounded size could serve (leaving the last token to compute)
+    ideal = sum(min(best, len(r["prompt"]) - 1) for r, best in zip(requests, seen_prefixes(requests)))
+    used_sys = {sessions[s]["system"] for s in range(len(sessions))}
+    unique = sum(len(systems[k]) for k in used_sys) + sum(len(ctx[s]) - len(systems[sessions[s]["system"]])
+                                                         for s in range(len(sessions)))
+    return {"requests": requests, "sessions": sessions, "systems": systems, "unique_tokens": int(unique),
+            "prompt_tokens": int(sum(len(r["prompt"]) for r in requests)), "ideal_cached_tokens": ideal,
+            "n_chat": sum(s["kind"] == "chat" for s in sessions), "n_agent": sum(s["kind"] == "agent" for s in sessions)}
+
+
+def seen_prefixes(requests: list[dict]) -> list[int]:
+    """Per request, the longest prefix of its prompt that an earlier request's prompt + response began
+    with: what a cache of unbounded size could hold of it, in the trace's order."""
     seen: list[np.ndarray] = []
-    ideal = 0
+    out = []
     for r in requests:
         p = r["prompt"]
         best = 0
@@ -67,14 +78,9 @@ def make_trace(c: dict, seed: int = 50) -> dict:
             m = min(len(p), len(q))
             diff = np.flatnonzero(p[:m] != q[:m])
             best = max(best, int(diff[0]) if diff.size else m)
-        ideal += min(best, len(p) - 1)
+        out.append(best)
         seen.append(np.concatenate([p, r["response"]]))
-    used_sys = {sessions[s]["system"] for s in range(len(sessions))}
-    unique = sum(len(systems[k]) for k in used_sys) + sum(len(ctx[s]) - len(systems[sessions[s]["system"]])
-                                                         for s in range(len(sessions)))
-    return {"requests": requests, "sessions": sessions, "systems": systems, "unique_tokens": int(unique),
-            "prompt_tokens": int(sum(len(r["prompt"]) for r in requests)), "ideal_cached_tokens": ideal,
-            "n_chat": sum(s["kind"] == "chat" for s in sessions), "n_agent": sum(s["kind"] == "agent" for s in sessions)}
+    return out
 
 
 def lru_fetch(lru, model, mkey: str, prompt: list[int]) -> tuple[list, int]:
