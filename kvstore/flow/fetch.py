@@ -148,6 +148,7 @@ class FetchPath:
     # ---------------------------------------------------------------- fetch
 
     def fetch(self, root: bytes, toks: np.ndarray, n: int, quantized: Optional[tuple[int, int]]) -> Hit:
+        started = time.perf_counter()  # (the fetch's time, counted with its other figures: ``kvstore_fetch_seconds``)
         chain = KeyChain(root, toks, self.block_size)
         match = self.match(root, chain, n)
         found = Found()  # blocks just read from the remote, served as they are
@@ -159,7 +160,7 @@ class FetchPath:
         self.reader.wait_promotions([p.key for p in match.path])
         pinned = self.table.pin(match.path, match.matched, found.blocks)
         try:
-            return self._serve(chain, n, match.matched, pinned, found, quantized)
+            return self._serve(chain, n, match.matched, pinned, found, quantized, started)
         finally:
             if not pinned.done:  # (not handed back to ``served``)
                 self.table.release(pinned)
@@ -167,7 +168,7 @@ class FetchPath:
                 self.writer.submit(pending)
 
     def _serve(self, chain: KeyChain, n: int, matched: int, pinned: Pinned, found: Found,
-               quantized: Optional[tuple[int, int]]) -> Hit:
+               quantized: Optional[tuple[int, int]], started: float) -> Hit:
         root, toks = chain.root, chain.tokens
         length, jobs = pinned.length, pinned.pending
         tail = None  # rows [cut, length) taken from a put the writer has not stored yet: no wait for it
@@ -176,7 +177,7 @@ class FetchPath:
                 tail = self.writer.queued_rows(jobs, toks, pinned.queued_from, length)
                 if tail is not None and pinned.queued_from == 0:
                     why = self.not_served(chain, Narrowed(length, length, length, matched, n), found.unreachable)
-                    return self._queued_hit(len(toks), length, owned(tail), why)
+                    return self._queued_hit(len(toks), length, owned(tail), why, started)
         cut = length if tail is None else pinned.queued_from
         waited = self._wait(pinned, found) if jobs and tail is None else 0
         with self.engine.engine():  # (not around the wait above: the writer would wait for it)
@@ -197,7 +198,7 @@ class FetchPath:
                               got.short)
         return self._account(pinned, got, found, plan, tail, cut,
                              {"tokens_requested": len(toks), "tokens_skipped_cost": plan.skipped,
-                              "fetch_waited_us": waited}, t_load, why)
+                              "fetch_waited_us": waited}, t_load, why, started)
 
     def not_served(self, chain: KeyChain, at: Narrowed, unreachable: bool, short: str = "") -> dict[str, int]:
         """Why each prompt token past ``at.served`` was not served (``reasons``): what is not stored is looked
@@ -238,7 +239,7 @@ class FetchPath:
         return int((time.perf_counter() - t0) * 1e6)
 
     def _account(self, pinned: Pinned, got, found: Found, plan, tail, cut: int, counts: dict[str, int],
-                 t_load: float, why: dict[str, int]) -> Hit:
+                 t_load: float, why: dict[str, int], started: float) -> Hit:
         """Tell the table what was served (one lock) and the counters (one lock); the hit as the engine gets it."""
         now = time.time()
         touched = self.table.served(pinned, got.used, [p for p, r in zip(got.used, got.from_ram) if not r],
@@ -248,7 +249,8 @@ class FetchPath:
             self.writer.later(partial(self.table.device.copy_back, touched.demote))
         if got.length == 0:
             counts["misses"] = 1
-            self.counters.record(counts, touched.disk_keys, now, not_served=why)
+            self.counters.record(counts, touched.disk_keys, now, not_served=why,
+                                 seconds=time.perf_counter() - started)
             return Hit(skipped_tokens=counts["tokens_skipped_cost"], skip_reason=plan.reason, not_served=why)
         hit = self._hit(got, found, plan, tail, cut, counts["tokens_skipped_cost"])
         hit.not_served = why
@@ -256,7 +258,7 @@ class FetchPath:
                                                 t_load, counts)
         counts.update(hits=1, tokens_ram=hit.ram_tokens, tokens_ssd=hit.ssd_tokens, tokens_remote=hit.remote_tokens,
                       tokens_device=hit.device_tokens, tokens_queued=0 if tail is None else got.length - cut)
-        self.counters.record(counts, touched.disk_keys, now, not_served=why)
+        self.counters.record(counts, touched.disk_keys, now, not_served=why, seconds=time.perf_counter() - started)
         if self.reuse is not None:  # asked for again: its chain may go to disk
             self.table.admissions.reused(got.used[-1])
             self.reuse()
@@ -274,8 +276,8 @@ class FetchPath:
                    skip_reason=plan.reason, predicted_s=plan.load_s if length == plan.length else 0.0,
                    remote_tokens=remote, device_tokens=device)
 
-    def _queued_hit(self, n: int, length: int, layers: list, why: dict[str, int]) -> Hit:
+    def _queued_hit(self, n: int, length: int, layers: list, why: dict[str, int], started: float) -> Hit:
         """A hit copied from a put the writer has not stored yet (``queued``)."""
         self.counters.record({"tokens_requested": n, "hits": 1, "tokens_ram": length, "tokens_queued": length},
-                             not_served=why)
+                             not_served=why, seconds=time.perf_counter() - started)
         return Hit(length, layers, ram_tokens=length, not_served=why)
