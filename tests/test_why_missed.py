@@ -4,13 +4,17 @@
 served plus those not served are the prompt's tokens; ``stats()`` sums them
 (``tokens_not_served``). Each test below makes one reason happen on purpose,
 through the public API, with real arrays, a real LMDB file and a real
-redis-server. (Through ``kvstore serve``'s ``/metrics``: tests/test_metrics.py;
-through ``kvstore explain``: tests/test_explain.py.)"""
+redis-server; each fetch's reasons are also checked in the store's Prometheus series, as ``kvstore serve``'s
+``/metrics`` serves them (over HTTP: tests/test_server.py; through ``kvstore explain``: tests/test_explain.py and
+tests/test_cli_explain.py)."""
 
 from __future__ import annotations
 
 import numpy as np
 
+from prometheus_client import CollectorRegistry
+
+from kvstore.adapters.metrics import StoreCollector
 from kvstore.blocks.hashing import KeyChain, as_tokens, root_key
 from kvstore.config import GB
 from kvstore.hit import REASONS
@@ -19,11 +23,22 @@ from kvstore.store import PrefixStore
 from ._helpers import BLOCK_BYTES, BS, M, assert_hit_is, block_by_block, flip_a_byte, kv_layers, put, state_at, toks
 
 
+def not_served_series(store) -> dict[str, float]:
+    """``kvstore_tokens_not_served_total`` by reason, as ``GET /metrics`` serves it (the server's collector)."""
+    registry = CollectorRegistry()
+    registry.register(StoreCollector(store))
+    return {r: registry.get_sample_value("kvstore_tokens_not_served_total", {"reason": r}) for r in REASONS}
+
+
 def why(store, tokens, model=M, **kw) -> dict[str, int]:
-    """The fetch's reasons, checked to add up with what it served to the prompt's tokens."""
+    """The fetch's reasons, checked to add up with what it served to the prompt's tokens, and to be what the
+    store's Prometheus series count for it."""
+    before = not_served_series(store)
     hit = store.fetch(model, tokens, **kw)
     assert set(hit.not_served) <= set(REASONS) and all(v > 0 for v in hit.not_served.values())
     assert hit.length + sum(hit.not_served.values()) == len(tokens), (hit.length, hit.not_served)
+    after = not_served_series(store)
+    assert {r: after[r] - before[r] for r in REASONS} == {r: hit.not_served.get(r, 0) for r in REASONS}
     return hit.not_served
 
 
