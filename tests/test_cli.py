@@ -10,6 +10,7 @@ import mlx.core as mx
 import pytest
 
 from kvstore import KVLayer, PrefixStore
+from kvstore.hit import REASONS
 
 MODEL = "cli-test-model"
 
@@ -58,6 +59,21 @@ def test_stats_totals(store_path):
     # two shared blocks, then per prompt: 50 -> 2 more, 60 -> 2, 70 -> 3 (the third block holds the differing token)
     assert stats["blocks"] == 2 + 2 + 2 + 3
     assert stats["lifetime"]["hits"] == 1 and stats["tokens_saved"] == 50
+    # why the rest of the tokens looked up were not served, over the store's life (issue 53): the one fetch
+    # asked for all 50 tokens of a stored prompt and was served all of them
+    assert set(stats["tokens_not_served"]) == set(REASONS) and sum(stats["tokens_not_served"].values()) == 0
+
+
+def test_stats_says_why_tokens_were_not_served_over_the_stores_life(store_path):
+    with PrefixStore(budget_gb=0.1, ssd_path=store_path) as store:
+        assert store.fetch(MODEL, list(range(40)) + [7] * 30, limit=60).length == 40  # departs at 40
+        assert store.fetch("another-model", list(range(40))).length == 0
+    stats = json.loads(kvstore("stats", store_path, "--json").stdout)
+    # the first: [40, 48) the rest of the block it departs inside, [48, 60) no whole block, [60, 70) past the limit;
+    # the second: two whole blocks another model holds, then 8 tokens of a third
+    assert stats["tokens_not_served"] == dict.fromkeys(REASONS, 0) | {"tail": 8 + 12 + 8, "limit": 10, "other_model": 32}
+    table = kvstore("stats", store_path)
+    assert "tokens not served, by reason: other_model 32, tail 28, limit 10" in " ".join(table.stdout.split())
 
 
 def test_verify_good_store_then_corrupted_block(store_path):

@@ -22,6 +22,7 @@ from .. import __version__
 from .catalog import Catalog, check_block, parse_age, select
 from ..cost.model import CostModel
 from ..errors import StoreOpenError
+from ..hit import REASONS
 from ..tiers.disk.lmdb import LmdbTier
 from .cli_transfer import export_, import_
 from .cli_remote import (clear_remote as _clear_remote, path_or_remote as _path_or_remote,
@@ -202,6 +203,7 @@ def stats(path: Optional[Path] = OptionalPathArg, as_json: bool = flag("--json",
         "models": cat.per_model(), "lifetime": counters,
         "token_hit_rate": served / requested if requested else 0.0, "tokens_saved": served,
         "tokens_skipped_cost": counters.get("tokens_skipped_cost", 0), "rates": measured,
+        "tokens_not_served": {r: counters.get("not_served_" + r, 0) for r in REASONS},
     }
     if remote_result is not None:
         result["remote"] = remote_result
@@ -233,6 +235,10 @@ def _print_stats(path: Path, result: dict, counters: dict, usage: int, budget: O
     unadmitted = counters.get("evicted_unadmitted", 0)  # (only ssd_admit=reuse leaves blocks unwritten)
     out.print(f"SSD writes: {counters.get('blocks_written', 0)} blocks, {_size(counters.get('bytes_written', 0))}"
               + (f"; {unadmitted} blocks left RAM never written (ssd_admit=reuse)" if unadmitted else ""))
+    why = sorted(((r, k) for r, k in result["tokens_not_served"].items() if k), key=lambda rk: -rk[1])
+    if why:  # (stores written before the reasons were counted have none)
+        out.print("tokens not served, by reason: " + ", ".join(f"{r} {k:,}" for r, k in why)
+                  + " (one prompt, block by block: kvstore explain)")
     pred, act = counters.get("predicted_us", 0), counters.get("actual_us", 0)
     out.print(f"cost: {result['tokens_skipped_cost']} stored tokens recomputed (predicted faster, or a near tie)"
               + (f"; served hits took {act / 1e3:.1f} ms against {pred / 1e3:.1f} ms predicted" if pred else ""))
