@@ -36,12 +36,14 @@ from . import reasons
 from .discovery import Peeked
 from .fetch import FetchPath, Match, Narrowed, Unstored
 
+
 @dataclass
 class BlockWhy:
     """One block of the prompt: tokens ``[start, end)``, where the store holds it (``device``, ``ram``, ``disk``,
-    ``remote``, ``nowhere``, or ``queued``: a put still being stored), how many of its tokens a fetch would serve and why the rest would not be
-    (reason -> tokens); ``loads_from``: the cost model's view of a servable block (``ram``, ``ssd_cached``,
-    ``ssd_cold``); ``held_by``: for ``other_model``, the model of this store that holds these tokens."""
+    ``remote``, ``nowhere``, or ``queued``: a put still being stored), how many of its tokens a fetch would serve
+    and why the rest would not be (reason -> tokens); ``loads_from``: the cost model's view of a servable block
+    (``ram``, ``ssd_cached``, ``ssd_cold``); ``held_by``: for ``other_model``, the model of this store that holds
+    these tokens."""
 
     index: int
     start: int
