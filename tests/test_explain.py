@@ -136,6 +136,7 @@ def test_explain_changes_nothing(tmp_path):
             put(store, toks(40, start))
         store.flush()
         store.fetch(M, toks(40))
+        store.flush()  # (the fetch's disk blocks promoted to RAM, in the background, before the first look)
         state = lambda: (store.stats(), store.debug().ram_keys, len(store))  # noqa: E731
         was = state()
         for q in (toks(40), toks(40, 3000), toks(40)[:20] + [1] * 30, toks(64, 9000)):
