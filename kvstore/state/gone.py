@@ -27,13 +27,9 @@ class Gone:
         for k in keys:
             d.pop(k, None)  # (re-recorded: the newest)
             d[k] = why
-        over = len(d) - self._limit
-        for _ in range(max(0, over)):
+        while len(d) > self._limit:
             del d[next(iter(d))]
 
     def why(self, keys: Sequence[bytes]) -> list[Optional[str]]:
         d = self._why
         return [d.get(k) for k in keys]
-
-    def clear(self) -> None:
-        self._why.clear()

@@ -58,7 +58,7 @@ class Pinned:
 
 class Touched(NamedTuple):
     """``BlockTable.served``: the keys of the used blocks with a disk copy, the blocks to promote to RAM, and
-    the device copies evicted to copy back to RAM (``BlockTable.demoted``)."""
+    the device copies evicted to copy back to RAM (``DeviceSide.copy_back``)."""
 
     disk_keys: list[bytes]
     promote: list[BlockRef]

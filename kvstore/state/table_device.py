@@ -3,7 +3,7 @@
 Tiers hold different blocks: a block whose device copy a hit keeps leaves RAM (RAM holds what the device does
 not), so the device and RAM budgets hold that many bytes of distinct blocks. A device copy evicted goes back to
 RAM where the block is held nowhere else (device -> RAM, and from there to disk as RAM evicts): its host copy is
-made off the engine's thread (``Writer.demote``), and until then it is still served from the device. A block
+made off the engine's thread (``copy_back``, on the writer's), and until then it is still served from the device. A block
 the disk holds, or will (its put is being written), needs no copy back. Made by the table with its index and
 lock; the table's own steps call it under that lock."""
 
